@@ -1,0 +1,54 @@
+"""Incremental detokenization with stop strings.
+
+Text is decoded from a sliding window of tokens (vLLM's prefix/read offsets) so that a token
+that completes a multi-byte UTF-8 character, or a word that a later token changes, is emitted
+only once it is final. Stop strings are matched on the text, so they match across token
+boundaries; the text that could still become a stop string is held back from streaming.
+"""
+
+from __future__ import annotations
+
+CONTEXT_TOKENS = 5  # prompt tokens decoded alongside the output, for tokenizers that need them
+
+
+class Detokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None,
+                 skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.tokens = list(prompt_token_ids[-CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.tokens)
+        self.text = ""
+        self.stop = stop or []
+        self.hold_back = max((len(s) for s in self.stop), default=1) - 1
+        self.num_emitted = 0  # characters of `text` already handed to a streaming caller
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def append(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Add one token. Returns the stop string it completed, if any (text is cut before it)."""
+        self.tokens.append(token_id)
+        prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+        full = self._decode(self.tokens[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return None  # an unfinished character: wait for the next token
+        delta = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        self.text += delta
+        return self._find_stop(len(delta)) if check_stop else None
+
+    def _find_stop(self, delta_len: int) -> str | None:
+        for stop in self.stop:
+            start = max(0, len(self.text) - delta_len - len(stop) + 1)
+            idx = self.text.find(stop, start)
+            if idx != -1:
+                self.text = self.text[:idx]
+                return stop
+        return None
+
+    def stream_text(self, finished: bool) -> str:
+        """The text that is safe to show now: all of it once finished, else all but the tail
+        that a stop string could still claim."""
+        return self.text if finished or not self.stop else self.text[:max(self.num_emitted, len(self.text) - self.hold_back)]

@@ -1,0 +1,127 @@
+"""Per-request block tables on top of the block pool: prefix-cache lookups, allocation for the
+tokens a step computes, copy-on-write of shared blocks, forks (n > 1) and freeing."""
+
+from __future__ import annotations
+
+from loraplex.platform.block_pool import Block, BlockPool, hash_block
+from loraplex.platform.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[Block]] = {}
+        self._hashes: dict[str, list[bytes]] = {}
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) for copy-on-write
+        self.num_queries = 0  # prefix-cache hit rate, in tokens
+        self.num_hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def block_ids(self, request: Request) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request.seq_id, [])]
+
+    def block_hashes(self, request: Request) -> list[bytes]:
+        """Hashes of the request's full blocks, extended lazily as its tokens grow."""
+        hashes = self._hashes.setdefault(request.seq_id, [])
+        tokens = request.all_token_ids
+        bs = self.block_size
+        for i in range(len(hashes), len(tokens) // bs):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, tuple(tokens[i * bs:(i + 1) * bs]), request.extra_keys))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
+        """Longest cached prefix of the request, capped so its last token is always computed."""
+        if not self.pool.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[Block] = []
+        for block_hash in self.block_hashes(request)[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.num_queries += request.num_tokens
+        self.num_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[Block] | None = None) -> list[Block] | None:
+        """Make room for `num_new_tokens` after the request's computed ones (plus any prefix-cache
+        hit in `computed_blocks`). Returns the new blocks, or None when the pool is too small
+        (then nothing changed)."""
+        computed_blocks = computed_blocks or []
+        blocks = self.req_blocks.setdefault(request.seq_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_needed = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_new = max(0, num_needed - len(blocks) - len(computed_blocks))
+        cow = self._needs_copy_on_write(blocks, num_computed, num_new_tokens)
+        # cached-free hits leave the free list when touched
+        num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_new + cow > self.pool.num_free_blocks - num_revived:
+            if not blocks:
+                del self.req_blocks[request.seq_id]
+            return None
+        self.pool.touch(computed_blocks)
+        blocks.extend(computed_blocks)
+        if cow:
+            self._copy_on_write(blocks, num_computed // self.block_size)
+        new_blocks = self.pool.get_new_blocks(num_new)
+        blocks.extend(new_blocks)
+        self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
+        return new_blocks
+
+    def _needs_copy_on_write(self, blocks: list[Block], num_computed: int, num_new_tokens: int) -> bool:
+        idx = num_computed // self.block_size
+        partial = num_computed % self.block_size != 0
+        return num_new_tokens > 0 and partial and idx < len(blocks) and blocks[idx].ref_cnt > 1
+
+    def _copy_on_write(self, blocks: list[Block], idx: int) -> None:
+        shared = blocks[idx]
+        (fresh,) = self.pool.get_new_blocks(1)
+        self.pool.free_blocks([shared])
+        blocks[idx] = fresh
+        self.pending_copies.append((shared.block_id, fresh.block_id))
+
+    def _cache_full_blocks(self, request: Request, blocks: list[Block], num_tokens: int) -> None:
+        if not self.pool.enable_caching:
+            return
+        hashes = self.block_hashes(request)
+        for i in range(min(num_tokens // self.block_size, len(hashes))):
+            self.pool.cache_block(blocks[i], hashes[i])
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child shares every block of the parent; writes into a shared block copy it."""
+        blocks = self.req_blocks[parent.seq_id]
+        self.pool.touch(blocks)
+        self.req_blocks[child.seq_id] = list(blocks)
+
+    def free(self, request: Request) -> None:
+        # tail blocks first: they are the least likely to be shared by another prompt
+        blocks = self.req_blocks.pop(request.seq_id, [])
+        self.pool.free_blocks(list(reversed(blocks)))
+
+    def forget(self, request: Request) -> None:
+        """Drop everything kept for a finished request."""
+        self.free(request)
+        self._hashes.pop(request.seq_id, None)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.num_hits / self.num_queries if self.num_queries else 0.0

@@ -1,0 +1,74 @@
+"""Owns the model and its paged KV cache; turns a SchedulerOutput into one flat batch, runs the
+forward pass and returns the logits of each request whose chunk reaches its last token."""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.kernels.paged_attention import PagedAttentionMetadata
+from loraplex.platform.config import ModelConfig
+from loraplex.platform.kv_cache_manager import KVCacheManager
+from loraplex.platform.request import Request
+from loraplex.platform.scheduler import SchedulerOutput
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
+    return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, config: ModelConfig, kv: KVCacheManager,
+                 dtype: torch.dtype) -> None:
+        self.model = model
+        self.kv = kv
+        self.block_size = kv.block_size
+        shape = (config.num_layers, 2, kv.pool.num_blocks, kv.block_size, config.num_kv_heads, config.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=dtype)
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(config.num_layers)]
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
+        """Returns logits [R, vocab] and the R requests they belong to."""
+        for src, dst in sched.block_copies:
+            self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
+        input_ids, positions, meta, last_rows, sampled = self._prepare(sched)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not sampled:
+            return hidden.new_empty(0, 0), []
+        return self.model.compute_logits(hidden[last_rows]), sampled
+
+    def _prepare(self, sched: SchedulerOutput):
+        bs = self.block_size
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        seq_lens: list[int] = []
+        starts = [0]
+        last_rows: list[int] = []
+        sampled: list[Request] = []
+        for req, num_new in sched.scheduled:
+            begin = req.num_computed_tokens
+            end = begin + num_new
+            table = self.kv.block_ids(req)
+            token_ids += req.all_token_ids[begin:end]
+            positions += range(begin, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(begin, end)]
+            tables.append(table)
+            seq_lens.append(end)
+            starts.append(starts[-1] + num_new)
+            if end == req.num_tokens:  # this chunk completes the known tokens: sample next
+                last_rows.append(starts[-1] - 1)
+                sampled.append(req)
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        meta = PagedAttentionMetadata.build(
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            block_tables=block_tables,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.long),
+            query_start_loc=torch.tensor(starts, dtype=torch.long),
+            block_size=bs,
+        )
+        return (torch.tensor(token_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+                meta, torch.tensor(last_rows, dtype=torch.long), sampled)

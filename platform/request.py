@@ -1,0 +1,145 @@
+"""Requests, sampling parameters and the outputs handed back to callers."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives besides the sampled token
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._check()
+
+    def _check(self) -> None:
+        def need(ok: bool, name: str, rule: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+        need(isinstance(self.n, int) and self.n >= 1, "n", ">= 1")
+        need(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", ">= 1")
+        need(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+             "min_tokens", f"in [0, max_tokens={self.max_tokens}]")
+        need(self.temperature >= 0, "temperature", ">= 0")
+        need(0 < self.top_p <= 1, "top_p", "in (0, 1]")
+        need(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "-1, 0 (off) or >= 1")
+        need(0 <= self.min_p <= 1, "min_p", "in [0, 1]")
+        need(-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]")
+        need(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]")
+        need(self.repetition_penalty > 0, "repetition_penalty", "> 0")
+        need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+             "logprobs", "None or in [0, 20]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+
+
+class Request:
+    """One sequence being generated. A request with n > 1 is a group of sequences: the first
+    prefills the prompt and the others fork from it, sharing its KV blocks."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 prompt: str | None = None, index: int = 0, extra_keys: tuple = ()) -> None:
+        self.request_id = request_id  # the group's id, shared by its n sequences
+        self.index = index
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.extra_keys = extra_keys  # salt for prefix-cache hashes (adapter, grammar)
+        self.output_token_ids: list[int] = []
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prefix-cache hit on first admission
+        self.pending_forks = params.n - 1 if index == 0 else 0
+        self.stop_reason: str | int | None = None
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed + index)
+
+    @property
+    def seq_id(self) -> str:
+        return f"{self.request_id}#{self.index}"
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    def __repr__(self) -> str:
+        return f"Request({self.seq_id}, {self.status.name}, computed={self.num_computed_tokens}/{self.num_tokens})"

@@ -1,0 +1,110 @@
+"""Logits -> next tokens: penalties, temperature, top-k / top-p / min-p, seeded sampling, logprobs.
+
+Rows are requests; each transform touches only the rows that asked for it. Logprobs are those
+of the raw model distribution (before any transform), as vLLM reports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.platform.request import Logprob, Request
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob] | None]
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], seed: int = 0) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = None
+        if any(r.params.logprobs is not None for r in requests):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = logits.clone()
+        self._block_early_stop(logits, requests)
+        self._apply_penalties(logits, requests)
+        token_ids = self._sample(logits, requests)
+        logprobs = [
+            _logprobs_of(raw_logprobs[i], token_ids[i], r.params.logprobs) if r.params.logprobs is not None else None
+            for i, r in enumerate(requests)
+        ]
+        return SamplerOutput(token_ids, logprobs)
+
+    def _block_early_stop(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        """min_tokens: no EOS or stop token before the request has that many tokens."""
+        for i, r in enumerate(requests):
+            if len(r.output_token_ids) < r.params.min_tokens:
+                stops = r.params.stop_token_ids + ([] if r.params.ignore_eos else self.eos_token_ids)
+                logits[i, [t for t in stops if t < logits.shape[1]]] = float("-inf")
+
+    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        for i, r in enumerate(requests):
+            p = r.params
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(r.all_token_ids)), dtype=torch.long)
+                row = logits[i, seen]
+                logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
+                counts = torch.bincount(torch.tensor(r.output_token_ids), minlength=logits.shape[1]).float()
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        greedy = torch.tensor([r.params.greedy for r in requests])
+        out = logits.argmax(dim=-1)
+        if bool(greedy.all()):
+            return out.tolist()
+        rows = torch.nonzero(~greedy).flatten()
+        sampled = [requests[i] for i in rows.tolist()]
+        temps = torch.tensor([r.params.temperature for r in sampled], dtype=logits.dtype)[:, None]
+        probs = filter_and_softmax(logits[rows] / temps, sampled)
+        # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) draws from p. Each
+        # request with a seed draws E from its own generator, so its tokens do not depend on
+        # what else shares the batch.
+        noise = torch.empty_like(probs)
+        for j, r in enumerate(sampled):
+            noise[j].exponential_(generator=r.generator or self.generator)
+        out[rows] = (probs / noise).argmax(dim=-1)
+        return out.tolist()
+
+
+def filter_and_softmax(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """top-k, then top-p, then min-p, each only where a request set it."""
+    top_k = [r.params.top_k for r in requests]
+    top_p = [r.params.top_p for r in requests]
+    min_p = [r.params.min_p for r in requests]
+    vocab = logits.shape[1]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        k = torch.tensor([k if k > 0 else vocab for k in top_k]).clamp(max=vocab)
+        ranks = torch.arange(vocab)[None, :]
+        sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
+        probs = sorted_logits.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass strictly before each token: keeps the first
+        sorted_logits = sorted_logits.masked_fill(before >= torch.tensor(top_p)[:, None], float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    if any(p > 0 for p in min_p):
+        threshold = torch.tensor(min_p)[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def _logprobs_of(row: torch.Tensor, token_id: int, num_top: int) -> dict[int, Logprob]:
+    chosen = float(row[token_id])
+    out = {token_id: Logprob(chosen, int((row > row[token_id]).sum()) + 1)}
+    if num_top:
+        values, ids = row.topk(num_top)
+        for rank, (v, t) in enumerate(zip(values.tolist(), ids.tolist()), start=1):
+            out.setdefault(t, Logprob(v, rank))
+    return out

@@ -1,0 +1,96 @@
+"""Shared fixtures: tiny random-weight models (built here, saved to a temp dir) for fast unit
+tests, and the default model for end-to-end ones."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "Schöne Grüße aus München! Ça va? 日本語のテキスト 🙂🚀",
+    "def add(a, b):\n    return a + b\n",
+    "Hello world, hello loraplex, hello adapters and grammars.",
+] * 20
+
+
+def make_tokenizer(folder: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>",
+                                   unk_token="<|endoftext|>", pad_token="<|im_end|>")
+    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    fast.save_pretrained(folder)
+    return fast
+
+
+def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A 2-layer random model of the given family, saved like any Hugging Face checkpoint."""
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(folder)
+    common = dict(vocab_size=448, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                  pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    common.update(overrides)
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**common))
+    with torch.no_grad():  # a spread of logits that does not tie at random init
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_model_dir):
+    from loraplex.platform import LLM
+
+    return LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_num_seqs=8,
+               max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from loraplex.platform.model_store import default_model_dir, is_complete
+
+    folder = default_model_dir()
+    if not is_complete(folder):
+        if os.environ.get("CI"):
+            pytest.fail(f"default model missing at {folder}: `make test` materializes it")
+        pytest.skip("default model not materialized (run `make model`)")
+    return folder
+
+
+def assert_all_blocks_free(engine) -> None:
+    """Every block is free or cached-free, and no request holds any."""
+    assert not engine.has_unfinished()
+    assert engine.kv.req_blocks == {}
+    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+    assert all(b.ref_cnt == 0 for b in engine.kv.pool.blocks)

@@ -1,0 +1,94 @@
+from loraplex.platform.kv_cache_manager import KVCacheManager
+from loraplex.platform.request import Request, RequestStatus, SamplingParams
+from loraplex.platform.scheduler import Scheduler
+
+
+def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, caching=False):
+    kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
+    return Scheduler(kv, max_num_seqs, budget, max_model_len=1024)
+
+
+def req(rid, n_prompt, max_tokens=4):
+    return Request(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens))
+
+
+def advance(sched, out, token=7):
+    """What the engine does after a step: count computed tokens, sample where a chunk completes."""
+    for r, n in out.scheduled:
+        r.num_computed_tokens += n
+        if r.num_computed_tokens == r.num_tokens:
+            r.output_token_ids.append(token)
+            if len(r.output_token_ids) >= r.params.max_tokens:
+                sched.finish(r, RequestStatus.FINISHED_LENGTH)
+
+
+def test_budget_chunks_a_long_prompt():
+    s = make(budget=32)
+    r = req("a", 100)
+    s.add(r)
+    sizes = []
+    for _ in range(4):
+        out = s.schedule()
+        sizes.append(out.scheduled[0][1])
+        advance(s, out)
+    assert sizes == [32, 32, 32, 4]
+    assert r.output_token_ids == [7]
+
+
+def test_chunked_prefill_mixes_with_decodes():
+    s = make(budget=16)
+    a, b = req("a", 4, max_tokens=10), req("b", 40)
+    s.add(a)
+    advance(s, s.schedule())
+    s.add(b)
+    out = s.schedule()
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 15)]
+
+
+def test_max_num_seqs_caps_admission():
+    s = make(max_num_seqs=2)
+    for i in range(3):
+        s.add(req(f"r{i}", 4))
+    out = s.schedule()
+    assert [r.request_id for r, _ in out.scheduled] == ["r0", "r1"]
+    assert [r.request_id for r in s.waiting] == ["r2"]
+
+
+def test_fcfs_head_of_queue_is_not_overtaken():
+    s = make(num_blocks=6, block_size=4, budget=64)
+    s.add(req("big0", 16))  # 4 blocks + 1 for decode later
+    advance(s, s.schedule())
+    s.add(req("big1", 12))  # 3 blocks: does not fit in the 2 left
+    s.add(req("small", 2))  # would fit, but must wait its turn
+    out = s.schedule()
+    assert [r.request_id for r, _ in out.scheduled] == ["big0"]
+    assert [r.request_id for r in s.waiting] == ["big1", "small"]
+
+
+def test_preemption_takes_the_newest_and_requeues_it_first():
+    s = make(num_blocks=4, block_size=4, budget=64)
+    old, new = req("old", 4, max_tokens=8), req("new", 7, max_tokens=8)
+    s.add(old)
+    s.add(new)
+    advance(s, s.schedule())  # old: 1 block (full), new: 2 blocks
+    advance(s, s.schedule())  # old needs a 2nd block (pos 4); new writes pos 7
+    out = s.schedule()  # pos 5 for old fits; pos 8 for new needs a block: none left
+    assert [r.request_id for r in out.preempted] == ["new"]
+    assert [r.request_id for r, _ in out.scheduled] == ["old"]
+    assert s.waiting[0].request_id == "new" and new.status == RequestStatus.PREEMPTED
+    assert new.num_computed_tokens == 0 and len(new.output_token_ids) == 2
+
+
+def test_every_request_finishes_under_pressure_without_leaks():
+    s = make(num_blocks=10, block_size=4, budget=24, max_num_seqs=4)
+    reqs = [req(f"r{i}", 3 + 5 * (i % 4), max_tokens=6) for i in range(12)]
+    for r in reqs:
+        s.add(r)
+    for _ in range(500):
+        if not s.has_unfinished():
+            break
+        advance(s, s.schedule())
+    assert not s.has_unfinished()
+    assert all(len(r.output_token_ids) == 6 for r in reqs)
+    assert s.num_preemptions > 0
+    assert s.kv.num_free_blocks == 10 and s.kv.req_blocks == {}
