@@ -108,13 +108,18 @@ class AsyncEngine:
 
     def _drain_commands(self, block: bool) -> None:
         try:
-            command = self._commands.get(timeout=0.1 if block else None) if block else self._commands.get_nowait()
+            command = self._commands.get(timeout=0.1) if block else self._commands.get_nowait()
         except queue.Empty:
             return
         while True:
             kind, arg = command
             if kind == "add":
-                self.engine.add(arg)
+                try:
+                    self.engine.add(arg)
+                except ValueError as exc:  # e.g. an id still in use by an abort not yet applied
+                    q = self._streams.get(arg.request_id)
+                    if q is not None:
+                        q.put(exc)
             elif kind == "abort":
                 out = self.engine.abort(arg)
                 if out is not None:

@@ -142,6 +142,10 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
+            if self.scheduler.waiting and not self.scheduler.running:
+                # admission guarantees any one request fits an empty pool: this is a bug, and
+                # failing loudly beats spinning forever
+                raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting")
             return []
         logits, completed = self.runner.execute(sched)
         for req, num_new in sched.scheduled:

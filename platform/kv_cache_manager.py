@@ -53,9 +53,11 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.num_queries += request.num_tokens
-        self.num_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
+        self.num_queries += num_tokens
+        self.num_hits += num_hit
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[Block] | None = None) -> list[Block] | None:

@@ -83,6 +83,7 @@ class Scheduler:
             if self.kv.allocate_slots(req, num_new, hits) is None:
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
+            self.kv.record_prefix_lookup(req.num_tokens, num_hit)
             if req.status == RequestStatus.WAITING:
                 req.num_cached_tokens = num_hit
             req.num_computed_tokens = num_hit

@@ -9,6 +9,7 @@ def req(rid, tokens, extra=()):
 def admit(kv, r):
     hits, n = kv.get_computed_blocks(r)
     assert kv.allocate_slots(r, r.num_tokens - n, hits) is not None
+    kv.record_prefix_lookup(r.num_tokens, n)
     r.num_computed_tokens = r.num_tokens
     return n
 

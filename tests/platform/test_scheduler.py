@@ -92,3 +92,29 @@ def test_every_request_finishes_under_pressure_without_leaks():
     assert all(len(r.output_token_ids) == 6 for r in reqs)
     assert s.num_preemptions > 0
     assert s.kv.num_free_blocks == 10 and s.kv.req_blocks == {}
+
+
+def test_abort_frees_blocks_of_running_and_waiting_requests():
+    s = make(num_blocks=8, block_size=4, budget=64, max_num_seqs=1)
+    a, b = req("a", 9), req("b", 5)
+    s.add(a)
+    s.add(b)
+    advance(s, s.schedule())
+    assert s.kv.num_free_blocks == 5 and list(s.waiting) == [b]
+    s.finish(a, RequestStatus.FINISHED_ABORTED)
+    s.finish(b, RequestStatus.FINISHED_ABORTED)
+    assert not s.has_unfinished() and s.kv.num_free_blocks == 8 and s.kv.req_blocks == {}
+    assert a.finish_reason == "abort"
+
+
+def test_prefix_hits_are_counted_once_per_admission():
+    s = make(num_blocks=16, block_size=4, caching=True)
+    first = req("a", 9)
+    s.add(first)
+    advance(s, s.schedule())
+    s.finish(first, RequestStatus.FINISHED_STOPPED)
+    second = req("b", 9)
+    s.add(second)
+    out = s.schedule()
+    assert out.scheduled == [(second, 1)] and second.num_cached_tokens == 8
+    assert s.kv.prefix_cache_hit_rate == 8 / 18

@@ -1,0 +1,191 @@
+"""The engine end to end on a tiny random model: scheduling paths give the same tokens, bad
+input is refused, and every block comes back."""
+
+import pytest
+
+from conftest import assert_all_blocks_free
+from loraplex.platform import LLM, SamplingParams
+from loraplex.platform.async_engine import AsyncEngine
+
+PROMPTS = [{"prompt_token_ids": list(range(3 + i, 3 + i + n))} for i, n in enumerate([5, 17, 33, 2, 48, 16])]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    """One prompt at a time, no chunking, no prefix cache, plenty of blocks."""
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=128, enable_prefix_caching=False)
+    return [tokens(llm.generate([p], GREEDY))[0] for p in PROMPTS]
+
+
+@pytest.mark.parametrize("args", [
+    dict(num_kv_blocks=128),  # all at once
+    dict(num_kv_blocks=128, max_num_batched_tokens=16),  # chunked prefill mixed with decodes
+    dict(num_kv_blocks=9, max_num_batched_tokens=32),  # forces preemption
+    dict(num_kv_blocks=128, max_num_seqs=2),
+])
+def test_batched_paths_match_one_at_a_time(tiny_model_dir, reference, args):
+    llm = LLM(str(tiny_model_dir), dtype="float32", **args)
+    assert tokens(llm.generate(PROMPTS, GREEDY)) == reference
+    second = llm.generate(PROMPTS, GREEDY)  # prefix-cache hits this time
+    assert tokens(second) == reference
+    if args["num_kv_blocks"] == 128:
+        assert sum(o.num_cached_tokens for o in second) > 0
+    else:
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert_all_blocks_free(llm.engine)
+
+
+def test_outputs_in_order_with_text_and_finish_reasons(tiny_llm):
+    tok = tiny_llm.get_tokenizer()
+    outs = tiny_llm.generate(["hello world", "the quick"], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert [o.prompt for o in outs] == ["hello world", "the quick"]
+    for o in outs:
+        c = o.outputs[0]
+        assert o.finished and c.finish_reason == "length" and len(c.token_ids) == 5
+        # a random model may end on half a character: that tail is never emitted
+        assert c.text == tok.decode(c.token_ids, skip_special_tokens=True).rstrip("\ufffd")
+        assert o.prompt_token_ids == tok("hello world").input_ids or o.prompt == "the quick"
+
+
+def test_stop_conditions(tiny_llm):
+    base = tiny_llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0].outputs[0]
+    stop_tok = base.token_ids[3]
+    first = base.token_ids.index(stop_tok)
+    out = tiny_llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_tok]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok and out.token_ids == base.token_ids[:first + 1]
+    eos = tiny_llm.engine.eos_token_ids[0]
+    out = tiny_llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_tok],
+                                                         min_tokens=first + 2, ignore_eos=True))[0].outputs[0]
+    assert stop_tok not in out.token_ids[:first + 2] and eos not in out.token_ids[:first + 2]
+    if len(base.text) > 4:
+        stop = base.text[2:4]
+        out = tiny_llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=10, stop=[stop], ignore_eos=True))[0].outputs[0]
+        assert out.finish_reason == "stop" and out.stop_reason == stop
+        assert out.text == base.text[:base.text.index(stop)]
+    assert_all_blocks_free(tiny_llm.engine)
+
+
+def test_seeded_sampling_reproduces_whatever_the_batch(tiny_llm):
+    p = SamplingParams(temperature=1.0, seed=42, max_tokens=10, ignore_eos=True)
+    alone = tokens(tiny_llm.generate([PROMPTS[2]], p))[0]
+    noise = SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True)
+    mixed = tiny_llm.generate([PROMPTS[0], PROMPTS[2], PROMPTS[4]], [noise, p, noise])
+    assert tokens(mixed)[1] == alone
+
+
+def test_n_greater_than_one_shares_the_prompt_blocks(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64)
+    greedy = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    out = llm.generate([PROMPTS[2]], SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(c.token_ids == greedy.outputs[0].token_ids for c in out.outputs)
+    sampled = llm.generate([PROMPTS[2]], SamplingParams(n=4, temperature=1.5, seed=3, max_tokens=8, ignore_eos=True))[0]
+    assert len({tuple(c.token_ids) for c in sampled.outputs}) > 1
+    assert_all_blocks_free(llm.engine)
+
+
+def test_n_greater_than_one_copies_on_write(tiny_model_dir):
+    """33-token prompt: its third block is partial and shared by the forks, so each write copies."""
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64)
+    engine = llm.engine
+    engine.add_request("r", PROMPTS[2], SamplingParams(n=3, temperature=0, max_tokens=4, ignore_eos=True))
+    copies = []
+    while engine.has_unfinished():
+        sched = engine.scheduler.schedule
+        def spy():
+            out = sched()
+            copies.extend(out.block_copies)
+            return out
+        engine.scheduler.schedule = spy
+        engine.step()
+        engine.scheduler.schedule = sched
+    assert len(copies) == 2  # two of the three sequences copy; the last owner writes in place
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("prompt,params,field", [
+    ({"prompt_token_ids": [5] * 600}, SamplingParams(max_tokens=1), "max_model_len"),
+    ({"prompt_token_ids": [5] * 500}, SamplingParams(max_tokens=100), "max_tokens"),
+    ("", SamplingParams(), "empty"),
+    ({"prompt_token_ids": []}, SamplingParams(), "empty"),
+    ({"prompt_token_ids": [3, 100000]}, SamplingParams(), "prompt_token_ids"),
+    ({"prompt_token_ids": [3, -1]}, SamplingParams(), "prompt_token_ids"),
+    ({"prompt_token_ids": [3]}, SamplingParams(stop_token_ids=[99999]), "stop_token_ids"),
+])
+def test_bad_input_is_refused_and_the_engine_keeps_serving(tiny_llm, prompt, params, field):
+    with pytest.raises(ValueError, match=field):
+        tiny_llm.generate([PROMPTS[0], prompt], [GREEDY, params])
+    assert_all_blocks_free(tiny_llm.engine)
+    assert len(tiny_llm.generate([PROMPTS[0]], GREEDY)[0].outputs[0].token_ids) == 12
+
+
+def test_request_larger_than_the_cache_is_refused(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=4, block_size=16)
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        llm.generate([{"prompt_token_ids": [3] * 60}], SamplingParams(max_tokens=10))
+
+
+def test_abort_frees_blocks_at_once(tiny_llm):
+    engine = tiny_llm.engine
+    for i, p in enumerate(PROMPTS[:3]):
+        engine.add_request(f"a{i}", p, SamplingParams(n=2, temperature=1.0, max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.kv.num_free_blocks < engine.kv.pool.num_blocks
+    outs = [engine.abort(f"a{i}") for i in range(3)]
+    assert all(o.finished and all(c.finish_reason == "abort" for c in o.outputs) for o in outs)
+    assert engine.abort("a0") is None
+    assert_all_blocks_free(engine)
+
+
+def test_async_engine_streams_and_aborts(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64)
+    front = AsyncEngine(llm.engine)
+    try:
+        with pytest.raises(ValueError, match="empty"):
+            front.submit({"prompt_token_ids": []}, GREEDY)
+        rid = front.submit(PROMPTS[1], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        outs = list(front.stream(rid, timeout=30))
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 6
+        assert [len(o.outputs[0].token_ids) for o in outs] == sorted(len(o.outputs[0].token_ids) for o in outs)
+        long = front.submit(PROMPTS[2], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+        stream = front.stream(long, timeout=30)
+        next(stream)
+        front.abort(long)
+        last = list(stream)[-1]
+        assert last.finished and last.outputs[0].finish_reason == "abort"
+        assert len(last.outputs[0].token_ids) < 400
+    finally:
+        front.shutdown()
+    assert_all_blocks_free(llm.engine)
+
+
+def test_async_generate_leaving_early_aborts(tiny_model_dir):
+    import asyncio
+
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64)
+    front = AsyncEngine(llm.engine)
+
+    async def consume_two():
+        n = 0
+        async for _ in front.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)):
+            n += 1
+            if n == 2:
+                break
+        return n
+
+    try:
+        assert asyncio.run(consume_two()) == 2
+        for _ in range(200):
+            if not llm.engine.has_unfinished():
+                break
+            import time
+            time.sleep(0.05)
+    finally:
+        front.shutdown()
+    assert_all_blocks_free(llm.engine)

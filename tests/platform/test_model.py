@@ -1,0 +1,88 @@
+"""Our Llama-family model against transformers' on tiny random checkpoints of each family."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import make_tiny_model
+from loraplex.platform.config import EngineConfig
+from loraplex.platform.engine import Engine
+from loraplex.platform.request import SamplingParams
+from loraplex.platform.scheduler import SchedulerOutput
+
+VARIANTS = {
+    "llama-untied": ("llama", {}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "llama3-rope": ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                  "original_max_position_embeddings": 64}}),
+    "qwen2-qkv-bias": ("qwen2", {}),
+    "mistral": ("mistral", {"sliding_window": None}),
+}
+
+
+def prompt_logits(engine: Engine, ids: list[int], chunk: int) -> torch.Tensor:
+    """Logits at every prompt position, computed chunk by chunk through the paged cache."""
+    req = engine.make_request("r", {"prompt_token_ids": ids}, SamplingParams(max_tokens=1))
+    rows = []
+    while req.num_computed_tokens < len(ids):
+        n = min(chunk, len(ids) - req.num_computed_tokens)
+        assert engine.kv.allocate_slots(req, n) is not None
+        input_ids, positions, meta, _, _ = engine.runner._prepare(SchedulerOutput([(req, n)]))
+        with torch.inference_mode():
+            hidden = engine.model(input_ids, positions, engine.runner.kv_caches, meta)
+            rows.append(engine.model.compute_logits(hidden))
+        req.num_computed_tokens += n
+    engine.kv.forget(req)
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_logits_match_transformers(tmp_path, variant):
+    import transformers
+
+    arch, overrides = VARIANTS[variant]
+    folder = make_tiny_model(tmp_path / variant, arch, seed=1, **overrides)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    engine = Engine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=32, block_size=16))
+    ids = torch.randint(3, 448, (1, 70), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = ref(ids).logits[0]
+    for chunk in (70, 13):  # one pass, and chunks that cross block boundaries
+        got = prompt_logits(engine, ids[0].tolist(), chunk)
+        torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
+    if variant == "qwen2-qkv-bias":
+        assert engine.model.layers[0].self_attn.qkv_proj.bias is not None
+
+
+def test_bfloat16_and_float16_run(tiny_model_dir):
+    for dtype in ("bfloat16", "float16"):
+        engine = Engine(EngineConfig(model=str(tiny_model_dir), dtype=dtype, num_kv_blocks=16))
+        assert engine.model.embed_tokens.weight.dtype == getattr(torch, dtype)
+        assert engine.runner.kv_cache.dtype == getattr(torch, dtype)
+        logits = prompt_logits(engine, list(range(3, 40)), 16)
+        assert torch.isfinite(logits).all()
+
+
+def test_unsupported_architecture_is_named(tmp_path, tiny_model_dir):
+    folder = tmp_path / "gpt2ish"
+    folder.mkdir()
+    cfg = json.loads((tiny_model_dir / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        Engine(EngineConfig(model=str(folder)))
+
+
+def test_missing_weight_is_a_clear_error(tmp_path, tiny_model_dir):
+    from safetensors.torch import load_file, save_file
+    import shutil
+
+    folder = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, folder)
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ValueError, match="model.layers.1.mlp.down_proj.weight"):
+        Engine(EngineConfig(model=str(folder)))

@@ -1,0 +1,102 @@
+import pytest
+import torch
+
+from loraplex.platform.request import Request, SamplingParams
+from loraplex.platform.sampler import Sampler, filter_and_softmax
+
+V = 50
+
+
+def req(params, output=(), prompt=(1, 2, 3), rid="r"):
+    r = Request(rid, list(prompt), params)
+    r.output_token_ids = list(output)
+    return r
+
+
+def logits_rows(n, seed=0):
+    return torch.randn(n, V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_and_degenerate_filters_pick_the_argmax():
+    logits = logits_rows(4)
+    s = Sampler(V, (0,))
+    reqs = [req(SamplingParams(temperature=0)), req(SamplingParams(top_k=1, seed=1)),
+            req(SamplingParams(top_p=1e-6, seed=2)), req(SamplingParams(min_p=1.0, seed=3))]
+    assert s(logits, reqs).token_ids == logits.argmax(-1).tolist()
+
+
+def test_filters_keep_exactly_the_expected_support():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    probs = lambda **kw: filter_and_softmax(logits.clone(), [req(SamplingParams(**kw))])[0]
+    assert (probs(top_k=2) > 0).tolist() == [True, True, False, False]
+    assert (probs(top_p=0.8) > 0).tolist() == [True, True, False, False]
+    assert (probs(top_p=0.81) > 0).tolist() == [True, True, True, False]
+    assert (probs(min_p=0.5) > 0).tolist() == [True, True, False, False]
+    torch.testing.assert_close(probs(top_k=2), torch.tensor([0.625, 0.375, 0, 0]))
+
+
+def test_seeded_request_is_independent_of_the_batch():
+    logits = logits_rows(3)
+    target = SamplingParams(temperature=1.0, seed=1234)
+    alone = [Sampler(V, (), seed=s)(logits[1:2], [req(target)]).token_ids[0] for s in range(1)]
+    outs = []
+    for other_seed in range(5):  # different neighbours, different global generator
+        s = Sampler(V, (), seed=other_seed)
+        batch = [req(SamplingParams(temperature=1.0)), req(target), req(SamplingParams(temperature=0.7, seed=other_seed))]
+        outs.append(s(logits, batch).token_ids[1])
+    assert set(outs) == set(alone)
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]])).repeat(3000, 1)
+    s = Sampler(3, (), seed=0)
+    tokens = torch.tensor(s(logits, [req(SamplingParams()) for _ in range(3000)]).token_ids)
+    freq = torch.bincount(tokens, minlength=3).float() / 3000
+    torch.testing.assert_close(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.03, rtol=0)
+
+
+def test_penalties():
+    logits = torch.zeros(3, 6)
+    logits[:, 1] = 2.0
+    logits[:, 2] = -2.0
+    s = Sampler(6, ())
+    reqs = [req(SamplingParams(temperature=0, repetition_penalty=2.0), prompt=[1, 2]),
+            req(SamplingParams(temperature=0, presence_penalty=1.5), output=[1, 1]),
+            req(SamplingParams(temperature=0, frequency_penalty=1.5), output=[1, 1])]
+    work = logits.clone()
+    s._apply_penalties(work, reqs)
+    assert work[0, 1] == 1.0 and work[0, 2] == -4.0  # positive divided, negative multiplied
+    assert work[1, 1] == 0.5 and work[2, 1] == -1.0
+    assert work[:, 3].eq(0).all()
+
+
+def test_min_tokens_blocks_eos_and_stop_tokens():
+    logits = torch.zeros(1, V)
+    logits[0, 7] = 10.0  # eos
+    logits[0, 8] = 9.0  # a stop token
+    s = Sampler(V, (7,))
+    p = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[8])
+    assert s(logits, [req(p, output=[3])]).token_ids[0] not in (7, 8)
+    assert s(logits, [req(p, output=[3, 4])]).token_ids == [7]
+
+
+def test_logprobs_are_of_the_raw_distribution_with_ranks():
+    logits = logits_rows(1)
+    s = Sampler(V, ())
+    out = s(logits, [req(SamplingParams(temperature=0, logprobs=3, repetition_penalty=1.5))])
+    raw = torch.log_softmax(logits[0], -1)
+    top = raw.topk(3)
+    lp = out.logprobs[0]
+    token = out.token_ids[0]
+    assert lp[token].logprob == pytest.approx(raw[token].item())
+    assert lp[token].rank == int((raw > raw[token]).sum()) + 1
+    for rank, (value, t) in enumerate(zip(top.values.tolist(), top.indices.tolist()), start=1):
+        assert lp[t].logprob == pytest.approx(value) and lp[t].rank == rank
+
+
+@pytest.mark.parametrize("field,value", [("temperature", -0.5), ("top_p", 0.0), ("top_p", 7), ("n", 0),
+                                         ("max_tokens", 0), ("top_k", -2), ("min_p", 1.5), ("logprobs", 21),
+                                         ("repetition_penalty", 0.0), ("presence_penalty", 3.0)])
+def test_bad_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
