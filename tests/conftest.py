@@ -9,6 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without a GPU the Triton kernels run in Triton's interpreter; it must be chosen before any
+# kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -1,0 +1,129 @@
+"""SGMV Triton kernels against their PyTorch reference (Triton's interpreter on CPU)."""
+
+import pytest
+import torch
+
+from loraplex.kernels import dispatch
+from loraplex.kernels.sgmv import LoRABatch, sgmv_expand, sgmv_shrink
+
+pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: dict(atol=2e-3, rtol=2e-3), torch.float16: dict(atol=2e-2, rtol=2e-2),
+       torch.bfloat16: dict(atol=8e-2, rtol=5e-2)}
+
+
+def case(seed, num_tokens, num_slots, max_rank, in_features, widths, dtype, none_frac=0.2, rank_choices=None):
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randint(0, num_slots, (num_tokens,), generator=g)
+    slots[torch.rand(num_tokens, generator=g) < none_frac] = -1
+    ranks = [int(r) for r in torch.randint(1, max_rank + 1, (num_slots,), generator=g)] if rank_choices is None \
+        else [rank_choices[i % len(rank_choices)] for i in range(num_slots)]
+    x = torch.randn(num_tokens, in_features, generator=g).to(dtype)
+    a = (torch.randn(num_slots, len(widths) * max_rank, in_features, generator=g) / in_features ** 0.5).to(dtype)
+    b = (torch.randn(num_slots, sum(widths), max_rank, generator=g) / max_rank ** 0.5).to(dtype)
+    scales = [float(s) for s in torch.rand(num_slots, generator=g) * 2]
+    offsets = [0]
+    for w in widths:
+        offsets.append(offsets[-1] + w)
+    return slots.tolist(), ranks, x, a, b, scales, offsets
+
+
+def run(backend, slots, ranks, x, a, b, scales, offsets, y0):
+    dispatch.set_backend(backend)
+    try:
+        batch = LoRABatch.build(slots, DEVICE)
+        n = len(offsets) - 1
+        h = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=DEVICE)
+        sgmv_shrink(x.to(DEVICE), a.to(DEVICE), ranks, batch, h, num_slices=n)
+        y = y0.clone().to(DEVICE)
+        sgmv_expand(h, b.to(DEVICE), ranks, scales, batch, y, offsets)
+        return h.cpu(), y.cpu()
+    finally:
+        dispatch.set_backend("auto")
+
+
+CASES = [
+    # seed, tokens, slots, max_rank, in, slice widths, dtype
+    (0, 1, 1, 8, 64, [64], torch.float32),  # one token
+    (1, 37, 4, 16, 96, [96], torch.float32),  # T not a multiple of the tile, in not a power of 2
+    (2, 50, 64, 64, 64, [64, 32, 32], torch.float16),  # up to 64 slots, most segments empty; GQA-like qkv
+    (3, 40, 8, 64, 64, [128, 128], torch.bfloat16),  # gate/up, ranks 1..64
+    (4, 24, 3, 1, 32, [48], torch.float32),  # rank 1
+]
+
+
+@pytest.mark.parametrize("seed,tokens,slots,max_rank,in_features,widths,dtype", CASES)
+def test_shrink_expand_match_reference(seed, tokens, slots, max_rank, in_features, widths, dtype):
+    s, ranks, x, a, b, scales, offsets = case(seed, tokens, slots, max_rank, in_features, widths, dtype)
+    y0 = torch.randn(tokens, sum(widths)).to(dtype)
+    h_ref, y_ref = run("torch", s, ranks, x, a, b, scales, offsets, y0)
+    h_tri, y_tri = run("triton", s, ranks, x, a, b, scales, offsets, y0)
+    torch.testing.assert_close(h_tri, h_ref, **TOL[torch.float32 if dtype == torch.float32 else torch.float16])
+    torch.testing.assert_close(y_tri.float(), y_ref.float(), **TOL[dtype])
+    untouched = torch.tensor(s) < 0
+    assert torch.equal(y_tri[untouched], y0[untouched])  # slot -1 rows untouched
+    assert torch.equal(h_tri[untouched], torch.zeros_like(h_tri[untouched]))
+
+
+def test_columns_beyond_a_slots_rank_are_not_written():
+    s, ranks, x, a, b, scales, offsets = case(7, 20, 2, 32, 64, [64, 64], torch.float32, none_frac=0.0,
+                                              rank_choices=[4, 32])
+    h, _ = run("triton", s, ranks, x, a, b, scales, offsets, torch.zeros(20, 128))
+    for t, slot in enumerate(s):
+        r = ranks[slot]
+        for i in range(2):
+            assert torch.all(h[t, i * 32 + r:(i + 1) * 32] == 0)
+
+
+def test_reference_matches_a_dense_formula():
+    s, ranks, x, a, b, scales, offsets = case(5, 30, 5, 16, 48, [40, 24], torch.float32)
+    y0 = torch.randn(30, 64)
+    _, y = run("torch", s, ranks, x, a, b, scales, offsets, y0)
+    expected = y0.clone()
+    for t, slot in enumerate(s):
+        if slot < 0:
+            continue
+        r = ranks[slot]
+        for i, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:])):
+            A = a[slot, i * 16:i * 16 + r]
+            expected[t, lo:hi] += scales[slot] * (x[t] @ A.T) @ b[slot, lo:hi, :r].T
+    torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_empty_batch_and_empty_segments():
+    s, ranks, x, a, b, scales, offsets = case(6, 10, 4, 8, 32, [32], torch.float32, none_frac=1.0)
+    y0 = torch.randn(10, 32)
+    _, y = run("triton", s, ranks, x, a, b, scales, offsets, y0)
+    assert torch.equal(y, y0)
+    batch = LoRABatch.build([3, -1, 0, 3, 0])
+    assert batch.host_slots == [0, 3] and batch.token_order.tolist() == [2, 4, 0, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(12))
+def test_randomized_sweep(seed):
+    g = torch.Generator().manual_seed(100 + seed)
+    pick = lambda xs: xs[int(torch.randint(0, len(xs), (1,), generator=g))]
+    dtype = pick([torch.float32, torch.float16, torch.bfloat16])
+    widths = pick([[64], [64, 16, 16], [96, 96], [40]])
+    test_shrink_expand_match_reference(seed, pick([1, 17, 64, 130]), pick([1, 8, 64]), pick([1, 8, 16, 64]),
+                                       pick([32, 64, 80]), widths, dtype)
+
+
+@pytest.mark.parametrize("tokens,slots", [(12, 8), (64, 64), (80, 2)])  # gathered, gathered, segment loop
+def test_cpu_path_matches_reference(tokens, slots):
+    from loraplex.kernels.sgmv import (sgmv_expand_cpu, sgmv_expand_reference, sgmv_shrink_cpu,
+                                       sgmv_shrink_reference)
+
+    s, ranks, x, a, b, scales, offsets = case(11, tokens, slots, 16, 48, [32, 16], torch.float32)
+    batch = LoRABatch.build(s)
+    y0 = torch.randn(tokens, 48)
+    outs = []
+    for shrink, expand in ((sgmv_shrink_reference, sgmv_expand_reference), (sgmv_shrink_cpu, sgmv_expand_cpu)):
+        h = torch.zeros(tokens, a.shape[1])
+        shrink(x, a, ranks, batch, h, 2)
+        y = y0.clone()
+        expand(h, b, ranks, scales, batch, y, offsets)
+        outs.append((h, y))
+    torch.testing.assert_close(outs[1][0], outs[0][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[1][1], outs[0][1], atol=1e-5, rtol=1e-5)
