@@ -38,12 +38,13 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
-    def submit(self, prompt, params: SamplingParams, request_id: str | None = None) -> str:
+    def submit(self, prompt, params: SamplingParams, request_id: str | None = None,
+               adapter: str | None = None) -> str:
         """Validate (raising ValueError here, in the caller's thread) and queue a request."""
         if not self.is_alive:
             raise EngineDeadError(f"the engine is not running: {self.error!r}")
         request_id = request_id or f"req-{next(self._ids)}"
-        request = self.engine.make_request(request_id, prompt, params)
+        request = self.engine.make_request(request_id, prompt, params, adapter)
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self._streams[request_id] = queue.Queue()
@@ -67,9 +68,10 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
 
-    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
+                       adapter: str | None = None) -> AsyncIterator[RequestOutput]:
         """Async iterator; leaving it early (client gone, task cancelled) aborts the request."""
-        request_id = self.submit(prompt, params, request_id)
+        request_id = self.submit(prompt, params, request_id, adapter)
         q = self._streams[request_id]
         finished = False
         try:

@@ -91,15 +91,20 @@ class EngineConfig:
     kv_cache_memory: int = 1 << 30  # bytes, used when num_kv_blocks is None
     enable_prefix_caching: bool = True
     seed: int = 0
+    max_loras: int = 4  # distinct adapters in one batch (device slots)
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 32  # adapters kept in CPU memory (LRU); others are re-read from disk
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras must be >= max_loras={self.max_loras}, got {self.max_cpu_loras}")
         if self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
 

@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loraplex.adapters.registry import AdapterRegistry
 from loraplex.platform.config import EngineConfig, ModelConfig
 from loraplex.platform.detokenizer import Detokenizer
 from loraplex.platform.kv_cache_manager import KVCacheManager, cdiv
@@ -50,7 +51,10 @@ class Engine:
         num_blocks = config.num_kv_blocks or max(
             1, config.kv_cache_memory // kv_bytes_per_block(self.model_config, config.block_size, dtype))
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                                   config.max_loras)
+        self.adapters = AdapterRegistry(self.model_config, config.max_loras, config.max_lora_rank,
+                                        config.max_cpu_loras, dtype)
         self.runner = ModelRunner(self.model, self.model_config, self.kv, dtype)
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.model_config.vocab_size, self.eos_token_ids, config.seed)
@@ -77,9 +81,11 @@ class Engine:
     # ---- admission -------------------------------------------------------------------------
 
     def make_request(self, request_id: str, prompt: str | dict | list[int], params: SamplingParams,
-                     extra_keys: tuple = ()) -> Request:
-        """Tokenize and validate; raises ValueError naming the field and the limit. Touches no
-        engine state, so any thread may call it."""
+                     adapter: str | None = None) -> Request:
+        """Tokenize and validate; raises ValueError naming the field and the limit (an unknown
+        adapter too). Touches no engine state, so any thread may call it."""
+        if adapter is not None:
+            self.adapters.get(adapter)
         text = None
         if isinstance(prompt, str):
             text = prompt
@@ -110,16 +116,20 @@ class Engine:
         bad_stop = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad_stop:
             raise ValueError(f"stop_token_ids must be in [0, {vocab}); got {bad_stop[:3]}")
-        return Request(request_id, ids, params, prompt=text, extra_keys=extra_keys)
+        return Request(request_id, ids, params, prompt=text, adapter=adapter)
 
     def add(self, request: Request) -> None:
         if request.request_id in self.groups:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.adapter is not None:
+            # pinned until the group ends; the content hash keys its prefix cache, so a reloaded
+            # adapter under the same name never sees the old one's KV
+            request.extra_keys = ("lora", self.adapters.pin(request.adapter).content_hash)
         self.groups[request.request_id] = _Group([request], [self._detokenizer(request)])
         self.scheduler.add(request)
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams) -> None:
-        self.add(self.make_request(request_id, prompt, params))
+    def add_request(self, request_id: str, prompt, params: SamplingParams, adapter: str | None = None) -> None:
+        self.add(self.make_request(request_id, prompt, params, adapter))
 
     def _detokenizer(self, req: Request) -> Detokenizer:
         return Detokenizer(self.tokenizer, req.prompt_token_ids, req.params.stop, req.params.skip_special_tokens)
@@ -132,7 +142,12 @@ class Engine:
             if not seq.status.finished:
                 self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
         group.parent.pending_forks = 0
+        self._release(group)
         return self._output(group, finished=True)
+
+    def _release(self, group: _Group) -> None:
+        if group.parent.adapter is not None:
+            self.adapters.unpin(group.parent.adapter)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -147,7 +162,8 @@ class Engine:
                 # failing loudly beats spinning forever
                 raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting")
             return []
-        logits, completed = self.runner.execute(sched)
+        slots = self._assign_adapter_slots()
+        logits, completed = self.runner.execute(sched, slots)
         for req, num_new in sched.scheduled:
             req.num_computed_tokens += num_new
         rows, batch = [], []
@@ -167,7 +183,17 @@ class Engine:
             outputs.append(self._output(group, group.finished))
             if group.finished:
                 del self.groups[request_id]
+                self._release(group)
         return outputs
+
+    def _assign_adapter_slots(self) -> dict[str, int]:
+        names = self.scheduler.running_adapters()
+        if not names:
+            return {}
+        slots = self.adapters.assign_slots(names)
+        if self.model.layers[0].self_attn.qkv_proj.lora is None:
+            self.model.attach_lora(self.adapters.slots)
+        return slots
 
     def _fork(self, parent: Request) -> list[Request]:
         if not parent.pending_forks:
@@ -176,7 +202,7 @@ class Engine:
         children = []
         for index in range(1, parent.params.n):
             child = Request(parent.request_id, parent.prompt_token_ids, parent.params, parent.prompt,
-                            index=index, extra_keys=parent.extra_keys)
+                            index=index, extra_keys=parent.extra_keys, adapter=parent.adapter)
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
             self.kv.fork(parent, child)

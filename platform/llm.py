@@ -11,7 +11,7 @@ from loraplex.platform.request import RequestOutput, SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_args) -> None:
+    def __init__(self, model: str | None = None, lora_modules: dict[str, str] | None = None, **engine_args) -> None:
         known = {f.name for f in fields(EngineConfig)} - {"model"}
         unknown = set(engine_args) - known
         if unknown:
@@ -22,20 +22,35 @@ class LLM:
             model = str(materialize_default_model())
         self.engine = Engine(EngineConfig(model=str(model), **engine_args))
         self._ids = itertools.count()
+        for name, path in (lora_modules or {}).items():
+            self.load_adapter(name, path)
+
+    def load_adapter(self, name: str, path: str, replace: bool = False):
+        """Register a PEFT LoRA folder under `name`; refused with a ValueError naming the reason."""
+        return self.engine.adapters.load(name, str(path), replace=replace)
+
+    def unload_adapter(self, name: str) -> None:
+        self.engine.adapters.unload(name)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. Invalid input raises ValueError before any
-        request is queued."""
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 adapter: str | list[str | None] | None = None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. `adapter`: one name for all prompts or one per
+        prompt (None: the base model). Invalid input raises ValueError before any request is
+        queued."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = params or SamplingParams()
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
-        requests = [self.engine.make_request(f"llm-{next(self._ids)}", p, sp) for p, sp in zip(prompts, per_prompt)]
+        adapters = adapter if isinstance(adapter, list) else [adapter] * len(prompts)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"got {len(adapters)} adapters for {len(prompts)} prompts")
+        requests = [self.engine.make_request(f"llm-{next(self._ids)}", p, sp, a)
+                    for p, sp, a in zip(prompts, per_prompt, adapters)]
         for req in requests:
             self.engine.add(req)
         done: dict[str, RequestOutput] = {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from loraplex.kernels.paged_attention import PagedAttentionMetadata
+from loraplex.kernels.sgmv import LoRABatch
 from loraplex.platform.config import ModelConfig
 from loraplex.platform.kv_cache_manager import KVCacheManager
 from loraplex.platform.request import Request
@@ -28,15 +29,27 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(config.num_layers)]
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
-        """Returns logits [R, vocab] and the R requests they belong to."""
+    def execute(self, sched: SchedulerOutput, adapter_slots: dict[str, int] | None = None
+                ) -> tuple[torch.Tensor, list[Request]]:
+        """Returns logits [R, vocab] and the R requests they belong to. `adapter_slots` maps
+        each scheduled request's adapter to its device slot."""
         for src, dst in sched.block_copies:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
+        self.model.lora_context.batch = self._lora_batch(sched, adapter_slots or {})
         input_ids, positions, meta, last_rows, sampled = self._prepare(sched)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not sampled:
             return hidden.new_empty(0, 0), []
         return self.model.compute_logits(hidden[last_rows]), sampled
+
+    @staticmethod
+    def _lora_batch(sched: SchedulerOutput, adapter_slots: dict[str, int]) -> LoRABatch | None:
+        if not adapter_slots:
+            return None
+        token_slots: list[int] = []
+        for req, num_new in sched.scheduled:
+            token_slots += [adapter_slots[req.adapter] if req.adapter is not None else -1] * num_new
+        return LoRABatch.build(token_slots)
 
     def _prepare(self, sched: SchedulerOutput):
         bs = self.block_size

@@ -103,13 +103,15 @@ class Request:
     prefills the prompt and the others fork from it, sharing its KV blocks."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 prompt: str | None = None, index: int = 0, extra_keys: tuple = ()) -> None:
+                 prompt: str | None = None, index: int = 0, extra_keys: tuple = (),
+                 adapter: str | None = None) -> None:
         self.request_id = request_id  # the group's id, shared by its n sequences
         self.index = index
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
-        self.extra_keys = extra_keys  # salt for prefix-cache hashes (adapter, grammar)
+        self.extra_keys = extra_keys  # salt for prefix-cache hashes (adapter content hash, grammar)
+        self.adapter = adapter  # LoRA adapter name; None: the base model
         self.output_token_ids: list[int] = []
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.status = RequestStatus.WAITING

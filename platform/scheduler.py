@@ -29,8 +29,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, max_loras: int = 1) -> None:
         self.kv = kv
+        self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -70,12 +71,18 @@ class Scheduler:
         out.block_copies = self.kv.take_copies()
         return out
 
+    def running_adapters(self) -> set[str]:
+        return {r.adapter for r in self.running if r.adapter is not None}
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        adapters = self.running_adapters()
         while self.waiting and budget > 0:
             req = self.waiting[0]
             group = req.pending_forks + 1
             if self.running and len(self.running) + group > self.max_num_seqs:
                 break
+            if req.adapter is not None and req.adapter not in adapters and len(adapters) >= self.max_loras:
+                break  # every slot is busy; FCFS, so requests of busy adapters do not overtake it
             hits, num_hit = ([], 0)
             if req.num_computed_tokens == 0:
                 hits, num_hit = self.kv.get_computed_blocks(req)
@@ -89,6 +96,8 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if req.adapter is not None:
+                adapters.add(req.adapter)
             out.scheduled.append((req, num_new))
             budget -= num_new
         return budget

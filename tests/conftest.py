@@ -99,3 +99,33 @@ def assert_all_blocks_free(engine) -> None:
     assert engine.kv.req_blocks == {}
     assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
     assert all(b.ref_cnt == 0 for b in engine.kv.pool.blocks)
+
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_peft_adapter(base_dir: Path, out_dir: Path, rank: int = 8, seed: int = 0, targets=None,
+                      scale: float = 1.0, **config) -> Path:
+    """A real PEFT LoRA folder (peft's own save_pretrained) with random, non-zero A and B."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets or ALL_TARGETS,
+                     init_lora_weights=False, **config)
+    model = get_peft_model(base, cfg)
+    if scale != 1.0:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.mul_(scale)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_adapters(tiny_model_dir, tmp_path_factory) -> list[Path]:
+    """8 adapters on the tiny model: ranks 8 and 16, all seven projections."""
+    root = tmp_path_factory.mktemp("adapters")
+    return [make_peft_adapter(tiny_model_dir, root / f"a{i}", rank=8 if i % 2 else 16, seed=i) for i in range(8)]

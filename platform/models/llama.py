@@ -16,6 +16,7 @@ from torch import nn
 
 from loraplex.kernels.paged_attention import PagedAttentionMetadata, paged_attention, write_kv
 from loraplex.platform.config import ModelConfig
+from loraplex.platform.models.lora_linear import LoRAContext, LoRALinear
 
 
 class RMSNorm(nn.Module):
@@ -68,13 +69,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, lora: LoRAContext) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = LoRALinear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, lora)
+        self.o_proj = LoRALinear(self.q_size, config.hidden_size, False, lora)
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, meta: PagedAttentionMetadata):
@@ -90,10 +91,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, lora: LoRAContext) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = LoRALinear(config.hidden_size, 2 * config.intermediate_size, False, lora)
+        self.down_proj = LoRALinear(config.intermediate_size, config.hidden_size, False, lora)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -101,12 +102,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, lora: LoRAContext) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, lora)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, lora)
 
     def forward(self, x, positions, rope, kv_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
@@ -117,8 +118,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_len: int) -> None:
         super().__init__()
         self.config = config
+        self.lora_context = LoRAContext()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, self.lora_context) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rope = RotaryEmbedding(config, max_len)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -132,6 +134,14 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, positions, self.rope, kv_cache, meta)
         return self.norm(x)
+
+    def attach_lora(self, slots) -> None:
+        """Point each LoRA-capable projection at its stacked slot weights."""
+        for layer, projections in zip(self.layers, slots.layers):
+            layer.self_attn.qkv_proj.lora = projections["qkv_proj"]
+            layer.self_attn.o_proj.lora = projections["o_proj"]
+            layer.mlp.gate_up_proj.lora = projections["gate_up_proj"]
+            layer.mlp.down_proj.lora = projections["down_proj"]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -1,0 +1,170 @@
+"""Read and validate a PEFT LoRA folder against the base model.
+
+Anything the engine would not apply exactly as peft does is refused with an error naming the
+adapter and the reason: nothing is ever silently ignored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from loraplex.platform.config import ModelConfig
+
+# peft module name -> (our fused layer, slice index within it)
+TARGETS = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}
+_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)"
+                  r"\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+
+
+class AdapterError(ValueError):
+    """A PEFT folder that cannot be served; the message names the adapter and the reason."""
+
+
+@dataclass
+class LoRAWeights:
+    name: str
+    path: str
+    rank: int
+    scaling: float
+    target_modules: frozenset[str]
+    # (layer, peft module) -> (A [r, in], B [out, r]) on the CPU
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+    content_hash: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+
+
+def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """peft module -> (in_features, out_features) of the base model."""
+    q, kv, h, i = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, \
+        config.hidden_size, config.intermediate_size
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def read_peft_adapter(name: str, path: str | Path, config: ModelConfig, max_lora_rank: int) -> LoRAWeights:
+    folder = Path(path)
+    fail = lambda reason: AdapterError(f"adapter {name!r} ({folder}): {reason}")  # noqa: E731
+    if not folder.is_dir():
+        raise fail("not a folder")
+    raw = _read_config(folder, fail)
+    _check_config(raw, max_lora_rank, fail)
+    rank = int(raw["r"])
+    alpha = float(raw.get("lora_alpha", rank))
+    scaling = alpha / rank ** 0.5 if raw.get("use_rslora") else alpha / rank
+    targets = _target_modules(raw.get("target_modules"), fail)
+    tensors = _read_weights(folder, fail)
+    weights = _collect(tensors, targets, rank, config, fail)
+    digest = hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode())
+    for key in sorted(tensors):
+        digest.update(key.encode())
+        digest.update(tensors[key].contiguous().view(torch.uint8).numpy().tobytes())
+    return LoRAWeights(name, str(folder), rank, scaling, frozenset(targets), weights, digest.hexdigest())
+
+
+def _read_config(folder: Path, fail) -> dict:
+    cfg = folder / "adapter_config.json"
+    if not cfg.is_file():
+        raise fail("adapter_config.json is missing")
+    try:
+        raw = json.loads(cfg.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise fail(f"adapter_config.json is not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise fail("adapter_config.json must hold a JSON object")
+    return raw
+
+
+def _check_config(raw: dict, max_lora_rank: int, fail) -> None:
+    if raw.get("peft_type", "LORA") != "LORA":
+        raise fail(f"peft_type {raw.get('peft_type')!r} is not supported (only LORA)")
+    if raw.get("use_dora"):
+        raise fail("DoRA (use_dora=true) is not supported")
+    if raw.get("modules_to_save"):
+        raise fail(f"modules_to_save {raw['modules_to_save']} is not supported (full weights, not LoRA)")
+    if raw.get("bias", "none") != "none" or raw.get("lora_bias"):
+        raise fail(f"bias={raw.get('bias')!r} is not supported (only 'none')")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if raw.get(key):
+            raise fail(f"{key} (per-module ranks or alphas) is not supported")
+    for key in ("layers_to_transform", "layer_replication", "target_parameters", "trainable_token_indices"):
+        if raw.get(key):
+            raise fail(f"{key} is not supported")
+    rank = raw.get("r")
+    if not isinstance(rank, int) or rank < 1:
+        raise fail(f"rank r must be a positive integer, got {rank!r}")
+    if rank > max_lora_rank:
+        raise fail(f"rank {rank} exceeds max_lora_rank={max_lora_rank}")
+
+
+def _target_modules(value, fail) -> set[str]:
+    if isinstance(value, str):  # peft: a regex matched against full module names
+        matched = {m for m in TARGETS if re.fullmatch(value, f"model.layers.0.self_attn.{m}")
+                   or re.fullmatch(value, f"model.layers.0.mlp.{m}") or value == m}
+        if not matched:
+            raise fail(f"target_modules regex {value!r} matches none of {sorted(TARGETS)}")
+        return matched
+    if value in ("all-linear",):
+        raise fail("target_modules='all-linear' includes lm_head, which is not supported; list the modules")
+    modules = set(value or [])
+    unknown = modules - set(TARGETS)
+    if unknown:
+        raise fail(f"unsupported target modules {sorted(unknown)}; supported: {sorted(TARGETS)}")
+    if not modules:
+        raise fail("target_modules is empty")
+    return modules
+
+
+def _read_weights(folder: Path, fail) -> dict[str, torch.Tensor]:
+    st, binary = folder / "adapter_model.safetensors", folder / "adapter_model.bin"
+    try:
+        if st.is_file():
+            from safetensors.torch import load_file
+
+            return load_file(str(st))
+        if binary.is_file():
+            return torch.load(binary, map_location="cpu", weights_only=True)
+    except Exception as exc:  # corrupt or truncated file: any reader error is the adapter's fault
+        raise fail(f"cannot read weights: {type(exc).__name__}: {exc}") from None
+    raise fail("adapter_model.safetensors (or .bin) is missing")
+
+
+def _collect(tensors: dict[str, torch.Tensor], targets: set[str], rank: int, config: ModelConfig, fail):
+    shapes = module_shapes(config)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.match(key)
+        if match is None:
+            raise fail(f"unexpected weight {key!r} (only LoRA A/B of {sorted(TARGETS)} are supported)")
+        layer, module, which = int(match[1]), match[2], match[3]
+        if module not in targets:
+            raise fail(f"weight {key!r} is for {module}, which target_modules does not list")
+        if layer >= config.num_layers:
+            raise fail(f"weight {key!r}: the base model has {config.num_layers} layers")
+        pairs.setdefault((layer, module), {})[which] = tensor
+    weights = {}
+    for (layer, module), ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise fail(f"layer {layer} {module}: lora_A and lora_B must both be present")
+        in_f, out_f = shapes[module]
+        a, b = ab["A"], ab["B"]
+        if tuple(a.shape) != (rank, in_f) or tuple(b.shape) != (out_f, rank):
+            raise fail(f"layer {layer} {module}: shapes A{tuple(a.shape)} B{tuple(b.shape)} do not fit the base "
+                       f"model (expected A({rank}, {in_f}) B({out_f}, {rank})): wrong base model?")
+        weights[(layer, module)] = (a.float(), b.float())
+    if not weights:
+        raise fail("no LoRA weights found")
+    return weights

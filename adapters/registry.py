@@ -1,0 +1,169 @@
+"""The adapter registry: name -> adapter; on disk -> CPU LRU (`max_cpu_loras`) -> device slot
+(`max_loras`); pins while requests use an adapter.
+
+Loading reads and validates the folder in the caller's thread (never the engine's); only the
+registration takes the lock. `unload` of a pinned adapter is refused with `AdapterInUseError`
+(the API answers 409): weights are never pulled from under a running request. Slots are filled
+by the engine thread between steps (`assign_slots`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.adapters.peft_format import AdapterError, LoRAWeights, read_peft_adapter
+from loraplex.adapters.slots import LoRASlots
+from loraplex.platform.config import ModelConfig
+
+
+class AdapterInUseError(AdapterError):
+    pass
+
+
+class UnknownAdapterError(AdapterError):
+    pass
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    name: str
+    path: str
+    rank: int
+    content_hash: str
+
+
+class AdapterRegistry:
+    def __init__(self, config: ModelConfig, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
+                 dtype: torch.dtype) -> None:
+        if max_loras < 1 or max_lora_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {max_loras}, {max_lora_rank}")
+        if max_cpu_loras < max_loras:
+            raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})")
+        self.config = config
+        self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
+        self.dtype = dtype
+        self._lock = threading.RLock()
+        self._adapters: dict[str, AdapterInfo] = {}
+        self._cpu: OrderedDict[str, LoRAWeights] = OrderedDict()  # LRU, most recent last
+        self._pins: Counter[str] = Counter()
+        self._slot_names: list[str | None] = [None] * max_loras
+        self._slot_hashes: list[str | None] = [None] * max_loras
+        self._slot_lru: OrderedDict[int, None] = OrderedDict((i, None) for i in range(max_loras))
+        self._slots: LoRASlots | None = None  # allocated with the first adapter
+        self.num_slot_loads = 0
+
+    # ---- registration (any thread) ----------------------------------------------------------
+
+    def load(self, name: str, path: str, replace: bool = False) -> AdapterInfo:
+        if not name or not isinstance(name, str) or ":" in name:
+            raise AdapterError(f"adapter name must be a non-empty string without ':', got {name!r}")
+        with self._lock:
+            if name in self._adapters and not replace:
+                raise AdapterError(f"adapter {name!r} is already loaded (from {self._adapters[name].path})")
+        weights = read_peft_adapter(name, path, self.config, self.max_lora_rank)  # slow part, unlocked
+        info = AdapterInfo(name, weights.path, weights.rank, weights.content_hash)
+        with self._lock:
+            if name in self._adapters:
+                if not replace:
+                    raise AdapterError(f"adapter {name!r} is already loaded (from {self._adapters[name].path})")
+                self._check_unpinned(name)
+            self._adapters[name] = info
+            self._cache(weights)
+        return info
+
+    def unload(self, name: str) -> None:
+        with self._lock:
+            self.get(name)
+            self._check_unpinned(name)
+            del self._adapters[name]
+            self._cpu.pop(name, None)
+
+    def get(self, name: str) -> AdapterInfo:
+        with self._lock:
+            info = self._adapters.get(name)
+        if info is None:
+            raise UnknownAdapterError(f"unknown adapter {name!r}; loaded: {sorted(self._adapters) or 'none'}")
+        return info
+
+    def list(self) -> list[AdapterInfo]:
+        with self._lock:
+            return list(self._adapters.values())
+
+    def pin(self, name: str) -> AdapterInfo:
+        with self._lock:
+            info = self.get(name)
+            self._pins[name] += 1
+            return info
+
+    def unpin(self, name: str) -> None:
+        with self._lock:
+            if self._pins[name] <= 0:
+                raise RuntimeError(f"adapter {name!r} unpinned more often than pinned")
+            self._pins[name] -= 1
+            if not self._pins[name]:
+                del self._pins[name]
+
+    def num_pins(self, name: str | None = None) -> int:
+        with self._lock:
+            return self._pins[name] if name else sum(self._pins.values())
+
+    def _check_unpinned(self, name: str) -> None:
+        if self._pins[name]:
+            raise AdapterInUseError(f"adapter {name!r} is in use by {self._pins[name]} request(s); "
+                                    f"unload it once they finish")
+
+    def _cache(self, weights: LoRAWeights) -> None:
+        self._cpu[weights.name] = weights
+        self._cpu.move_to_end(weights.name)
+        while len(self._cpu) > self.max_cpu_loras:
+            self._cpu.popitem(last=False)
+
+    # ---- device slots (engine thread) ---------------------------------------------------------
+
+    @property
+    def slots(self) -> LoRASlots | None:
+        return self._slots
+
+    def assign_slots(self, names: set[str]) -> dict[str, int]:
+        """Put every named adapter in a device slot, evicting the least recently used slots that
+        hold none of them. The scheduler admits at most `max_loras` distinct adapters at once."""
+        if len(names) > self.max_loras:
+            raise RuntimeError(f"{len(names)} adapters in flight, max_loras={self.max_loras}")
+        if self._slots is None:
+            self._slots = LoRASlots(self.config, self.max_loras, self.max_lora_rank, self.dtype)
+        with self._lock:
+            wanted = {n: self._adapters[n] for n in names}
+        out = {}
+        for name, info in wanted.items():
+            slot = self._resident_slot(info)
+            if slot is None:
+                slot = next(s for s in self._slot_lru if self._slot_names[s] not in names)
+                self._slots.load(slot, self._weights(info))
+                self._slot_names[slot], self._slot_hashes[slot] = name, info.content_hash
+                self.num_slot_loads += 1
+            self._slot_lru.move_to_end(slot)
+            out[name] = slot
+        return out
+
+    def _resident_slot(self, info: AdapterInfo) -> int | None:
+        for slot, (name, digest) in enumerate(zip(self._slot_names, self._slot_hashes)):
+            if name == info.name and digest == info.content_hash:
+                return slot
+        return None
+
+    def _weights(self, info: AdapterInfo) -> LoRAWeights:
+        with self._lock:
+            weights = self._cpu.get(info.name)
+            if weights is not None and weights.content_hash == info.content_hash:
+                self._cpu.move_to_end(info.name)
+                return weights
+        weights = read_peft_adapter(info.name, info.path, self.config, self.max_lora_rank)
+        if weights.content_hash != info.content_hash:
+            raise AdapterError(f"adapter {info.name!r} changed on disk since it was loaded ({info.path})")
+        with self._lock:
+            self._cache(weights)
+        return weights

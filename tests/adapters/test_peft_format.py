@@ -1,0 +1,99 @@
+"""Every refusal names the adapter and the reason; a good folder loads with a content hash."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import make_peft_adapter, make_tiny_model
+from loraplex.adapters.peft_format import AdapterError, read_peft_adapter
+from loraplex.platform.config import ModelConfig
+
+
+@pytest.fixture(scope="module")
+def config(tiny_model_dir):
+    return ModelConfig.from_folder(tiny_model_dir)
+
+
+@pytest.fixture
+def adapter(tiny_adapters, tmp_path):
+    folder = tmp_path / "ad"
+    shutil.copytree(tiny_adapters[1], folder)  # rank 8
+    return folder
+
+
+def edit_config(folder, **changes):
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    cfg.update(changes)
+    (folder / "adapter_config.json").write_text(json.dumps(cfg))
+
+
+def test_reads_weights_rank_scaling_and_hash(config, tiny_adapters):
+    w = read_peft_adapter("a1", tiny_adapters[1], config, max_lora_rank=16)
+    assert w.rank == 8 and w.scaling == 2.0 and len(w.weights) == 2 * 7
+    a, b = w.weights[(0, "q_proj")]
+    assert a.shape == (8, 64) and b.shape == (64, 8) and b.abs().sum() > 0
+    again = read_peft_adapter("other-name", tiny_adapters[1], config, 16)
+    assert again.content_hash == w.content_hash
+    assert read_peft_adapter("a3", tiny_adapters[3], config, 16).content_hash != w.content_hash
+
+
+def test_rslora_scaling(config, adapter):
+    edit_config(adapter, use_rslora=True)
+    assert read_peft_adapter("x", adapter, config, 16).scaling == pytest.approx(16 / 8 ** 0.5)
+
+
+@pytest.mark.parametrize("changes,reason", [
+    ({"use_dora": True}, "DoRA"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"target_modules": ["q_proj", "lm_head"]}, "unsupported target modules \\['lm_head'\\]"),
+    ({"target_modules": ["q_proj", "fc1"]}, "unsupported target modules \\['fc1'\\]"),
+    ({"bias": "all"}, "bias='all'"),
+    ({"r": 64}, "rank 64 exceeds max_lora_rank=16"),
+    ({"rank_pattern": {"q_proj": 4}}, "rank_pattern"),
+    ({"peft_type": "IA3"}, "peft_type 'IA3'"),
+])
+def test_refusals_name_adapter_and_reason(config, adapter, changes, reason):
+    edit_config(adapter, **changes)
+    with pytest.raises(AdapterError, match=f"adapter 'bad' .*{reason}"):
+        read_peft_adapter("bad", adapter, config, 16)
+
+
+def test_target_listed_but_weights_for_another_module(config, adapter):
+    edit_config(adapter, target_modules=["q_proj"])
+    with pytest.raises(AdapterError, match="which target_modules does not list"):
+        read_peft_adapter("bad", adapter, config, 16)
+
+
+def test_missing_and_corrupt_files(config, adapter, tmp_path):
+    with pytest.raises(AdapterError, match="not a folder"):
+        read_peft_adapter("bad", tmp_path / "nope", config, 16)
+    (adapter / "adapter_model.safetensors").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(AdapterError, match="cannot read weights"):
+        read_peft_adapter("bad", adapter, config, 16)
+    (adapter / "adapter_model.safetensors").unlink()
+    with pytest.raises(AdapterError, match="adapter_model.safetensors .* is missing"):
+        read_peft_adapter("bad", adapter, config, 16)
+    (adapter / "adapter_config.json").write_text("{not json")
+    with pytest.raises(AdapterError, match="not valid JSON"):
+        read_peft_adapter("bad", adapter, config, 16)
+    (adapter / "adapter_config.json").unlink()
+    with pytest.raises(AdapterError, match="adapter_config.json is missing"):
+        read_peft_adapter("bad", adapter, config, 16)
+
+
+def test_bin_weights_are_read(config, adapter):
+    from safetensors.torch import load_file
+
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    (adapter / "adapter_model.safetensors").unlink()
+    torch.save(tensors, adapter / "adapter_model.bin")
+    assert read_peft_adapter("bin", adapter, config, 16).rank == 8
+
+
+def test_wrong_base_model_is_refused(tmp_path, tiny_model_dir):
+    other = make_tiny_model(tmp_path / "wide", hidden_size=96, intermediate_size=128)
+    adapter = make_peft_adapter(other, tmp_path / "wide-ad", rank=4)
+    with pytest.raises(AdapterError, match="do not fit the base model"):
+        read_peft_adapter("wide", adapter, ModelConfig.from_folder(tiny_model_dir), 16)
