@@ -136,7 +136,7 @@ class AdapterRegistry:
         if self._slots is None:
             self._slots = LoRASlots(self.config, self.max_loras, self.max_lora_rank, self.dtype)
         with self._lock:
-            wanted = {n: self._adapters[n] for n in names}
+            wanted = {n: self._adapters[n] for n in sorted(names)}  # sorted: deterministic slots
         out = {}
         for name, info in wanted.items():
             slot = self._resident_slot(info)

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from loraplex.kernels.sgmv import LoRABatch, sgmv_expand, sgmv_expand_reference, sgmv_shrink, sgmv_shrink_reference
+from loraplex.kernels.sgmv import LoRABatch, sgmv_expand_reference, sgmv_lora, sgmv_shrink_reference
 
 # SmolLM2-135M's fused qkv projection: 576 -> 576 (q) + 192 (k) + 192 (v)
 IN, WIDTHS = 576, [576, 192, 192]
@@ -69,9 +69,7 @@ def rank_grouped(x, a, b, ranks, scales, batch, y, offsets, n):
 
 def chosen_cpu_path(x, a, b, ranks, scales, batch, y, offsets, n):
     """What the engine runs on CPU: `kernels/sgmv.py`'s dispatch."""
-    h = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32)
-    sgmv_shrink(x, a, ranks, batch, h, n)
-    sgmv_expand(h, b, ranks, scales, batch, y, offsets)
+    sgmv_lora(x, a, b, ranks, scales, batch, y, offsets)
 
 
 CANDIDATES = {"cpu-path (chosen)": chosen_cpu_path, "segment-grouped": segment_grouped, "gather+bmm": gather_bmm, "dense-all-slots": dense_all,

@@ -109,6 +109,29 @@ def _host_list(values) -> list:
 GATHER_BELOW_MEAN_SEGMENT = 8
 
 
+def sgmv_lora_cpu(x, lora_a, lora_b, ranks, scales, batch: LoRABatch, y, slice_offsets: list[int]):
+    """Shrink and expand fused per segment, for a whole LoRA layer: no [T, n*R] intermediate,
+    one `index_add_` per segment. Matmuls run in the model's dtype."""
+    num_slices = len(slice_offsets) - 1
+    if _gathered(batch):
+        h = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+        sgmv_shrink_cpu(x, lora_a, ranks, batch, h, num_slices)
+        return sgmv_expand_cpu(h, lora_b, ranks, scales, batch, y, slice_offsets)
+    ranks, scales = _host_list(ranks), _host_list(scales)
+    max_rank = lora_b.shape[2]
+    for slot, idx in batch.segments():
+        r = ranks[slot]
+        if r == 0:
+            continue
+        a = lora_a[slot].view(num_slices, max_rank, -1)[:, :r].reshape(num_slices * r, -1)
+        h = x.index_select(0, idx) @ a.T
+        delta = torch.empty(len(idx), y.shape[1], dtype=y.dtype, device=y.device)
+        for i, (lo, hi) in enumerate(zip(slice_offsets[:-1], slice_offsets[1:])):
+            torch.matmul(h[:, i * r:(i + 1) * r], lora_b[slot, lo:hi, :r].T, out=delta[:, lo:hi])
+        y.index_add_(0, idx, delta, alpha=scales[slot])
+    return y
+
+
 def _gathered(batch: LoRABatch) -> bool:
     return len(batch.token_order) < GATHER_BELOW_MEAN_SEGMENT * batch.num_segments
 
@@ -151,7 +174,7 @@ def sgmv_expand_cpu(h, lora_b, ranks, scales, batch: LoRABatch, y, slice_offsets
     for i, (lo, hi) in enumerate(zip(slice_offsets[:-1], slice_offsets[1:])):
         delta[:, lo:hi] = torch.bmm(b_tok[:, lo:hi], h_tok[:, i * max_rank:(i + 1) * max_rank, None])[:, :, 0]
     delta *= torch.tensor(scales, dtype=torch.float32, device=y.device)[slots][:, None]
-    y.index_copy_(0, idx, (_f32(y.index_select(0, idx)) + delta).to(y.dtype))
+    y.index_add_(0, idx, delta.to(y.dtype))
     return y
 
 
@@ -172,6 +195,15 @@ def sgmv_expand(h, lora_b, ranks, scales, batch: LoRABatch, y, slice_offsets: li
         return sgmv_expand_triton(h, lora_b, _as_tensor(ranks, torch.int32, y.device),
                                   _as_tensor(scales, torch.float32, y.device), batch, y, slice_offsets)
     return sgmv_expand_cpu(h, lora_b, ranks, scales, batch, y, slice_offsets)
+
+
+def sgmv_lora(x, lora_a, lora_b, ranks, scales, batch: LoRABatch, y, slice_offsets: list[int]):
+    """y += scale[s] * (x A[s]^T) B[s]^T for each token's slot s: one LoRA layer."""
+    if use_triton(y):
+        h = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+        sgmv_shrink(x, lora_a, ranks, batch, h, len(slice_offsets) - 1)
+        return sgmv_expand(h, lora_b, ranks, scales, batch, y, slice_offsets)
+    return sgmv_lora_cpu(x, lora_a, lora_b, ranks, scales, batch, y, slice_offsets)
 
 
 def _as_tensor(values, dtype, device) -> torch.Tensor:

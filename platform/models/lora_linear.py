@@ -2,7 +2,7 @@
 
 The stacked weights come from the adapter registry's device slots (`adapters/slots.py`); which
 slot each token uses comes from the step's `LoRABatch`, shared by every layer through one
-`LoRAContext`. Shrink and expand go through `kernels/sgmv.py` (Triton on CUDA, PyTorch on CPU).
+`LoRAContext`. Shrink and expand go through `kernels/sgmv.py` (Triton on CUDA, a fused PyTorch path on CPU).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loraplex.kernels.sgmv import LoRABatch, sgmv_expand, sgmv_shrink
+from loraplex.kernels.sgmv import LoRABatch, sgmv_lora
 
 
 class LoRAContext:
@@ -31,6 +31,4 @@ class LoRALinear(nn.Linear):
         batch, lora = self.context.batch, self.lora
         if batch is None or lora is None:
             return y
-        h = torch.zeros(x.shape[0], lora.a.shape[1], dtype=torch.float32, device=x.device)
-        sgmv_shrink(x, lora.a, lora.ranks, batch, h, lora.num_slices)
-        return sgmv_expand(h, lora.b, lora.ranks, lora.scales, batch, y, lora.offsets)
+        return sgmv_lora(x, lora.a, lora.b, lora.ranks, lora.scales, batch, y, lora.offsets)

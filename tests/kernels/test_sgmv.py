@@ -127,3 +127,7 @@ def test_cpu_path_matches_reference(tokens, slots):
         outs.append((h, y))
     torch.testing.assert_close(outs[1][0], outs[0][0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(outs[1][1], outs[0][1], atol=1e-5, rtol=1e-5)
+    from loraplex.kernels.sgmv import sgmv_lora_cpu
+
+    fused = sgmv_lora_cpu(x, a, b, ranks, scales, batch, y0.clone(), offsets)
+    torch.testing.assert_close(fused, outs[0][1], atol=1e-5, rtol=1e-5)

@@ -1,0 +1,158 @@
+"""Multi-LoRA throughput, side by side in ONE run: the base model alone; 1, 8, 16 and 64
+distinct adapters in one batch; peft's mixed batch (`adapter_names=`); peft one adapter at a
+time. Plus adapter load latency (disk -> registered, and -> in a device slot).
+
+    python benchmarks/multi_lora.py --batch 16 --new-tokens 32 --rank 16 --dtype float32
+
+Adapters are random PEFT folders (peft's own format, all seven projections, non-zero B) made
+in a temporary folder for the default model (or --model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from loraplex.platform import LLM, SamplingParams
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapters(base_dir: str, out: Path, count: int, rank: int) -> list[Path]:
+    """One adapter through peft, the others by re-drawing its tensors (same keys and shapes)."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS,
+                                            init_lora_weights=False))
+    first = out / "lora-0"
+    model.save_pretrained(first)
+    tensors = load_file(first / "adapter_model.safetensors")
+    folders = [first]
+    for i in range(1, count):
+        folder = out / f"lora-{i}"
+        shutil.copytree(first, folder)
+        g = torch.Generator().manual_seed(i)
+        fresh = {k: torch.randn(v.shape, generator=g) * v.std() for k, v in tensors.items()}
+        save_file(fresh, folder / "adapter_model.safetensors")
+        folders.append(folder)
+    return folders
+
+
+def prompts_of(tokenizer, batch: int) -> list[list[int]]:
+    return [tokenizer.apply_chat_template([{"role": "user", "content": f"Question {i}: tell me about paged "
+                                            f"attention and LoRA adapters in {10 + i} words."}],
+                                          tokenize=True, add_generation_prompt=True, return_dict=False)
+            for i in range(batch)]
+
+
+def run_loraplex(llm: LLM, prompts, adapters, new_tokens: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(max_tokens=2), adapter=adapters[:2])
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, adapter=adapters)
+    return len(prompts) * new_tokens / (time.perf_counter() - start)
+
+
+def run_hf(model, tokenizer, prompts, new_tokens: int, **generate_kwargs) -> float:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       do_sample=False, pad_token_id=pad, **generate_kwargs)
+    return len(prompts) * new_tokens / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--skip-peft-single", action="store_true", help="skip peft one adapter at a time (slow)")
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    counts = [1, 8, 16, 64]
+    widest = max(args.batch, max(counts))
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=1024, max_num_seqs=widest, num_kv_blocks=widest * 16,
+              max_loras=max(counts), max_lora_rank=args.rank, max_cpu_loras=max(counts))
+    base_dir = llm.engine.config.model
+    tokenizer = llm.get_tokenizer()
+    prompts = prompts_of(tokenizer, args.batch)
+    tmp = Path(tempfile.mkdtemp(prefix="loraplex-bench-"))
+    try:
+        folders = make_adapters(base_dir, tmp, max(counts), args.rank)
+        load_s = []
+        for i, folder in enumerate(folders):
+            t = time.perf_counter()
+            llm.load_adapter(f"lora-{i}", str(folder))
+            load_s.append(time.perf_counter() - t)
+        llm.engine.adapters.assign_slots({"lora-0"})  # allocates the slot tensors once
+        t = time.perf_counter()
+        llm.engine.adapters.assign_slots({"lora-1"})
+        slot_s = time.perf_counter() - t
+
+        print(f"model={base_dir} dtype={args.dtype} batch={args.batch} new_tokens={args.new_tokens} "
+              f"rank={args.rank} threads={torch.get_num_threads()}")
+        rows = [("base model alone", run_loraplex(llm, prompts, [None] * args.batch, args.new_tokens))]
+        for n in (c for c in counts if c <= args.batch):
+            names = [f"lora-{i % n}" for i in range(args.batch)]
+            rows.append((f"loraplex, {n} distinct adapters", run_loraplex(llm, prompts, names, args.new_tokens)))
+        wide = [c for c in counts if c > args.batch]  # more adapters than requests: a batch as wide as them
+        for n in wide:
+            wide_prompts = prompts_of(tokenizer, n)
+            base_wide = run_loraplex(llm, wide_prompts, [None] * n, args.new_tokens)
+            lora_wide = run_loraplex(llm, wide_prompts, [f"lora-{i}" for i in range(n)], args.new_tokens)
+            rows.append((f"(batch {n}) base model alone", base_wide))
+            rows.append((f"(batch {n}) loraplex, {n} adapters", lora_wide))
+
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype).eval()
+        hf.generation_config.eos_token_id = None
+        rows.append(("transformers base", run_hf(hf, tokenizer, prompts, args.new_tokens)))
+        n_mixed = min(16, args.batch)
+        peft = PeftModel.from_pretrained(hf, str(folders[0]), adapter_name="lora-0")
+        for i in range(1, n_mixed):
+            peft.load_adapter(str(folders[i]), adapter_name=f"lora-{i}")
+        peft.eval()
+        mixed = [f"lora-{i % n_mixed}" for i in range(args.batch)]
+        rows.append((f"peft mixed batch, {n_mixed} adapters", run_hf(peft, tokenizer, prompts, args.new_tokens,
+                                                                      adapter_names=mixed)))
+        if not args.skip_peft_single:
+            start = time.perf_counter()
+            for i, p in enumerate(prompts):
+                peft.set_adapter(mixed[i])
+                run_hf(peft, tokenizer, [p], args.new_tokens)
+            rows.append((f"peft one adapter at a time", args.batch * args.new_tokens / (time.perf_counter() - start)))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    base = rows[0][1]
+    print(f"{'configuration':<36} {'tok/s':>8} {'x base':>7}")
+    for name, tps in rows:
+        ref = dict(rows)[name.split(")")[0] + ") base model alone"] if name.startswith("(batch") else base
+        print(f"{name:<36} {tps:>8.1f} {tps / ref:>7.2f}")
+    lp16 = dict(rows).get("loraplex, 16 distinct adapters")
+    peft_mixed = next((t for n, t in rows if n.startswith("peft mixed")), None)
+    if lp16 and peft_mixed:
+        print(f"loraplex 16 adapters / peft mixed batch: {lp16 / peft_mixed:.1f}x")
+    print(f"adapter load (disk -> registered, rank {args.rank}): median {1e3 * statistics.median(load_s):.0f} ms; "
+          f"into a device slot: {1e3 * slot_s:.0f} ms")
+
+
+if __name__ == "__main__":
+    main()
