@@ -29,7 +29,9 @@ _EXPORTS: dict[str, dict[str, str]] = {
         "EngineConfig": "config",
         "Engine": "engine",
         "AsyncEngine": "async_engine",
+        "StructuredOutputs": "request",
     },
+    "grammar": {"StructuredOutputs": "backend", "GrammarError": "backend"},
 }
 
 

@@ -94,6 +94,8 @@ class EngineConfig:
     max_loras: int = 4  # distinct adapters in one batch (device slots)
     max_lora_rank: int = 16
     max_cpu_loras: int = 32  # adapters kept in CPU memory (LRU); others are re-read from disk
+    grammar_backend: str = "xgrammar"
+    grammar_compile_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraplex.adapters.registry import AdapterRegistry
+from loraplex.grammar.manager import GrammarManager
 from loraplex.platform.config import EngineConfig, ModelConfig
 from loraplex.platform.detokenizer import Detokenizer
 from loraplex.platform.kv_cache_manager import KVCacheManager, cdiv
@@ -57,7 +58,9 @@ class Engine:
                                         config.max_cpu_loras, dtype)
         self.runner = ModelRunner(self.model, self.model_config, self.kv, dtype)
         self.eos_token_ids = self._eos_token_ids()
-        self.sampler = Sampler(self.model_config.vocab_size, self.eos_token_ids, config.seed)
+        self.grammars = GrammarManager(self.tokenizer, self.model_config.vocab_size, list(self.eos_token_ids),
+                                       config.grammar_backend, config.grammar_compile_timeout_s)
+        self.sampler = Sampler(self.model_config.vocab_size, self.eos_token_ids, config.seed, self.grammars)
         self.groups: dict[str, _Group] = {}
         self._log_kv_size(num_blocks, dtype)
 
@@ -116,7 +119,10 @@ class Engine:
         bad_stop = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad_stop:
             raise ValueError(f"stop_token_ids must be in [0, {vocab}); got {bad_stop[:3]}")
-        return Request(request_id, ids, params, prompt=text, adapter=adapter)
+        request = Request(request_id, ids, params, prompt=text, adapter=adapter)
+        if params.structured is not None:  # compiled here, never on the engine thread
+            request.compiled_grammar = self.grammars.compile(params.structured)
+        return request
 
     def add(self, request: Request) -> None:
         if request.request_id in self.groups:
@@ -125,6 +131,8 @@ class Engine:
             # pinned until the group ends; the content hash keys its prefix cache, so a reloaded
             # adapter under the same name never sees the old one's KV
             request.extra_keys = ("lora", self.adapters.pin(request.adapter).content_hash)
+        if request.compiled_grammar is not None:
+            request.grammar = self.grammars.new_grammar(request.compiled_grammar)
         self.groups[request.request_id] = _Group([request], [self._detokenizer(request)])
         self.scheduler.add(request)
 
@@ -205,6 +213,9 @@ class Engine:
                             index=index, extra_keys=parent.extra_keys, adapter=parent.adapter)
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
+            if parent.compiled_grammar is not None:  # forks happen before any token: a fresh matcher
+                child.compiled_grammar = parent.compiled_grammar
+                child.grammar = self.grammars.new_grammar(parent.compiled_grammar)
             self.kv.fork(parent, child)
             self.scheduler.add_running(child)
             group.seqs.append(child)
@@ -222,8 +233,13 @@ class Engine:
         p = req.params
         detok = self.groups[req.request_id].detokenizers[req.index]
         stop_string = detok.append(token, check_stop=len(req.output_token_ids) >= p.min_tokens)
+        grammar_done = False
+        if req.grammar is not None:
+            if not req.grammar.accept_token(token):
+                raise RuntimeError(f"grammar rejected sampled token {token} of {req.seq_id}")
+            grammar_done = req.grammar.is_terminated()
         status = None
-        if token in self.eos_token_ids and not p.ignore_eos:
+        if grammar_done or (token in self.eos_token_ids and not p.ignore_eos):
             status = RequestStatus.FINISHED_STOPPED
         elif token in p.stop_token_ids:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loraplex.grammar.backend import StructuredOutputs
+
 
 @dataclass
 class SamplingParams:
@@ -26,6 +28,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives besides the sampled token
     skip_special_tokens: bool = True
+    structured: StructuredOutputs | None = None  # JSON Schema / json_object / regex / choice / EBNF
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,6 +53,8 @@ class SamplingParams:
         need(-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]")
         need(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]")
         need(self.repetition_penalty > 0, "repetition_penalty", "> 0")
+        need(self.structured is None or isinstance(self.structured, StructuredOutputs), "structured",
+             "a StructuredOutputs")
         need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
              "logprobs", "None or in [0, 20]")
 
@@ -112,6 +117,8 @@ class Request:
         self.params = params
         self.extra_keys = extra_keys  # salt for prefix-cache hashes (adapter content hash, grammar)
         self.adapter = adapter  # LoRA adapter name; None: the base model
+        self.compiled_grammar = None  # compiled spec, shared by the n sequences
+        self.grammar = None  # this sequence's matcher
         self.output_token_ids: list[int] = []
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.status = RequestStatus.WAITING

@@ -1,4 +1,5 @@
-"""Logits -> next tokens: penalties, temperature, top-k / top-p / min-p, seeded sampling, logprobs.
+"""Logits -> next tokens: grammar bitmask, penalties, temperature, top-k / top-p / min-p, seeded
+sampling, logprobs.
 
 Rows are requests; each transform touches only the rows that asked for it. Logprobs are those
 of the raw model distribution (before any transform), as vLLM reports them.
@@ -20,8 +21,9 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], seed: int = 0) -> None:
+    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], seed: int = 0, grammars=None) -> None:
         self.vocab_size = vocab_size
+        self.grammars = grammars  # a GrammarManager: fills and applies the structured rows' bitmask
         self.eos_token_ids = list(eos_token_ids)
         self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed
 
@@ -31,6 +33,8 @@ class Sampler:
         if any(r.params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = logits.clone()
+        if self.grammars is not None and any(r.grammar is not None for r in requests):
+            self.grammars.apply(logits, [r.grammar for r in requests])  # before any other transform
         self._block_early_stop(logits, requests)
         self._apply_penalties(logits, requests)
         token_ids = self._sample(logits, requests)

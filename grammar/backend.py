@@ -1,0 +1,82 @@
+"""What a request may ask for (`StructuredOutputs`) and what a backend must provide.
+
+A backend compiles a spec once (cached by a hash of the spec) and hands out one `Grammar` per
+sequence: it fills that sequence's row of the token bitmask, accepts sampled tokens, rolls
+back, and says when the output is complete. The sampler sees only bitmasks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+class GrammarError(ValueError):
+    """An invalid or unsupported spec, or a compile that failed or timed out."""
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """Exactly one of: a JSON Schema, any JSON object, a regex, a list of choices, an EBNF grammar."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    any_whitespace: bool = False  # JSON: allow free whitespace (bounded otherwise)
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise GrammarError(f"structured outputs need exactly one of json, json_object, regex, choice, "
+                               f"grammar; got {given or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                object.__setattr__(self, "json", json.loads(self.json))
+            except json.JSONDecodeError as exc:
+                raise GrammarError(f"json schema is not valid JSON: {exc}") from None
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise GrammarError(f"json schema must be an object, got {type(self.json).__name__}")
+        if self.choice is not None:
+            if not isinstance(self.choice, list) or not self.choice:
+                raise GrammarError("choice must be a non-empty list of strings")
+            if not all(isinstance(c, str) and c for c in self.choice):
+                raise GrammarError("choice must hold non-empty strings only")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise GrammarError(f"{name} must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        for kind in ("json", "regex", "choice", "grammar"):
+            if getattr(self, kind) is not None:
+                return kind
+        return "json_object"
+
+    @property
+    def key(self) -> str:
+        payload = {"kind": self.kind, "spec": getattr(self, self.kind), "ws": self.any_whitespace}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+class Grammar(Protocol):
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None: ...
+    def accept_token(self, token_id: int) -> bool: ...
+    def rollback(self, num_tokens: int) -> None: ...
+    def is_terminated(self) -> bool: ...
+
+
+class GrammarBackend(Protocol):
+    name: str
+
+    def compile(self, spec: StructuredOutputs) -> Any: ...
+    def new_grammar(self, compiled: Any, json_like: bool = False) -> Grammar: ...
+    def allocate_bitmask(self, rows: int) -> torch.Tensor: ...
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None: ...

@@ -1,0 +1,87 @@
+"""xgrammar: compiled grammars with a bounded cache, one GrammarMatcher per sequence."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+import xgrammar as xgr
+
+from loraplex.grammar.backend import GrammarError, StructuredOutputs
+from loraplex.grammar.json_schema import check_schema
+
+MAX_WHITESPACE = 2  # JSON separators without any_whitespace: no runaway spaces or newlines
+
+
+class XGrammarGrammar:
+    def __init__(self, compiled: xgr.CompiledGrammar, allowed: torch.Tensor | None = None) -> None:
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.allowed = allowed  # packed bitmask row ANDed into every fill
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.allowed is not None:
+            bitmask[row] &= self.allowed
+
+    def accept_token(self, token_id: int) -> bool:
+        return self.matcher.accept_token(token_id)
+
+    def rollback(self, num_tokens: int) -> None:
+        self.matcher.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+
+class XGrammarBackend:
+    name = "xgrammar"
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_bytes: int = 256 << 20) -> None:
+        # the model's vocab size: its logits can be wider than the tokenizer's vocabulary
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self.vocab_size = vocab_size
+        self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True, cache_limit_bytes=cache_bytes)
+        self.json_allowed = self._without_control_characters(info)
+
+    def _without_control_characters(self, info: xgr.TokenizerInfo) -> torch.Tensor:
+        """xgrammar's JSON strings admit raw control characters (only CR and LF are excluded),
+        which JSON forbids: JSON grammars never offer a token holding a byte below 0x20, save
+        tab / LF / CR between values when any_whitespace allows them."""
+        allowed = np.ones(-(-self.vocab_size // 32) * 32, dtype=bool)
+        for token_id, raw in enumerate(info.decoded_vocab):
+            if token_id in info.special_token_ids or token_id in info.stop_token_ids:
+                continue
+            allowed[token_id] = not any(b < 0x20 and b not in (9, 10, 13) for b in raw)
+        packed = np.packbits(allowed, bitorder="little").view("<i4")
+        return torch.from_numpy(packed.copy())
+
+    def compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
+        try:
+            if spec.kind == "json":
+                check_schema(spec.json)
+                return self.compiler.compile_json_schema(
+                    json.dumps(spec.json), any_whitespace=spec.any_whitespace, strict_mode=True,
+                    max_whitespace_cnt=None if spec.any_whitespace else MAX_WHITESPACE)
+            if spec.kind == "json_object":  # any object (the builtin JSON grammar admits any value)
+                return self.compiler.compile_json_schema(
+                    '{"type": "object"}', any_whitespace=spec.any_whitespace, strict_mode=False,
+                    max_whitespace_cnt=None if spec.any_whitespace else MAX_WHITESPACE)
+            if spec.kind == "regex":
+                return self.compiler.compile_regex(spec.regex)
+            if spec.kind == "choice":
+                return self.compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
+            return self.compiler.compile_grammar(spec.grammar)
+        except GrammarError:
+            raise
+        except Exception as exc:  # xgrammar reports bad specs as RuntimeError / ValueError
+            raise GrammarError(f"invalid {spec.kind}: {str(exc).strip().splitlines()[0]}") from None
+
+    def new_grammar(self, compiled: xgr.CompiledGrammar, json_like: bool = False) -> XGrammarGrammar:
+        return XGrammarGrammar(compiled, self.json_allowed if json_like else None)
+
+    def allocate_bitmask(self, rows: int) -> torch.Tensor:
+        return xgr.allocate_token_bitmask(rows, self.vocab_size)
+
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)

@@ -1,0 +1,94 @@
+"""Specs, compile errors, and random-logit walks through the masks to termination (no model)."""
+
+import json
+import re
+import time
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from loraplex.grammar.backend import GrammarError, StructuredOutputs
+from loraplex.grammar.manager import GrammarManager
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "tags", "kind"],
+          "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 99},
+                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 4},
+                                  "minItems": 1, "maxItems": 3},
+                         "kind": {"enum": ["a", "b"]},
+                         "note": {"anyOf": [{"type": "null"}, {"type": "boolean"}]}}}
+EBNF = 'root ::= expr\nexpr ::= num | "(" expr op expr ")"\nop ::= "+" | "*"\nnum ::= [1-9]'
+
+
+@pytest.fixture(scope="module")
+def manager(tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    return GrammarManager(tok, vocab_size=448, stop_token_ids=[tok.eos_token_id]), tok
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({}, "exactly one of"),
+    ({"json": {}, "regex": "a"}, "exactly one of"),
+    ({"choice": []}, "non-empty list"),
+    ({"choice": ["a", 3]}, "non-empty strings"),
+    ({"json": "{not json"}, "not valid JSON"),
+    ({"json": [1, 2]}, "must be an object"),
+    ({"regex": "  "}, "non-empty string"),
+])
+def test_bad_specs(kwargs, message):
+    with pytest.raises(GrammarError, match=message):
+        StructuredOutputs(**kwargs)
+
+
+@pytest.mark.parametrize("spec,message", [
+    (StructuredOutputs(regex="a(b"), "invalid regex"),
+    (StructuredOutputs(grammar="root ::= "), "invalid grammar"),
+    (StructuredOutputs(json={"type": "object", "properties": {"x": {"not": {"type": "string"}}}}), "'not' at #/properties/x"),
+    (StructuredOutputs(json={"type": "array", "uniqueItems": True}), "'uniqueItems'"),
+    (StructuredOutputs(json={"type": "integer", "multipleOf": 3}), "'multipleOf'"),
+])
+def test_compile_errors_are_clear(manager, spec, message):
+    with pytest.raises(GrammarError, match=message):
+        manager[0].compile(spec)
+
+
+def walk(manager, tok, spec, seed, max_steps=300):
+    """Sample from random logits through the mask until the grammar terminates."""
+    mgr = manager
+    grammar = mgr.new_grammar(mgr.compile(spec))
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(max_steps):
+        logits = torch.randn(1, 448, generator=g) * 3
+        mgr.apply(logits, [grammar])
+        token = int(torch.multinomial(torch.softmax(logits[0], -1), 1, generator=g))
+        assert grammar.accept_token(token)
+        if grammar.is_terminated():
+            return tok.decode(out)
+        out.append(token)
+    pytest.fail(f"no termination within {max_steps} steps: {tok.decode(out)!r}")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_walks_end_in_valid_output(manager, seed):
+    import jsonschema
+
+    mgr, tok = manager
+    text = walk(mgr, tok, StructuredOutputs(json=SCHEMA), seed)
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert re.fullmatch(r"[a-c]{2,4}-\d\d", walk(mgr, tok, StructuredOutputs(regex=r"[a-c]{2,4}-\d\d"), seed))
+    assert walk(mgr, tok, StructuredOutputs(choice=["yes", "no way", "maybe"]), seed) in ("yes", "no way", "maybe")
+    assert isinstance(json.loads(walk(mgr, tok, StructuredOutputs(json_object=True), seed, 2000)), dict)
+    expr = walk(mgr, tok, StructuredOutputs(grammar=EBNF), seed, 2000)
+    assert re.fullmatch(r"[()+*1-9]+", expr) and isinstance(eval(expr), int)  # parses as the grammar says
+
+
+def test_slow_compile_times_out_alone(manager, monkeypatch):
+    mgr, _ = manager
+    fast = mgr.compile(StructuredOutputs(regex="x+"))
+    slow = GrammarManager(*mgr._args, timeout_s=0.2)
+    real = slow.backend.compile
+    monkeypatch.setattr(slow.backend, "compile", lambda spec: (time.sleep(1.0), real(spec))[1])
+    with pytest.raises(GrammarError, match="longer than 0.2s"):
+        slow.compile(StructuredOutputs(regex="y+"))
+    assert fast is not None
