@@ -100,3 +100,48 @@ def test_default_model_samples_validate(default_model_dir):
     choice = llm.generate([prompt] * 3, [structured(s, choice=["red", "green", "blue"]) for s in range(3)])
     assert all(o.outputs[0].text in ("red", "green", "blue") for o in choice)
     assert_all_blocks_free(llm.engine)
+
+
+def test_structured_and_lora_requests_share_a_batch(tiny_model_dir, tiny_adapters):
+    import jsonschema
+
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, lora_modules={"a": str(tiny_adapters[0])})
+    prompts = [{"prompt_token_ids": [3, 4, 5, 6]}] * 3
+    params = [structured(5, json=SCHEMA), structured(6, json=SCHEMA), SamplingParams(max_tokens=5, ignore_eos=True)]
+    outs = llm.generate(prompts, params, adapter=["a", None, "a"])
+    for out in outs[:2]:
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
+    assert len(outs[2].outputs[0].token_ids) == 5
+    assert llm.engine.adapters.num_pins() == 0
+
+
+def test_slow_compile_never_stalls_other_requests(tiny_model_dir, monkeypatch):
+    """The compile runs in the submitting thread (against the pool): while one is stuck, the
+    engine thread keeps stepping other requests to completion."""
+    import threading
+
+    from loraplex.platform.async_engine import AsyncEngine
+
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64)
+    backend = llm.engine.grammars.backend
+    real = backend.compile
+    release = threading.Event()
+    monkeypatch.setattr(backend, "compile", lambda spec: (release.wait(30), real(spec))[1])
+    front = AsyncEngine(llm.engine)
+    slow_ids = []
+    slow = threading.Thread(target=lambda: slow_ids.append(
+        front.submit({"prompt_token_ids": [3, 4]}, structured(0, max_tokens=5, regex="x+"))))
+    try:
+        slow.start()
+        rid = front.submit({"prompt_token_ids": [3, 4, 5]}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        outs = list(front.stream(rid, timeout=30))
+        assert slow.is_alive()  # the other request finished while the compile was still stuck
+        release.set()
+        slow.join(30)
+        slow_out = list(front.stream(slow_ids[0], timeout=30))[-1].outputs[0]
+    finally:
+        release.set()
+        front.shutdown()
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 6
+    assert slow_out.finish_reason in ("stop", "length") and set(slow_out.text) <= {"x"}
+    assert_all_blocks_free(llm.engine)
