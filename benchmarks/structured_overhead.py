@@ -1,4 +1,5 @@
-"""Constrained vs unconstrained decoding in ONE run, plus the grammar's own costs.
+"""Constrained vs unconstrained decoding in ONE run (and constrained with jump-forward), plus
+the grammar's own costs.
 
     python benchmarks/structured_overhead.py --batch 16 --new-tokens 32
 
@@ -11,6 +12,7 @@ the schema cold and from the cache.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -65,13 +67,21 @@ def main() -> None:
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         return tokens / (time.perf_counter() - start), tokens
 
+    engine = llm.engine
+    engine.config = dataclasses.replace(engine.config, jump_forward=False)
     free_tps, free_tokens = run(None)
     apply_times.clear()
     json_tps, json_tokens = run(spec)
+    engine.config = dataclasses.replace(engine.config, jump_forward=True)
+    jumped_before = engine.num_jump_forward_tokens
+    jump_tps, jump_tokens = run(spec)
+    jumped = engine.num_jump_forward_tokens - jumped_before
     print(f"model={llm.engine.config.model} dtype={args.dtype} batch={args.batch} new_tokens={args.new_tokens} "
           f"threads={torch.get_num_threads()}")
     print(f"unconstrained: {free_tps:.1f} tok/s ({free_tokens} tokens)")
     print(f"JSON schema:   {json_tps:.1f} tok/s ({json_tokens} tokens)   ratio {json_tps / free_tps:.2f}x")
+    print(f"JSON schema + jump-forward: {jump_tps:.1f} tok/s ({jump_tokens} tokens, {jumped} appended without "
+          f"their own forward pass)   ratio {jump_tps / free_tps:.2f}x")
     print(f"bitmask fill + apply per step (batch {args.batch}): median {1e3 * statistics.median(apply_times):.2f} ms, "
           f"p99 {1e3 * sorted(apply_times)[int(0.99 * (len(apply_times) - 1))]:.2f} ms over {len(apply_times)} steps")
     print(f"compile: cold {1e3 * cold:.1f} ms, cached {1e3 * cached:.2f} ms")

@@ -33,6 +33,10 @@ class XGrammarGrammar:
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
 
+    def jump_forward_string(self) -> str:
+        """The text the grammar forces next (empty when there is a choice)."""
+        return self.matcher.find_jump_forward_string()
+
 
 class XGrammarBackend:
     name = "xgrammar"

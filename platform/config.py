@@ -96,6 +96,7 @@ class EngineConfig:
     max_cpu_loras: int = 32  # adapters kept in CPU memory (LRU); others are re-read from disk
     grammar_backend: str = "xgrammar"
     grammar_compile_timeout_s: float = 10.0
+    jump_forward: bool = True  # append grammar-forced tokens without a forward pass each
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:

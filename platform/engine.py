@@ -62,6 +62,7 @@ class Engine:
                                        config.grammar_backend, config.grammar_compile_timeout_s)
         self.sampler = Sampler(self.model_config.vocab_size, self.eos_token_ids, config.seed, self.grammars)
         self.groups: dict[str, _Group] = {}
+        self.num_jump_forward_tokens = 0
         self._log_kv_size(num_blocks, dtype)
 
     def _eos_token_ids(self) -> tuple[int, ...]:
@@ -184,6 +185,7 @@ class Engine:
             sampled = self.sampler(logits[rows], batch)
             for seq, token, logprobs in zip(batch, sampled.token_ids, sampled.logprobs):
                 self._append(seq, token, logprobs)
+                self._jump_forward(seq)
                 touched[seq.request_id] = None
         outputs = []
         for request_id in touched:
@@ -223,6 +225,35 @@ class Engine:
             children.append(child)
         parent.pending_forks = 0
         return children
+
+    def _jump_forward(self, req: Request) -> None:
+        """Append the tokens a grammar forces next (keys, punctuation, closing brackets). They
+        are computed next step in one chunk with the request's other new token, instead of one
+        forward pass each. Only a canonical tokenization is taken: the forced text must encode
+        the same alone and after the last token, and its last token, which could merge with
+        what follows, is left for the model."""
+        if not self.config.jump_forward or req.grammar is None or req.status.finished:
+            return
+        forced = req.grammar.jump_forward_string()
+        if not forced:
+            return
+        tokens = self.tokenizer.encode(forced, add_special_tokens=False)
+        last = req.output_token_ids[-1]
+        joined = self.tokenizer.encode(self.tokenizer.decode([last]) + forced, add_special_tokens=False)
+        if self.tokenizer.decode(tokens) != forced or joined != [last, *tokens]:
+            return
+        tokens = tokens[:-1][:req.params.max_tokens - len(req.output_token_ids)]
+        accepted = 0
+        for token in tokens:  # dry run: append only what the matcher takes
+            if not req.grammar.accept_token(token):
+                break
+            accepted += 1
+        req.grammar.rollback(accepted)
+        for token in tokens[:accepted]:
+            self._append(req, token, {token: Logprob(0.0, 1)} if req.logprobs is not None else None)
+            self.num_jump_forward_tokens += 1
+            if req.status.finished:
+                break
 
     def _append(self, req: Request, token: int, logprobs: dict[int, Logprob] | None) -> None:
         req.output_token_ids.append(token)

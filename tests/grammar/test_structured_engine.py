@@ -145,3 +145,27 @@ def test_slow_compile_never_stalls_other_requests(tiny_model_dir, monkeypatch):
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 6
     assert slow_out.finish_reason in ("stop", "length") and set(slow_out.text) <= {"x"}
     assert_all_blocks_free(llm.engine)
+
+
+def test_jump_forward_appends_forced_tokens_and_output_stays_valid(tiny_model_dir):
+    import jsonschema
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["alpha", "beta", "gamma"],
+              "properties": {k: {"type": "integer", "minimum": 0, "maximum": 9} for k in ("alpha", "beta", "gamma")}}
+    prompts = [{"prompt_token_ids": [3, 4, 5]}] * 4
+    results = {}
+    for jump in (False, True):
+        llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, jump_forward=jump)
+        steps = 0
+        for i, p in enumerate(prompts):
+            llm.engine.add_request(f"r{i}", p, structured(i, max_tokens=80, json=schema))
+        outs = []
+        while llm.engine.has_unfinished():
+            outs += [o for o in llm.engine.step() if o.finished]
+            steps += 1
+        for out in outs:
+            jsonschema.validate(json.loads(out.outputs[0].text), schema)
+        results[jump] = (steps, llm.engine.num_jump_forward_tokens)
+        assert_all_blocks_free(llm.engine)
+    assert results[False][1] == 0 and results[True][1] > 0
+    assert results[True][0] < results[False][0]  # fewer forward passes for the same outputs' shape
