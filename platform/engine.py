@@ -266,8 +266,10 @@ class Engine:
         stop_string = detok.append(token, check_stop=len(req.output_token_ids) >= p.min_tokens)
         grammar_done = False
         if req.grammar is not None:
-            if not req.grammar.accept_token(token):
-                raise RuntimeError(f"grammar rejected sampled token {token} of {req.seq_id}")
+            if not req.grammar.accept_token(token):  # cannot happen with a sane mask: end this one only
+                req.stop_reason = f"grammar rejected token {token}"
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+                return
             grammar_done = req.grammar.is_terminated()
         status = None
         if grammar_done or (token in self.eos_token_ids and not p.ignore_eos):

@@ -45,11 +45,16 @@ class Sampler:
         return SamplerOutput(token_ids, logprobs)
 
     def _block_early_stop(self, logits: torch.Tensor, requests: list[Request]) -> None:
-        """min_tokens: no EOS or stop token before the request has that many tokens."""
+        """min_tokens: no EOS or stop token before the request has that many tokens, unless a
+        grammar allows nothing else (its output is complete: ending beats an invalid token)."""
         for i, r in enumerate(requests):
             if len(r.output_token_ids) < r.params.min_tokens:
-                stops = r.params.stop_token_ids + ([] if r.params.ignore_eos else self.eos_token_ids)
-                logits[i, [t for t in stops if t < logits.shape[1]]] = float("-inf")
+                stops = [t for t in r.params.stop_token_ids + ([] if r.params.ignore_eos else self.eos_token_ids)
+                         if t < logits.shape[1]]
+                kept = logits[i, stops].clone()
+                logits[i, stops] = float("-inf")
+                if r.grammar is not None and bool(torch.isinf(logits[i]).all()):
+                    logits[i, stops] = kept
 
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> None:
         for i, r in enumerate(requests):

@@ -169,3 +169,10 @@ def test_jump_forward_appends_forced_tokens_and_output_stays_valid(tiny_model_di
         assert_all_blocks_free(llm.engine)
     assert results[False][1] == 0 and results[True][1] > 0
     assert results[True][0] < results[False][0]  # fewer forward passes for the same outputs' shape
+
+
+def test_min_tokens_never_forces_a_token_the_grammar_forbids(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=32)
+    params = SamplingParams(temperature=0, max_tokens=20, min_tokens=10, structured=StructuredOutputs(choice=["ab"]))
+    out = llm.generate([{"prompt_token_ids": [3, 4]}], params)[0].outputs[0]
+    assert out.text == "ab" and out.finish_reason == "stop"
