@@ -116,11 +116,18 @@ class AdapterRegistry:
             raise AdapterInUseError(f"adapter {name!r} is in use by {self._pins[name]} request(s); "
                                     f"unload it once they finish")
 
+    def prefetch(self, name: str) -> None:
+        """Make sure the adapter's weights are in CPU memory, reading them from disk in the
+        caller's thread if the LRU dropped them, so the engine thread never reads disk for it."""
+        self._weights(self.get(name))
+
     def _cache(self, weights: LoRAWeights) -> None:
         self._cpu[weights.name] = weights
         self._cpu.move_to_end(weights.name)
-        while len(self._cpu) > self.max_cpu_loras:
-            self._cpu.popitem(last=False)
+        # least recently used first, but never an adapter that requests are using
+        evictable = [n for n in self._cpu if not self._pins[n] and n != weights.name]
+        while len(self._cpu) > self.max_cpu_loras and evictable:
+            del self._cpu[evictable.pop(0)]
 
     # ---- device slots (engine thread) ---------------------------------------------------------
 

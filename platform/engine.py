@@ -89,7 +89,7 @@ class Engine:
         """Tokenize and validate; raises ValueError naming the field and the limit (an unknown
         adapter too). Touches no engine state, so any thread may call it."""
         if adapter is not None:
-            self.adapters.get(adapter)
+            self.adapters.prefetch(adapter)  # disk reads happen here, never on the engine thread
         text = None
         if isinstance(prompt, str):
             text = prompt

@@ -81,3 +81,21 @@ def test_concurrent_loads_are_safe(registry, tiny_adapters):
     for t in threads:
         t.join()
     assert errors == [] and len(registry.list()) == 8
+
+
+def test_cpu_lru_keeps_pinned_adapters_and_prefetch_reads_them_back(registry, tiny_adapters, monkeypatch):
+    import loraplex.adapters.registry as reg
+
+    for i in range(3):
+        registry.load(f"a{i}", str(tiny_adapters[i]))
+    registry.pin("a0")
+    registry.load("a3", str(tiny_adapters[3]))  # over max_cpu_loras=3: evicts a1, not pinned a0
+    assert list(registry._cpu) == ["a0", "a2", "a3"]
+    reads = []
+    real = reg.read_peft_adapter
+    monkeypatch.setattr(reg, "read_peft_adapter", lambda *a, **k: reads.append(a[0]) or real(*a, **k))
+    registry.prefetch("a1")  # back from disk, in the caller's thread
+    assert reads == ["a1"] and "a1" in registry._cpu and "a0" in registry._cpu
+    registry.assign_slots({"a1"})
+    assert reads == ["a1"]  # the engine-side slot load found it in memory
+    registry.unpin("a0")
