@@ -21,10 +21,6 @@ def set_backend(name: str) -> None:
     _backend = name
 
 
-def get_backend() -> str:
-    return _backend
-
-
 def triton_available() -> bool:
     try:
         import triton  # noqa: F401

@@ -135,8 +135,3 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached[block_hash] = block
-
-    def reset_prefix_cache(self) -> None:
-        for block in list(self.cached.values()):
-            block.block_hash = None
-        self.cached.clear()

@@ -25,10 +25,6 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
-    @property
-    def usage(self) -> float:
-        return self.pool.usage
-
     def block_ids(self, request: Request) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request.seq_id, [])]
 

@@ -143,10 +143,6 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.finished else None
 

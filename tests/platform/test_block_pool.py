@@ -18,7 +18,7 @@ def test_free_queue_removes_from_the_middle_and_keeps_order():
 def test_ref_counts_and_double_free():
     pool = BlockPool(4)
     a, b = pool.get_new_blocks(2)
-    assert (a.ref_cnt, b.ref_cnt, pool.num_free_blocks) == (1, 1, 2)
+    assert (a.ref_cnt, b.ref_cnt, pool.num_free_blocks, pool.usage) == (1, 1, 2, 0.5)
     pool.touch([a])
     pool.free_blocks([a])
     assert a.ref_cnt == 1 and pool.num_free_blocks == 2
