@@ -37,11 +37,8 @@ def cuda_time(fn, repeats: int = 50) -> float:
 
 
 def with_backend(name, fn):
-    dispatch.set_backend(name)
-    try:
+    with dispatch.forced_backend(name):
         return fn()
-    finally:
-        dispatch.set_backend("auto")
 
 
 def sgmv_case(num_tokens, num_adapters, rank, hidden, widths, dtype):

@@ -1,12 +1,13 @@
 """Which implementation a kernel call takes: Triton on CUDA tensors, the PyTorch path on CPU.
 
-`LORAPLEX_KERNELS=triton|torch` (or `set_backend`) forces one. Forcing Triton on CPU tensors
+`LORAPLEX_KERNELS=triton|torch` (or `set_backend` / `forced_backend`) forces one. Forcing Triton on CPU tensors
 works only under `TRITON_INTERPRET=1`, which is how the tests check the kernels without a GPU.
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
 
@@ -19,6 +20,17 @@ def set_backend(name: str) -> None:
     if name not in BACKENDS:
         raise ValueError(f"kernel backend must be one of {BACKENDS}, got {name!r}")
     _backend = name
+
+
+@contextmanager
+def forced_backend(name: str):
+    """Run a block with one backend forced, then restore whatever was set before."""
+    previous = _backend
+    set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(previous)
 
 
 def triton_available() -> bool:

@@ -25,6 +25,7 @@ class LoRABatch:
     """Per-step grouping of tokens by adapter slot, shared by every LoRA layer."""
 
     token_order: torch.Tensor  # [N] indices of tokens with a slot, sorted by slot (stable)
+    order_slots: torch.Tensor  # [N] the slot of each token in token_order
     seg_starts: torch.Tensor  # [G + 1] int32 offsets into token_order
     seg_slots: torch.Tensor  # [G] int32 slot of each segment
     max_seg_len: int
@@ -41,6 +42,7 @@ class LoRABatch:
         starts = [0] + torch.cumsum(counts, 0).tolist()
         return LoRABatch(
             token_order=order.to(device),
+            order_slots=sorted_slots.to(device),
             seg_starts=torch.tensor(starts, dtype=torch.int32, device=device),
             seg_slots=uniq.to(torch.int32).to(device),
             max_seg_len=int(counts.max()) if len(counts) else 0,
@@ -136,11 +138,6 @@ def _gathered(batch: LoRABatch) -> bool:
     return len(batch.token_order) < GATHER_BELOW_MEAN_SEGMENT * batch.num_segments
 
 
-def _token_slots(batch: LoRABatch) -> torch.Tensor:
-    counts = torch.tensor(batch.host_starts[1:]) - torch.tensor(batch.host_starts[:-1])
-    return torch.repeat_interleave(torch.tensor(batch.host_slots), counts).to(batch.token_order.device)
-
-
 def _rank_mask(ranks: list[int], slots: torch.Tensor, num_slices: int, max_rank: int) -> torch.Tensor:
     """[N, num_slices * max_rank]: True where a column lies within the token's slot rank."""
     cols = torch.arange(max_rank, device=slots.device).repeat(num_slices)
@@ -151,7 +148,7 @@ def sgmv_shrink_cpu(x, lora_a, ranks, batch: LoRABatch, out, num_slices: int = 1
     if not _gathered(batch):
         return sgmv_shrink_reference(x, lora_a, ranks, batch, out, num_slices)
     ranks = _host_list(ranks)
-    slots = _token_slots(batch)
+    slots = batch.order_slots
     idx = batch.token_order
     h = torch.bmm(_f32(lora_a[slots]), _f32(x.index_select(0, idx))[:, :, None])[:, :, 0]
     keep = _rank_mask(ranks, slots, num_slices, lora_a.shape[1] // num_slices)
@@ -164,7 +161,7 @@ def sgmv_expand_cpu(h, lora_b, ranks, scales, batch: LoRABatch, y, slice_offsets
     if not _gathered(batch):
         return sgmv_expand_reference(h, lora_b, ranks, scales, batch, y, slice_offsets)
     ranks, scales = _host_list(ranks), _host_list(scales)
-    slots = _token_slots(batch)
+    slots = batch.order_slots
     idx = batch.token_order
     max_rank = lora_b.shape[2]
     num_slices = len(slice_offsets) - 1

@@ -31,11 +31,11 @@ class KVCacheManager:
     def block_hashes(self, request: Request) -> list[bytes]:
         """Hashes of the request's full blocks, extended lazily as its tokens grow."""
         hashes = self._hashes.setdefault(request.seq_id, [])
-        tokens = request.all_token_ids
         bs = self.block_size
-        for i in range(len(hashes), len(tokens) // bs):
+        for i in range(len(hashes), request.num_tokens // bs):
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tuple(tokens[i * bs:(i + 1) * bs]), request.extra_keys))
+            block = tuple(request.token_slice(i * bs, (i + 1) * bs))
+            hashes.append(hash_block(parent, block, request.extra_keys))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:

@@ -65,7 +65,7 @@ class ModelRunner:
             begin = req.num_computed_tokens
             end = begin + num_new
             table = self.kv.block_ids(req)
-            token_ids += req.all_token_ids[begin:end]
+            token_ids += req.token_slice(begin, end)
             positions += range(begin, end)
             slots += [table[p // bs] * bs + p % bs for p in range(begin, end)]
             tables.append(table)

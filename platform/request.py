@@ -138,6 +138,13 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, begin: int, end: int) -> list[int]:
+        """all_token_ids[begin:end] without building the whole list (hot path)."""
+        n = len(self.prompt_token_ids)
+        if begin >= n:
+            return self.output_token_ids[begin - n:end - n]
+        return self.prompt_token_ids[begin:end] + self.output_token_ids[:max(0, end - n)]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -4,9 +4,14 @@ import sys
 from loraplex.api.cli import main
 
 
-def test_generate_with_chat_template(tiny_model_dir, capsys):
+def test_generate_with_chat_template(tiny_model_dir, tiny_llm, capsys):
+    from loraplex.platform import SamplingParams
+
     assert main(["generate", "hello world", "--model", str(tiny_model_dir), "--max-tokens", "4", "--chat"]) == 0
-    assert capsys.readouterr().out.endswith("\n")
+    prompt = tiny_llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "hello world"}],
+                                                          tokenize=False, add_generation_prompt=True)
+    text = tiny_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].text
+    assert capsys.readouterr().out == text + "\n"
 
 
 def test_generate_matches_the_offline_api(tiny_model_dir, tiny_llm, capsys):

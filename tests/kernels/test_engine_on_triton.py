@@ -16,9 +16,6 @@ def test_engine_tokens_match_across_kernel_backends(tiny_model_dir):
               enable_prefix_caching=False)
     results = {}
     for backend in ("torch", "triton"):
-        dispatch.set_backend(backend)
-        try:
+        with dispatch.forced_backend(backend):
             results[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        finally:
-            dispatch.set_backend("auto")
     assert results["triton"] == results["torch"]

@@ -43,11 +43,20 @@ def make_case(seed, query_lens, cached_lens, num_heads, num_kv_heads, head_dim, 
 
 
 def attend(backend, query, k_cache, v_cache, meta, scale):
-    dispatch.set_backend(backend)
-    try:
+    with dispatch.forced_backend(backend):
         return paged_attention(query.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), meta, scale).cpu()
-    finally:
-        dispatch.set_backend("auto")
+
+
+def write_both(key, value, slots, dtype):
+    """(k_cache, v_cache) after write_kv on each backend: torch first, then triton."""
+    out = []
+    for backend in ("torch", "triton"):
+        with dispatch.forced_backend(backend):
+            kc = torch.zeros(2, 16, 2, 16, dtype=dtype, device=DEVICE)
+            vc = torch.zeros_like(kc)
+            write_kv(key.to(DEVICE), value.to(DEVICE), kc, vc, slots.to(DEVICE))
+            out.append((kc.cpu(), vc.cpu()))
+    return out
 
 
 CASES = [
@@ -89,17 +98,7 @@ def test_write_kv_skips_negative_slots(dtype):
     key = torch.randn(6, 2, 16, generator=g).to(dtype)
     value = torch.randn(6, 2, 16, generator=g).to(dtype)
     slots = torch.tensor([3, -1, 17, 0, -1, 31])
-    results = []
-    for backend in ("torch", "triton"):
-        dispatch.set_backend(backend)
-        try:
-            kc = torch.zeros(2, 16, 2, 16, dtype=dtype, device=DEVICE)
-            vc = torch.zeros_like(kc)
-            write_kv(key.to(DEVICE), value.to(DEVICE), kc, vc, slots.to(DEVICE))
-            results.append((kc.cpu(), vc.cpu()))
-        finally:
-            dispatch.set_backend("auto")
-    (kr, vr), (kt, vt) = results
+    (kr, vr), (kt, vt) = write_both(key, value, slots, dtype)
     assert torch.equal(kr, kt) and torch.equal(vr, vt)
     assert torch.equal(kr.view(-1, 2, 16)[17], key[2]) and int((kr != 0).any(-1).any(-1).sum()) == 4
 
@@ -110,17 +109,9 @@ def test_write_kv_from_a_strided_qkv_split():
     _, k, v = qkv.split([32, 32, 32], dim=-1)
     k, v = k.view(5, 2, 16), v.view(5, 2, 16)
     slots = torch.tensor([0, 1, 2, 20, 21])
-    outs = []
-    for backend in ("torch", "triton"):
-        dispatch.set_backend(backend)
-        try:
-            kc = torch.zeros(2, 16, 2, 16, device=DEVICE)
-            vc = torch.zeros_like(kc)
-            write_kv(k.to(DEVICE), v.to(DEVICE), kc, vc, slots.to(DEVICE))
-            outs.append(torch.cat([kc.cpu(), vc.cpu()]))
-        finally:
-            dispatch.set_backend("auto")
-    assert torch.equal(outs[0], outs[1])
+    (kr, vr), (kt, vt) = write_both(k, v, slots, torch.float32)
+    assert torch.equal(kr, kt) and torch.equal(vr, vt)
+    assert torch.equal(kr.view(-1, 2, 16)[20], k[3])
 
 
 @pytest.mark.slow

@@ -29,8 +29,7 @@ def case(seed, num_tokens, num_slots, max_rank, in_features, widths, dtype, none
 
 
 def run(backend, slots, ranks, x, a, b, scales, offsets, y0):
-    dispatch.set_backend(backend)
-    try:
+    with dispatch.forced_backend(backend):
         batch = LoRABatch.build(slots, DEVICE)
         n = len(offsets) - 1
         h = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=DEVICE)
@@ -38,8 +37,6 @@ def run(backend, slots, ranks, x, a, b, scales, offsets, y0):
         y = y0.clone().to(DEVICE)
         sgmv_expand(h, b.to(DEVICE), ranks, scales, batch, y, offsets)
         return h.cpu(), y.cpu()
-    finally:
-        dispatch.set_backend("auto")
 
 
 CASES = [
@@ -131,3 +128,13 @@ def test_cpu_path_matches_reference(tokens, slots):
 
     fused = sgmv_lora_cpu(x, a, b, ranks, scales, batch, y0.clone(), offsets)
     torch.testing.assert_close(fused, outs[0][1], atol=1e-5, rtol=1e-5)
+
+
+def test_forced_backend_restores_the_previous_choice():
+    dispatch.set_backend("torch")
+    try:
+        with dispatch.forced_backend("triton"):
+            assert dispatch._backend == "triton"
+        assert dispatch._backend == "torch"
+    finally:
+        dispatch.set_backend("auto")

@@ -81,3 +81,11 @@ def test_hit_rate_counts_tokens():
     admit(kv, req("a", list(range(9))))
     admit(kv, req("b", list(range(9))))
     assert kv.prefix_cache_hit_rate == 8 / 18
+
+
+def test_token_slice_matches_the_full_list():
+    r = req("a", [1, 2, 3, 4, 5])
+    r.output_token_ids = [6, 7, 8]
+    for begin in range(9):
+        for end in range(begin, 9):
+            assert r.token_slice(begin, end) == r.all_token_ids[begin:end]
