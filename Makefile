@@ -6,7 +6,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 STAMP := $(VENV)/.deps-installed
 MODEL_STAMP := $(VENV)/.default-model
 
-.PHONY: setup model test test-all bench clean
+.PHONY: setup model serve test test-all bench clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,15 @@ $(STAMP): requirements.txt pyproject.toml | $(PY)
 # it is a no-op once the folder is complete.
 model: $(STAMP)
 	$(VENV)/bin/loraplex default-model
+
+# Serves the default model on 127.0.0.1:8000; the admin endpoint may load adapters from the cache's
+# adapters/ folder. Extra flags: make serve SERVE_ARGS="--api-key secret --max-loras 8".
+ADAPTER_ROOT := $(or $(LORAPLEX_CACHE),$(HOME)/.cache/loraplex)/adapters
+HOST ?= 127.0.0.1
+PORT ?= 8000
+serve: model
+	mkdir -p $(ADAPTER_ROOT)
+	$(VENV)/bin/loraplex serve --host $(HOST) --port $(PORT) --adapter-root $(ADAPTER_ROOT) $(SERVE_ARGS)
 
 test: model
 	$(PY) -m pytest -q

@@ -27,6 +27,29 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _size(text: str) -> int:
+    """Bytes from '1073741824', '512MiB', '1GiB' or '2GB'."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    lowered = text.strip().lower()
+    for unit, factor in units.items():
+        if lowered.endswith(unit) and lowered[:-len(unit)].strip():
+            return int(float(lowered[:-len(unit)]) * factor)
+    return int(lowered)
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
+    return name, path
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from loraplex.api.serve import serve
+
+    return serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex", description="multi-LoRA, structured-output LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -44,6 +67,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.set_defaults(func=_generate)
+
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible API (vLLM's flag names)")
+    p.add_argument("model", nargs="?", default=None, help="local model folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the base model's id (default: its folder's name)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", type=_size, default=1 << 30, help="KV cache size: bytes, or e.g. 512MiB")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides memory)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--lora-modules", type=_lora_module, nargs="+", default=[], metavar="NAME=PATH",
+                   help="adapters to load at start-up")
+    p.add_argument("--max-loras", type=int, default=4, help="distinct adapters in one batch")
+    p.add_argument("--max-lora-rank", type=int, default=16)
+    p.add_argument("--max-cpu-loras", type=int, default=32, help="adapters kept in CPU memory")
+    p.add_argument("--adapter-root", action="append", default=[], metavar="DIR",
+                   help="folder the admin endpoint may load adapters from (repeatable; none: runtime loading off)")
+    p.add_argument("--api-key", default=None, help="key for /v1/*, /tokenize, /detokenize (or LORAPLEX_API_KEY)")
+    p.add_argument("--admin-api-key", default=None,
+                   help="the only key that opens the adapter admin endpoints (or LORAPLEX_ADMIN_API_KEY)")
+    p.add_argument("--grammar-backend", default="xgrammar")
+    p.add_argument("--max-waiting-requests", type=int, default=1024, help="beyond this, 429 with Retry-After")
+    p.add_argument("--max-request-body-bytes", type=_size, default=4 << 20, help="beyond this, 413")
+    p.add_argument("--request-timeout", type=float, default=None, help="seconds; beyond this, 504")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests get to finish")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_serve)
     return parser
 
 

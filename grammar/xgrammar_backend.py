@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import torch
@@ -79,7 +80,7 @@ class XGrammarBackend:
         except GrammarError:
             raise
         except Exception as exc:  # xgrammar reports bad specs as RuntimeError / ValueError
-            raise GrammarError(f"invalid {spec.kind}: {str(exc).strip().splitlines()[0]}") from None
+            raise GrammarError(f"invalid {spec.kind}: {_clean(str(exc))}") from None
 
     def new_grammar(self, compiled: xgr.CompiledGrammar, json_like: bool = False) -> XGrammarGrammar:
         return XGrammarGrammar(compiled, self.json_allowed if json_like else None)
@@ -89,3 +90,9 @@ class XGrammarBackend:
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
+
+
+def _clean(message: str) -> str:
+    """xgrammar's first line without its '[time] /source/file.cc:line:' prefix."""
+    line = message.strip().splitlines()[0] if message.strip() else "compile failed"
+    return re.sub(r"^\[[\d:]+\]\s*\S+:\d+:\s*", "", line)

@@ -24,6 +24,21 @@ from loraplex.platform.scheduler import Scheduler
 
 
 @dataclass
+class EngineStats:
+    """A snapshot for metrics; taken on the engine thread, read by any."""
+
+    num_running: int = 0  # sequences
+    num_waiting: int = 0
+    kv_usage: float = 0.0  # blocks held by requests / all blocks (cached-free count as free)
+    prefix_cache_queries: int = 0  # tokens looked up / found in the prefix cache
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    running_adapters: tuple[str, ...] = ()
+    waiting_adapters: tuple[str, ...] = ()
+    max_loras: int = 0
+
+
+@dataclass
 class _Group:
     """The n sequences of one request and their detokenizers."""
 
@@ -102,6 +117,8 @@ class Engine:
             raise ValueError("prompt must be a string or {'prompt_token_ids': [...]}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         vocab = self.model_config.vocab_size
         if len(ids) == 0:
             raise ValueError("prompt must not be empty (0 tokens)")
@@ -160,6 +177,13 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            len(s.running), len(s.waiting), self.kv.pool.usage, self.kv.num_queries, self.kv.num_hits,
+            s.num_preemptions, tuple(sorted(s.running_adapters())),
+            tuple(sorted({r.adapter for r in s.waiting if r.adapter is not None})), self.config.max_loras)
 
     # ---- one step --------------------------------------------------------------------------
 

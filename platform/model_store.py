@@ -21,6 +21,11 @@ def cache_dir() -> Path:
     return Path(os.environ.get("LORAPLEX_CACHE") or Path.home() / ".cache" / "loraplex")
 
 
+def adapters_dir() -> Path:
+    """Where `make serve` lets the admin endpoint load adapters from, and demo adapters live."""
+    return cache_dir() / "adapters"
+
+
 def default_model_dir() -> Path:
     return cache_dir() / "models" / DEFAULT_MODEL_NAME
 

@@ -1,0 +1,92 @@
+"""Prometheus metrics with vLLM's names under our prefix. Engine state (queues, KV usage,
+prefix-cache hits, adapters) is read from the engine's latest stats snapshot at scrape time;
+latencies and token counts are recorded by the server as requests stream."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from loraplex.platform.engine import EngineStats
+
+P = "loraplex:"
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class _EngineCollector:
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats()
+        yield GaugeMetricFamily(P + "num_requests_running", "Sequences in the running batch.", s.num_running)
+        yield GaugeMetricFamily(P + "num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
+        yield GaugeMetricFamily(P + "kv_cache_usage_perc", "KV blocks held by requests / all blocks (0-1).",
+                                s.kv_usage)
+        rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
+        yield GaugeMetricFamily(P + "prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / looked up.",
+                                rate)
+        yield CounterMetricFamily(P + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                  s.prefix_cache_queries)
+        yield CounterMetricFamily(P + "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                  s.prefix_cache_hits)
+        yield CounterMetricFamily(P + "num_preemptions", "Sequences preempted (recomputed later).",
+                                  s.num_preemptions)
+        info = GaugeMetricFamily(P + "lora_requests_info", "Running and waiting LoRA adapters (value: time).",
+                                 labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        info.add_metric([",".join(s.running_adapters), ",".join(s.waiting_adapters), str(s.max_loras)], time.time())
+        yield info
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(stats))
+        r = self.registry
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between output tokens.",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to last token.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", registry=r)
+        self.request_success = Counter(P + "request_success", "Finished requests by finish reason.",
+                                       ["finished_reason"], registry=r)
+        self.lora_requests = Counter(P + "lora_requests", "Requests per LoRA adapter ('' = base model).",
+                                     ["lora_name"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Latencies of one request, fed each time new tokens arrive."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.arrival = self.last = time.perf_counter()
+        self.num_tokens = 0
+
+    def tokens(self, total: int) -> None:
+        new = total - self.num_tokens
+        if new <= 0:
+            return
+        now = time.perf_counter()
+        if self.num_tokens == 0:
+            self.metrics.ttft.observe(now - self.arrival)
+        else:  # several tokens at once (jump-forward, n > 1) share the gap
+            for _ in range(new):
+                self.metrics.itl.observe((now - self.last) / new)
+        self.last, self.num_tokens = now, total
+
+    def finish(self, prompt_tokens: int, finish_reasons: list[str | None]) -> None:
+        self.metrics.e2e.observe(time.perf_counter() - self.arrival)
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        self.metrics.generation_tokens.inc(self.num_tokens)
+        for reason in finish_reasons:
+            self.metrics.request_success.labels(reason or "abort").inc()

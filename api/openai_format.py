@@ -1,0 +1,195 @@
+"""Engine outputs -> OpenAI JSON: completion and chat responses, their stream chunks, logprobs,
+the model list and error bodies. Pure functions of the outputs; no engine access."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Protocol
+
+from loraplex.platform.request import CompletionOutput, Logprob, RequestOutput
+
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+               404: "NotFoundError", 409: "ConflictError", 413: "RequestTooLargeError",
+               422: "UnprocessableEntityError", 429: "RateLimitError", 500: "InternalServerError",
+               503: "ServiceUnavailableError", 504: "TimeoutError"}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"), "param": param,
+                      "code": status}}
+
+
+def _field(loc) -> str:
+    return ".".join(str(p) for p in loc if p != "body")
+
+
+def validation_message(errors: list[dict]) -> str:
+    if errors and errors[0].get("type") == "json_invalid":
+        return f"the body is not valid JSON: {errors[0].get('ctx', {}).get('error', 'parse error')}"
+    parts = []
+    for e in errors[:3]:
+        where = _field(e.get("loc", ()))
+        parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    return "invalid request: " + "; ".join(parts) + more
+
+
+def validation_param(errors: list[dict]) -> str | None:
+    if errors and errors[0].get("type") == "json_invalid":
+        return None
+    return _field(errors[0].get("loc", ())) or None if errors else None
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def model_list(base: str, base_path: str, max_model_len: int, created: int, adapters) -> dict:
+    def card(model_id: str, root: str, parent: str | None) -> dict:
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "loraplex", "root": root,
+                "parent": parent, "max_model_len": max_model_len}
+
+    return {"object": "list", "data": [card(base, base_path or base, None),
+                                       *(card(a.name, a.path, base) for a in adapters)]}
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _top(entries: dict[int, Logprob], num: int) -> list[tuple[int, Logprob]]:
+    return sorted(((t, lp) for t, lp in entries.items() if lp.rank <= num), key=lambda x: x[1].rank)[:num]
+
+
+def completion_logprobs(out: CompletionOutput, start: int, text_offset: int) -> dict:
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for tid, entries in zip(out.token_ids[start:], out.logprobs[start:]):
+        chosen = entries[tid]
+        tokens.append(chosen.decoded_token)
+        token_logprobs.append(chosen.logprob)
+        top.append({lp.decoded_token: lp.logprob for lp in entries.values()})
+        offsets.append(text_offset)
+        text_offset += len(chosen.decoded_token or "")
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(out: CompletionOutput, start: int, num: int) -> dict:
+    def entry(lp: Logprob) -> dict:
+        token = lp.decoded_token or ""
+        return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
+
+    content = [{**entry(entries[tid]), "top_logprobs": [entry(lp) for _, lp in _top(entries, num)]}
+               for tid, entries in zip(out.token_ids[start:], out.logprobs[start:])]
+    return {"content": content}
+
+
+class View(Protocol):
+    id_prefix: str
+
+    def response(self, outputs: list[RequestOutput]) -> dict: ...
+    def stream(self, include_usage: bool) -> "_Stream": ...
+
+
+class _Stream:
+    """Per-choice progress of one streamed response: what text and tokens were already sent."""
+
+    def __init__(self, view: "CompletionView | ChatView", include_usage: bool) -> None:
+        self.view = view
+        self.include_usage = include_usage
+        self.sent: dict[int, tuple[int, int, bool]] = {}  # choice -> (chars, tokens, finished)
+        self.prompt_tokens: dict[int, int] = {}
+        self.completion_tokens: dict[int, int] = {}
+
+    def chunks(self, prompt_index: int, out: RequestOutput) -> list[dict]:
+        self.prompt_tokens[prompt_index] = len(out.prompt_token_ids)
+        chunks = []
+        for o in out.outputs:
+            choice = prompt_index * self.view.n + o.index
+            self.completion_tokens[choice] = len(o.token_ids)
+            first = choice not in self.sent
+            chars, tokens, finished = self.sent.get(choice, (0, 0, False))
+            if finished:
+                continue
+            delta = o.text[chars:]
+            if delta or first or o.finish_reason or len(o.token_ids) > tokens:
+                chunks.append(self.view.chunk(choice, prompt_index, o, delta, tokens, first,
+                                              self.include_usage))
+            self.sent[choice] = (len(o.text), len(o.token_ids), o.finish_reason is not None)
+        return chunks
+
+    def usage_chunk(self) -> dict:
+        return {**self.view.envelope(chunk=True), "choices": [],
+                "usage": _usage(sum(self.prompt_tokens.values()), sum(self.completion_tokens.values()))}
+
+
+class _Base:
+    id_prefix = "cmpl"
+    object_name = "text_completion"
+    chunk_object = "text_completion"
+
+    def __init__(self, model: str, n: int) -> None:
+        self.model, self.n = model, n
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def envelope(self, chunk: bool = False) -> dict:
+        return {"id": self.id, "object": self.chunk_object if chunk else self.object_name, "created": self.created,
+                "model": self.model}
+
+    def response(self, outputs: list[RequestOutput]) -> dict:
+        choices = [self.choice(i * self.n + o.index, i, o) for i, out in enumerate(outputs) for o in out.outputs]
+        usage = _usage(sum(len(out.prompt_token_ids) for out in outputs),
+                       sum(len(o.token_ids) for out in outputs for o in out.outputs))
+        return {**self.envelope(), "choices": choices, "usage": usage}
+
+    def stream(self, include_usage: bool) -> _Stream:
+        return _Stream(self, include_usage)
+
+
+class CompletionView(_Base):
+    def __init__(self, model: str, n: int, echo_prompts: list[str] | None, logprobs: int | None) -> None:
+        super().__init__(model, n)
+        self.echo_prompts, self.logprobs = echo_prompts, logprobs
+
+    def _echo(self, prompt_index: int) -> str:
+        return self.echo_prompts[prompt_index] if self.echo_prompts else ""
+
+    def choice(self, index: int, prompt_index: int, o: CompletionOutput) -> dict:
+        echo = self._echo(prompt_index)
+        lps = completion_logprobs(o, 0, len(echo)) if self.logprobs is not None else None
+        return {"index": index, "text": echo + o.text, "logprobs": lps, "finish_reason": o.finish_reason,
+                "stop_reason": o.stop_reason}
+
+    def chunk(self, index: int, prompt_index: int, o: CompletionOutput, delta: str, start: int, first: bool,
+              include_usage: bool) -> dict:
+        text = (self._echo(prompt_index) if first else "") + delta
+        lps = completion_logprobs(o, start, 0) if self.logprobs is not None else None
+        choice = {"index": index, "text": text, "logprobs": lps, "finish_reason": o.finish_reason,
+                  "stop_reason": o.stop_reason}
+        return {**self.envelope(chunk=True), "choices": [choice], **({"usage": None} if include_usage else {})}
+
+
+class ChatView(_Base):
+    id_prefix = "chatcmpl"
+    object_name = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def __init__(self, model: str, n: int, top_logprobs: int | None) -> None:
+        super().__init__(model, n)
+        self.top_logprobs = top_logprobs  # None: no logprobs
+
+    def choice(self, index: int, prompt_index: int, o: CompletionOutput) -> dict:
+        lps = chat_logprobs(o, 0, self.top_logprobs) if o.logprobs is not None else None
+        return {"index": index, "message": {"role": "assistant", "content": o.text}, "logprobs": lps,
+                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+
+    def chunk(self, index: int, prompt_index: int, o: CompletionOutput, delta: str, start: int, first: bool,
+              include_usage: bool) -> dict:
+        message = {"role": "assistant", "content": delta} if first else {"content": delta}
+        lps = chat_logprobs(o, start, self.top_logprobs) if o.logprobs is not None else None
+        choice = {"index": index, "delta": message, "logprobs": lps, "finish_reason": o.finish_reason,
+                  "stop_reason": o.stop_reason}
+        return {**self.envelope(chunk=True), "choices": [choice], **({"usage": None} if include_usage else {})}

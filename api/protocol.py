@@ -1,0 +1,186 @@
+"""OpenAI request bodies (pydantic, so /openapi.json describes them) and their translation into
+the engine's `SamplingParams`. Unknown fields are ignored, as in vLLM and OpenAI."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from loraplex.grammar.backend import StructuredOutputs
+from loraplex.platform.request import SamplingParams
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class JSONSchemaFormat(_Body):
+    name: str = "response"
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Body):
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    any_whitespace: bool = False
+
+
+class _SamplingFields(_Body):
+    model: str
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    # vLLM's older names for the same thing
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError naming the field for out-of-range values."""
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                                                "frequency_penalty", "repetition_penalty")
+                 if getattr(self, k) is not None}
+        return SamplingParams(n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, seed=self.seed,
+                              stop=self.stop, stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
+                              logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+                              structured=self.structured(), **given)
+
+    def structured(self) -> StructuredOutputs | None:
+        specs = []
+        if self.response_format is not None and self.response_format.type != "text":
+            if self.response_format.type == "json_object":
+                specs.append(StructuredOutputs(json_object=True))
+            else:
+                fmt = self.response_format.json_schema
+                if fmt is None or fmt.schema_ is None:
+                    raise ValueError("response_format json_schema needs json_schema.schema")
+                specs.append(StructuredOutputs(json=fmt.schema_))
+        if self.structured_outputs is not None:
+            body = self.structured_outputs
+            specs.append(StructuredOutputs(json=body.json_, json_object=bool(body.json_object), regex=body.regex,
+                                           choice=body.choice, grammar=body.grammar,
+                                           any_whitespace=body.any_whitespace))
+        legacy = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
+                  "grammar": self.guided_grammar}
+        specs += [StructuredOutputs(**{k: v}) for k, v in legacy.items() if v is not None]
+        if len(specs) > 1:
+            raise ValueError("give one of response_format, structured_outputs or guided_*, not several")
+        return specs[0] if specs else None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | dict]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ValueError("prompt must not be empty")
+        if all(isinstance(x, int) for x in p):
+            return [{"prompt_token_ids": p}]
+        if all(isinstance(x, str) for x in p):
+            return list(p)
+        if all(isinstance(x, list) for x in p):
+            return [{"prompt_token_ids": x} for x in p]
+        raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of those")
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        # "developer" is OpenAI's newer name for "system"
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in self.messages]
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+class LoadAdapterRequest(_Body):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadAdapterRequest(_Body):
+    lora_name: str

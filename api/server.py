@@ -1,0 +1,444 @@
+"""The OpenAI-compatible HTTP server over `AsyncEngine`: routes, auth, errors, SSE streaming.
+
+`build_app(engine, config)` returns the FastAPI app; `loraplex serve` runs it under uvicorn.
+Each request: parse (pydantic) -> resolve `model` to base or adapter -> tokenize -> SamplingParams
+-> `AsyncEngine.generate` (validation in a worker thread) -> OpenAI JSON or SSE chunks. A client
+that goes away cancels its handler, which aborts its requests (KV blocks and pins freed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator
+
+import anyio
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+import loraplex
+from loraplex.adapters.registry import AdapterInUseError, UnknownAdapterError
+from loraplex.api import openai_format as fmt
+from loraplex.api.metrics import RequestTimer, ServerMetrics
+from loraplex.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                   LoadAdapterRequest, TokenizeRequest, UnloadAdapterRequest)
+from loraplex.platform.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from loraplex.platform.request import RequestOutput, SamplingParams
+
+log = logging.getLogger("loraplex.api")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str
+    model_path: str = ""
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    adapter_roots: tuple[str, ...] = ()  # runtime loading only from inside these; none: loading is off
+    max_request_body_bytes: int = 4 << 20
+    request_timeout_s: float | None = None
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(fmt.error_body(status, message, param), status_code=status, headers=headers)
+
+
+def _as_api_error(exc: BaseException) -> APIError:
+    """What each engine-side failure means to a client."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, UnknownAdapterError):
+        return APIError(404, str(exc), "model")
+    if isinstance(exc, AdapterInUseError):
+        return APIError(409, str(exc))
+    if isinstance(exc, QueueFullError):
+        return APIError(429, str(exc))
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc))
+    if isinstance(exc, ValueError):  # also GrammarError and AdapterError: the request's own fault
+        return APIError(400, str(exc))
+    log.exception("unexpected error", exc_info=exc)
+    return APIError(500, "internal server error; see the server log")
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class _Server:
+    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+        self.metrics = ServerMetrics(lambda: engine.stats)
+        self.created = int(time.time())
+
+    # ---- auth ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _token(request: Request) -> str | None:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+    def require_user(self, request: Request) -> None:
+        keys = [k for k in (self.config.api_key, self.config.admin_api_key) if k]
+        if not self.config.api_key:
+            return
+        token = self._token(request)
+        if token is None or not any(hmac.compare_digest(token, k) for k in keys):
+            raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)")
+
+    def require_admin(self, request: Request) -> None:
+        admin = self.config.admin_api_key
+        if not admin:
+            return self.require_user(request)
+        token = self._token(request)
+        if token is not None and hmac.compare_digest(token, admin):
+            return
+        if token is not None and self.config.api_key and hmac.compare_digest(token, self.config.api_key):
+            raise APIError(403, "this endpoint needs the admin API key")
+        raise APIError(401, "missing or invalid admin API key (Authorization: Bearer <key>)")
+
+    # ---- models and adapters ---------------------------------------------------------------
+
+    def resolve_model(self, model: str) -> str | None:
+        """The adapter a `model` field names: None for the base model. Never a silent fallback."""
+        base = self.config.served_model_name
+        if model == base:
+            return None
+        name = model[len(base) + 1:] if model.startswith(base + ":") else model
+        if name and name in {a.name for a in self.engine.engine.adapters.list()}:
+            return name
+        raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+    def adapter_path(self, lora_path: str) -> Path:
+        """The folder `lora_path` names, after symlinks, inside one of the adapter roots."""
+        roots = [Path(r).resolve() for r in self.config.adapter_roots]
+        if not roots:
+            raise APIError(400, "runtime adapter loading is off: start the server with --adapter-root DIR",
+                           "lora_path")
+        for root in roots:
+            path = (root / lora_path).resolve()  # an absolute lora_path replaces root here
+            if path.is_relative_to(root):
+                break
+        else:
+            raise APIError(400, "lora_path must lie inside one of the server's adapter roots", "lora_path")
+        if not path.is_dir():
+            raise APIError(404, f"no adapter folder at {lora_path!r}", "lora_path")
+        if any(not f.resolve().is_relative_to(root) for f in path.iterdir()):
+            raise APIError(400, "the adapter folder links to files outside the adapter roots", "lora_path")
+        return path
+
+    # ---- generation ------------------------------------------------------------------------
+
+    def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # a template's own raise_exception(): the conversation's fault
+            raise APIError(400, f"the chat template refused these messages: {exc}", "messages") from None
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def default_max_tokens(self, prompt_ids: list[int]) -> int:
+        engine = self.engine.engine
+        capacity = min(self.max_model_len, engine.kv.pool.num_blocks * engine.config.block_size)
+        return max(1, capacity - len(prompt_ids))
+
+    async def run(self, prompts: list[list[int]], params: list[SamplingParams], adapter: str | None,
+                  prefix: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, latest output) as any prompt's output grows, until all finish. Leaving
+        early (error, disconnect, timeout) aborts whatever is still running."""
+        updates: asyncio.Queue = asyncio.Queue()
+        base_id = f"{prefix}-{uuid.uuid4().hex}"
+
+        async def pump(i: int) -> None:
+            timer = RequestTimer(self.metrics)
+            self.metrics.lora_requests.labels(adapter or "").inc()
+            try:
+                gen = self.engine.generate({"prompt_token_ids": prompts[i]}, params[i], f"{base_id}-{i}", adapter)
+                async with contextlib.aclosing(gen) as outputs:
+                    async for out in outputs:
+                        timer.tokens(max(len(o.token_ids) for o in out.outputs))
+                        await updates.put((i, out))
+                timer.finish(len(prompts[i]), [o.finish_reason for o in out.outputs])
+                await updates.put((i, None))
+            except Exception as exc:
+                await updates.put((i, exc))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(prompts))]
+        deadline = None if self.config.request_timeout_s is None else time.monotonic() + self.config.request_timeout_s
+        try:
+            remaining = len(tasks)
+            while remaining:
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    i, item = await asyncio.wait_for(updates.get(), timeout)
+                except TimeoutError:
+                    raise APIError(504, f"the request took longer than {self.config.request_timeout_s:g}s "
+                                        f"(request timeout)") from None
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise _as_api_error(item)
+                else:
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def until_disconnect(self, request: Request, awaitable):
+        """Await `awaitable`, cancelling it (and so aborting its requests) if the client leaves."""
+        task = asyncio.ensure_future(awaitable)
+        watcher = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        raise _ClientGone()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _SSEResponse(StreamingResponse):
+    """Streams until done or until the client leaves; either way the body iterator is closed at
+    once, which aborts the requests behind it."""
+
+    def __init__(self, chunks: AsyncIterator[str]) -> None:
+        super().__init__(chunks, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        async with anyio.create_task_group() as tg:
+            async def watch() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            try:
+                await super().__call__(scope, receive, send)
+            except OSError:  # the client went away mid-send
+                pass
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self.body_iterator.aclose()
+                tg.cancel_scope.cancel()
+
+
+class _BodyLimit:
+    """413 for bodies over the limit, before any work is queued."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await self._too_large(scope, receive, send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                raise HTTPException(413, self._message())
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _message(self) -> str:
+        return f"request body larger than {self.limit} bytes (max_request_body_bytes)"
+
+    async def _too_large(self, scope, receive, send) -> None:
+        await _error(413, self._message())(scope, receive, send)
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
+    server = _Server(engine, config)
+    app = FastAPI(title="loraplex", version=loraplex.__version__,
+                  description="OpenAI-compatible multi-LoRA, structured-output LLM server")
+    app.state.server = server
+    app.add_middleware(_BodyLimit, limit=config.max_request_body_bytes)
+    user = [Depends(server.require_user)]
+    admin = [Depends(server.require_admin)]
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        headers = {"Retry-After": "1"} if exc.status == 429 else None
+        return _error(exc.status, exc.message, exc.param, headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return _error(400, fmt.validation_message(exc.errors()), fmt.validation_param(exc.errors()))
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException):
+        return _error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        api = _as_api_error(exc)
+        return _error(api.status, api.message, api.param)
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_alive or engine.closing is not None:
+            return _error(503, engine.closing or "the engine failed; see the server log")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": loraplex.__version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", dependencies=user)
+    async def models():
+        return fmt.model_list(config.served_model_name, config.model_path, server.max_model_len,
+                              server.created, engine.engine.adapters.list())
+
+    @app.post("/tokenize", dependencies=user)
+    async def tokenize(body: TokenizeRequest):
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages")
+        if body.messages is not None:
+            ids = server.tokenize_chat([{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                                        for m in body.messages], body.add_generation_prompt)
+        else:
+            ids = server.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+        return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize", dependencies=user)
+    async def detokenize(body: DetokenizeRequest):
+        vocab = engine.engine.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens must be in [0, {vocab}); got {bad[:3]}", "tokens")
+        return {"prompt": server.tokenizer.decode(body.tokens)}
+
+    @app.post("/v1/completions", dependencies=user)
+    async def completions(body: CompletionRequest, request: Request):
+        adapter = server.resolve_model(body.model)
+        if body.suffix:
+            raise APIError(400, "suffix is not supported", "suffix")
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", "echo")
+        prompts = _checked(body.prompts)
+        ids = [server.tokenizer(p).input_ids if isinstance(p, str) else p["prompt_token_ids"] for p in prompts]
+        params = [_checked(body.sampling_params, body.max_tokens or server.default_max_tokens(i), body.logprobs)
+                  for i in ids]
+        texts = [p if isinstance(p, str) else server.tokenizer.decode(p["prompt_token_ids"]) for p in prompts]
+        view = fmt.CompletionView(body.model, body.n, texts if body.echo else None, body.logprobs)
+        return await _respond(server, request, body, ids, params, adapter, view)
+
+    @app.post("/v1/chat/completions", dependencies=user)
+    async def chat(body: ChatCompletionRequest, request: Request):
+        adapter = server.resolve_model(body.model)
+        ids = server.tokenize_chat(body.chat_messages(), body.add_generation_prompt)
+        max_tokens = body.max_completion_tokens or body.max_tokens or server.default_max_tokens(ids)
+        params = _checked(body.sampling_params, max_tokens, _checked(body.num_logprobs))
+        view = fmt.ChatView(body.model, body.n, body.top_logprobs or 0)
+        return await _respond(server, request, body, [ids], [params], adapter, view)
+
+    @app.post("/v1/load_lora_adapter", dependencies=admin)
+    async def load_lora_adapter(body: LoadAdapterRequest):
+        adapters = engine.engine.adapters
+        if body.lora_name in {a.name for a in adapters.list()}:
+            raise APIError(400, f"The lora adapter '{body.lora_name}' has already been loaded.", "lora_name")
+        path = server.adapter_path(body.lora_path)
+        try:
+            await asyncio.to_thread(adapters.load, body.lora_name, str(path))
+        except ValueError as exc:
+            raise APIError(400, str(exc), "lora_path") from None
+        log.info("loaded adapter %r from %s", body.lora_name, path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", dependencies=admin)
+    async def unload_lora_adapter(body: UnloadAdapterRequest):
+        try:
+            engine.engine.adapters.unload(body.lora_name)
+        except UnknownAdapterError:
+            raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", "lora_name") from None
+        log.info("unloaded adapter %r", body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    return app
+
+
+def _checked(fn, *args):
+    """Call a body's converter, turning its ValueError into a 400."""
+    try:
+        return fn(*args)
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+
+
+async def _respond(server: _Server, request: Request, body, ids: list[list[int]], params: list[SamplingParams],
+                   adapter: str | None, view: fmt.View) -> Response:
+    updates = server.run(ids, params, adapter, view.id_prefix)
+    try:
+        if not body.stream:
+            async def collect() -> list[RequestOutput]:
+                final: dict[int, RequestOutput] = {}
+                async with contextlib.aclosing(updates) as it:
+                    async for i, out in it:
+                        final[i] = out
+                return [final[i] for i in range(len(ids))]
+
+            return JSONResponse(view.response(await server.until_disconnect(request, collect())))
+        # errors before the first output (validation, unknown adapter, bad schema) are plain HTTP
+        first = await server.until_disconnect(request, anext(updates))
+    except _ClientGone:
+        return Response(status_code=499)
+    except Exception:
+        await updates.aclose()
+        raise
+    return _SSEResponse(_sse(updates, first, view, body.include_usage))
+
+
+async def _sse(updates: AsyncIterator[tuple[int, RequestOutput]], first: tuple[int, RequestOutput],
+               view: fmt.View, include_usage: bool) -> AsyncIterator[str]:
+    stream = view.stream(include_usage)
+    try:
+        for chunk in stream.chunks(*first):
+            yield fmt.sse(chunk)
+        async for i, out in updates:
+            for chunk in stream.chunks(i, out):
+                yield fmt.sse(chunk)
+        if include_usage:
+            yield fmt.sse(stream.usage_chunk())
+    except Exception as exc:  # mid-stream: the status line is gone, so the error goes in the stream
+        api = _as_api_error(exc)
+        yield fmt.sse(fmt.error_body(api.status, api.message, api.param))
+    finally:
+        await updates.aclose()
+    yield "data: [DONE]\n\n"

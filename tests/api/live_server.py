@@ -1,0 +1,96 @@
+"""Helpers for API tests (imported, not a conftest: a second `conftest` module would shadow
+tests/conftest.py). A real server on 127.0.0.1 (uvicorn in a background thread, a free port) over the tiny model,
+with two adapters loaded at start-up and an adapter root for hot-loading."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+USER_KEY, ADMIN_KEY = "user-key-123", "admin-key-456"
+
+
+@dataclass
+class LiveServer:
+    url: str
+    front: object  # AsyncEngine
+    root: Path  # the adapter root
+    spare: list[Path]  # adapters in the root, not loaded
+    uvicorn_server: object
+    thread: threading.Thread
+
+    @property
+    def engine(self):
+        return self.front.engine
+
+    def stop(self) -> None:
+        self.uvicorn_server.should_exit = True
+        self.thread.join(30)
+        self.front.shutdown()
+
+
+def start_server(model_dir: Path, config, lora_modules: dict[str, Path] | None = None,
+                 max_waiting_requests: int | None = None, **engine_args) -> LiveServer:
+    import uvicorn
+
+    from loraplex.api.server import build_app
+    from loraplex.platform.async_engine import AsyncEngine
+    from loraplex.platform.config import EngineConfig
+    from loraplex.platform.engine import Engine
+
+    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", **engine_args))
+    for name, path in (lora_modules or {}).items():
+        engine.adapters.load(name, str(path))
+    front = AsyncEngine(engine, max_waiting_requests=max_waiting_requests)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(build_app(front, config), log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    for _ in range(200):
+        if server.started:
+            break
+        time.sleep(0.05)
+    assert server.started, "server did not start"
+    root = Path(config.adapter_roots[0]) if config.adapter_roots else Path(".")
+    return LiveServer(f"http://127.0.0.1:{port}", front, root, [], server, thread)
+
+
+@pytest.fixture(scope="module")
+def live(tiny_model_dir, tiny_adapters, tmp_path_factory):
+    from loraplex.api.server import ServerConfig
+
+    root = tmp_path_factory.mktemp("adapter-root")
+    spare = []
+    for src in tiny_adapters[2:4]:
+        spare.append(root / src.name)
+        shutil.copytree(src, spare[-1])
+    config = ServerConfig(served_model_name="tiny", model_path=str(tiny_model_dir), api_key=USER_KEY,
+                          admin_api_key=ADMIN_KEY, adapter_roots=(str(root),), max_request_body_bytes=64 * 1024)
+    server = start_server(tiny_model_dir, config, {"a0": tiny_adapters[0], "a1": tiny_adapters[1]},
+                          num_kv_blocks=64, max_num_seqs=8, max_loras=2, max_cpu_loras=4)
+    server.spare = spare
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def client(live):
+    import openai
+
+    return openai.OpenAI(base_url=live.url + "/v1", api_key=USER_KEY, max_retries=0, timeout=60)
+
+
+def wait_idle(engine, timeout: float = 20.0) -> None:
+    """The engine thread applies aborts asynchronously: wait until nothing is in flight."""
+    deadline = time.monotonic() + timeout
+    while engine.has_unfinished() and time.monotonic() < deadline:
+        time.sleep(0.02)

@@ -1,0 +1,110 @@
+"""`loraplex serve` as users run it: a subprocess on the default model, the official client, the
+examples against it, and SIGTERM ending it with exit status 0."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+
+from conftest import make_peft_adapter
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "server exited during start-up"
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError("server did not become healthy")
+
+
+@pytest.fixture(scope="module")
+def served(default_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapter-root")
+    make_peft_adapter(default_model_dir, root / "ex", rank=8, seed=0, scale=0.3)
+    port = free_port()
+    cmd = [sys.executable, "-m", "loraplex.api.cli", "serve", str(default_model_dir), "--port", str(port),
+           "--max-model-len", "2048", "--lora-modules", f"ex={root / 'ex'}", "--adapter-root", str(root),
+           "--shutdown-timeout", "3"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        yield url, proc, root
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+def test_chat_json_and_adapters(served):
+    url, _, _ = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    base = "SmolLM2-135M-Instruct"
+    assert [m.id for m in client.models.list().data] == [base, "ex"]
+    reply = client.chat.completions.create(
+        model=base, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=24,
+        temperature=0)
+    assert "Paris" in reply.choices[0].message.content
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                               "country": {"type": "string", "maxLength": 30}},
+              "required": ["city", "country"], "additionalProperties": False}
+    for model in (base, f"{base}:ex"):
+        out = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Describe Paris as JSON."}], max_tokens=60,
+            response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}, temperature=0)
+        assert out.choices[0].finish_reason == "stop", out.choices[0].message.content
+        jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+        obj = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": 'Reply with a JSON object with the keys "name" '
+                                                                'and "color" for a red apple.'}],
+            max_tokens=300, response_format={"type": "json_object"}, temperature=0)
+        assert obj.choices[0].finish_reason == "stop", obj.choices[0].message.content
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize("script,args", [("chat_with_adapter.py", []), ("json_extraction.py", []),
+                                         ("hot_load_adapter.py", ["--path", "ex"])])
+def test_examples_run_against_the_server(served, script, args):
+    url, _, root = served
+    run = subprocess.run([sys.executable, script, "--base-url", url + "/v1", *args], cwd=REPO / "examples",
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert run.stdout.strip()
+
+
+def test_sigterm_exits_zero(served):
+    url, proc, _ = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    stream = client.completions.create(model="ex", prompt="Once upon a time", max_tokens=1500, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    proc.send_signal(signal.SIGTERM)
+    with pytest.raises(openai.APIError, match="shutting down"):  # after the 3 s grace period
+        for _ in chunks:
+            pass
+    assert proc.wait(60) == 0

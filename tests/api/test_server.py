@@ -1,0 +1,332 @@
+"""The OpenAI-compatible server, through the official `openai` client and raw HTTP, on a real
+uvicorn server over the tiny model (random weights: the mechanics, not the prose)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import jsonschema
+import openai
+import pytest
+
+from conftest import assert_all_blocks_free
+from live_server import ADMIN_KEY, USER_KEY, client, live, wait_idle  # noqa: F401 (fixtures)
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "n"],
+          "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 6},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 9}}}
+MSG = [{"role": "user", "content": "Hello world, hello adapters"}]
+
+
+def http(live, path: str, body=None, key: str | None = USER_KEY, raw: bytes | None = None,
+         method: str | None = None) -> tuple[int, dict | str]:
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(live.url + path, data=data, method=method or ("POST" if data is not None else "GET"))
+    req.add_header("Content-Type", "application/json")
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            status, text = resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        status, text = err.code, err.read().decode()
+    try:
+        return status, json.loads(text)
+    except json.JSONDecodeError:
+        return status, text
+
+
+def assert_error(result, status: int, fragment: str = "") -> None:
+    code, body = result
+    assert code == status, body
+    assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["code"] == status
+    assert fragment.lower() in body["error"]["message"].lower()
+    assert "Traceback" not in body["error"]["message"]
+
+
+def assert_clean(live) -> None:
+    wait_idle(live.engine)
+    assert_all_blocks_free(live.engine)
+    assert live.engine.adapters.num_pins() == 0
+
+
+def test_models_list_base_and_adapters_with_lineage(client, live):
+    models = {m.id: m for m in client.models.list().data}
+    assert set(models) == {"tiny", "a0", "a1"}
+    assert models["tiny"].parent is None
+    for name in ("a0", "a1"):
+        assert models[name].parent == "tiny"
+        assert models[name].root == live.engine.adapters.get(name).path
+
+
+def test_chat_and_completions(client, live):
+    chat = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=5, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    choice = chat.choices[0]
+    assert chat.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.finish_reason == "length" and chat.usage.completion_tokens == 5
+    comp = client.completions.create(model="tiny", prompt="Hello world", max_tokens=4, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert comp.object == "text_completion" and comp.usage.completion_tokens == 4
+    for prompts in (["Hello", "world"], [[5, 6, 7], [8, 9]]):
+        batch = client.completions.create(model="tiny", prompt=prompts, max_tokens=3, temperature=0, n=2,
+                                          extra_body={"ignore_eos": True})
+        assert [c.index for c in batch.choices] == [0, 1, 2, 3] and batch.usage.completion_tokens == 12
+    echo = client.completions.create(model="tiny", prompt="Hello world", max_tokens=2, temperature=0, echo=True)
+    assert echo.choices[0].text.startswith("Hello world")
+    assert_clean(live)
+
+
+def test_chat_content_parts_equal_string_content(client):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello world, "},
+                                          {"type": "text", "text": "hello adapters"}]}]
+    a = client.chat.completions.create(model="tiny", messages=parts, max_tokens=6, temperature=0)
+    b = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=6, temperature=0)
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_streaming_equals_non_streaming_and_reports_usage(client, live, kind):
+    args = dict(model="tiny", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    if kind == "chat":
+        full = client.chat.completions.create(messages=MSG, **args)
+        chunks = list(client.chat.completions.create(messages=MSG, stream=True,
+                                                     stream_options={"include_usage": True}, **args))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        expected = full.choices[0].message.content
+        assert chunks[0].choices[0].delta.role == "assistant"
+    else:
+        full = client.completions.create(prompt="Hello world", **args)
+        chunks = list(client.completions.create(prompt="Hello world", stream=True,
+                                                stream_options={"include_usage": True}, **args))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        expected = full.choices[0].text
+    assert text == expected
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    assert_clean(live)
+
+
+def test_n2_with_seed_is_reproducible(client):
+    args = dict(model="tiny", messages=MSG, max_tokens=8, temperature=1.0, n=2, seed=7)
+    a = client.chat.completions.create(**args)
+    b = client.chat.completions.create(**args)
+    texts = [c.message.content for c in a.choices]
+    assert [c.index for c in a.choices] == [0, 1]
+    assert texts == [c.message.content for c in b.choices]
+
+
+def test_logprobs(client):
+    chat = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=4, temperature=0, logprobs=True,
+                                          top_logprobs=3, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy: the top token
+    comp = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, temperature=0, logprobs=2,
+                                     extra_body={"ignore_eos": True})
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
+    assert "".join(lp.tokens) == comp.choices[0].text
+    assert lp.text_offset[0] == 0
+
+
+def test_stop_strings_and_max_tokens_one(client):
+    base = client.completions.create(model="tiny", prompt="Hello world", max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = base[3:5]
+    cut = client.completions.create(model="tiny", prompt="Hello world", max_tokens=12, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == base[:base.index(stop)]
+    one = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=1, extra_body={"ignore_eos": True})
+    assert one.choices[0].finish_reason == "length" and one.usage.completion_tokens == 1
+
+
+def test_structured_outputs(client, live):
+    out = client.chat.completions.create(
+        model="tiny", messages=MSG, max_tokens=60, temperature=1.0, seed=1, n=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}})
+    for c in out.choices:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.message.content), SCHEMA)
+    pick = client.completions.create(model="a0", prompt="Hello", max_tokens=10,
+                                     extra_body={"structured_outputs": {"choice": ["alpha", "beta"]}})
+    assert pick.choices[0].text in ("alpha", "beta")
+    regex = client.completions.create(model="tiny", prompt="Hello", max_tokens=10,
+                                      extra_body={"structured_outputs": {"regex": "(ab|cd){2}!"}})
+    assert regex.choices[0].text in {a + b + "!" for a in ("ab", "cd") for b in ("ab", "cd")}
+    assert_clean(live)
+
+
+def test_json_object_parses(client):
+    out = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=200, temperature=0.7, seed=3,
+                                         response_format={"type": "json_object"})
+    c = out.choices[0]
+    if c.finish_reason == "stop":  # a random model may ramble past max_tokens inside the object
+        assert isinstance(json.loads(c.message.content), dict)
+    else:
+        assert c.message.content.startswith("{")
+
+
+def test_base_colon_adapter_equals_bare_adapter_and_differs_from_base(client):
+    args = dict(prompt="Hello world", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    a = client.completions.create(model="tiny:a0", **args).choices[0].text
+    b = client.completions.create(model="a0", **args).choices[0].text
+    base = client.completions.create(model="tiny", **args).choices[0].text
+    assert a == b
+    assert a != base
+
+
+def test_unknown_model_and_bad_input(client, live):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=MSG)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="tiny:nope", messages=MSG)
+    assert_error(http(live, "/v1/chat/completions", {"model": "other:a0", "messages": MSG}), 404, "does not exist")
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}
+    assert_error(http(live, "/v1/chat/completions", {"model": "tiny", "messages": MSG,
+                                                     "response_format": bad_schema}), 400, "objectx")
+    long_prompt = list(range(3, 300)) * 2  # 594 tokens, max_model_len is 512
+    assert_error(http(live, "/v1/completions", {"model": "tiny", "prompt": long_prompt}), 400, "max_model_len")
+    cases = [
+        ({"model": "tiny", "messages": MSG, "temperature": -1}, "temperature"),
+        ({"model": "tiny", "messages": MSG, "top_p": 7}, "top_p"),
+        ({"model": "tiny", "messages": MSG, "n": 100000}, "n="),
+        ({"model": "tiny", "messages": MSG, "max_tokens": 10**6}, "max_model_len"),
+        ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, "role"),
+        ({"model": "tiny", "messages": "hi"}, "messages"),
+        ({"model": "tiny", "messages": []}, "messages"),
+        ({"messages": MSG}, "model"),
+    ]
+    for body, fragment in cases:
+        assert_error(http(live, "/v1/chat/completions", body), 400, fragment)
+    assert_error(http(live, "/v1/completions", {"model": "tiny", "prompt": [1, 2, 10**6]}), 400, "prompt_token_ids")
+    assert_error(http(live, "/v1/chat/completions", raw=b"{not json"), 400, "not valid JSON")
+    assert_error(http(live, "/v1/chat/completions", raw=b"x" * (65 * 1024)), 413, "larger than")
+    assert_clean(live)
+
+
+def test_auth(live):
+    assert_error(http(live, "/v1/models", key=None), 401, "API key")
+    assert_error(http(live, "/v1/chat/completions", {"model": "tiny", "messages": MSG}, key="wrong"), 401)
+    assert_error(http(live, "/tokenize", {"prompt": "hi"}, key=None), 401)
+    assert http(live, "/v1/models", key=ADMIN_KEY)[0] == 200  # the admin key opens user routes too
+    assert http(live, "/health", key=None)[0] == 200
+    assert http(live, "/metrics", key=None)[0] == 200
+    assert http(live, "/version", key=None)[1]["version"]
+    admin_body = {"lora_name": "x", "lora_path": "a2"}
+    assert_error(http(live, "/v1/load_lora_adapter", admin_body, key=USER_KEY), 403, "admin")
+    assert_error(http(live, "/v1/load_lora_adapter", admin_body, key=None), 401)
+    assert_error(http(live, "/v1/unload_lora_adapter", {"lora_name": "a0"}, key=USER_KEY), 403)
+
+
+def test_hot_load_use_unload(client, live):
+    assert http(live, "/v1/load_lora_adapter", {"lora_name": "hot", "lora_path": "a2"}, key=ADMIN_KEY) == \
+        (200, "Success: LoRA adapter 'hot' added successfully.")
+    assert_error(http(live, "/v1/load_lora_adapter", {"lora_name": "hot", "lora_path": "a2"}, key=ADMIN_KEY), 400,
+                 "already been loaded")
+    assert "hot" in {m.id for m in client.models.list().data}
+    out = client.completions.create(model="tiny:hot", prompt="Hello", max_tokens=4, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 4
+    assert http(live, "/v1/unload_lora_adapter", {"lora_name": "hot"}, key=ADMIN_KEY)[0] == 200
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="hot", prompt="Hello", max_tokens=4)
+    assert_error(http(live, "/v1/unload_lora_adapter", {"lora_name": "hot"}, key=ADMIN_KEY), 404, "cannot be found")
+    # an absolute path inside the root is fine too
+    absolute = {"lora_name": "hot2", "lora_path": str(live.spare[1])}
+    assert http(live, "/v1/load_lora_adapter", absolute, key=ADMIN_KEY)[0] == 200
+    assert http(live, "/v1/unload_lora_adapter", {"lora_name": "hot2"}, key=ADMIN_KEY)[0] == 200
+    assert_clean(live)
+
+
+def test_adapter_paths_outside_the_root_missing_or_corrupt_are_refused(live, tiny_adapters, tmp_path):
+    def load(path: str):
+        return http(live, "/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": path}, key=ADMIN_KEY)
+
+    assert_error(load(str(tiny_adapters[5])), 400, "adapter roots")  # absolute, outside
+    assert_error(load("../" + tiny_adapters[5].parent.name + "/" + tiny_adapters[5].name), 400, "adapter roots")
+    (live.root / "escape").symlink_to(tiny_adapters[5], target_is_directory=True)
+    assert_error(load("escape"), 400, "adapter roots")
+    linked = live.root / "linked"
+    linked.mkdir()
+    for f in tiny_adapters[5].iterdir():
+        (linked / f.name).symlink_to(f)
+    assert_error(load("linked"), 400, "outside")
+    assert_error(load("does-not-exist"), 404, "no adapter folder")
+    corrupt = live.root / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "adapter_config.json").write_text((live.spare[0] / "adapter_config.json").read_text())
+    (corrupt / "adapter_model.safetensors").write_bytes(b"\x00garbage" * 10)
+    assert_error(load("corrupt"), 400, "cannot read weights")
+    assert "bad" not in {a.name for a in live.engine.adapters.list()}
+
+
+def test_unload_of_an_adapter_in_use_is_409(live, client):
+    stream = client.completions.create(model="a1", prompt="Hello", max_tokens=300, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))
+    assert_error(http(live, "/v1/unload_lora_adapter", {"lora_name": "a1"}, key=ADMIN_KEY), 409, "in use")
+    stream.close()
+    assert_clean(live)
+    assert "a1" in {a.name for a in live.engine.adapters.list()}
+
+
+def _raw_request_then_disconnect(live, body: dict, read_events: int) -> None:
+    port = int(live.url.rsplit(":", 1)[1])
+    payload = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + USER_KEY.encode() + b"\r\n"
+                     b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        seen = b""
+        while seen.count(b"data:") < read_events:
+            seen += sock.recv(4096)
+        for _ in range(500):  # the request is running in the engine before the client leaves
+            if live.engine.has_unfinished():
+                break
+            time.sleep(0.01)
+        assert live.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_and_frees_everything(live, monkeypatch, stream):
+    aborted = []
+    real_abort = live.front.abort
+    monkeypatch.setattr(live.front, "abort", lambda rid: (aborted.append(rid), real_abort(rid)))
+    body = {"model": "a0", "prompt": "Hello world", "max_tokens": 480, "ignore_eos": True, "stream": stream}
+    _raw_request_then_disconnect(live, body, read_events=2 if stream else 0)
+    assert_clean(live)
+    assert len(aborted) == 1 and aborted[0].startswith("cmpl-")
+
+
+def test_tokenize_detokenize_health_version(live):
+    status, tok = http(live, "/tokenize", {"prompt": "Hello world"})
+    assert status == 200 and tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 512
+    assert http(live, "/detokenize", {"tokens": tok["tokens"]})[1]["prompt"] == "Hello world"
+    chat = http(live, "/tokenize", {"messages": MSG})[1]
+    assert chat["count"] > tok["count"]
+    assert_error(http(live, "/detokenize", {"tokens": [10**7]}), 400, "tokens")
+    assert_error(http(live, "/tokenize", {}), 400, "prompt or messages")
+
+
+def test_metrics_expose_vllm_names(client, live):
+    client.completions.create(model="a0", prompt="Hello", max_tokens=3, stream=True).close()
+    client.completions.create(model="a0", prompt="Hello", max_tokens=3)
+    status, text = http(live, "/metrics", key=None)
+    assert status == 200
+    for name in ("loraplex:num_requests_running", "loraplex:num_requests_waiting", "loraplex:kv_cache_usage_perc",
+                 "loraplex:prefix_cache_hit_rate", "loraplex:time_to_first_token_seconds_bucket",
+                 "loraplex:inter_token_latency_seconds_bucket", "loraplex:e2e_request_latency_seconds_bucket",
+                 "loraplex:prompt_tokens_total", "loraplex:generation_tokens_total",
+                 'loraplex:lora_requests_total{lora_name="a0"}', "loraplex:lora_requests_info{",
+                 'max_lora="2"', 'loraplex:request_success_total{finished_reason="length"}'):
+        assert name in text, name
