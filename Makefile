@@ -6,7 +6,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 STAMP := $(VENV)/.deps-installed
 MODEL_STAMP := $(VENV)/.default-model
 
-.PHONY: setup model serve test test-all bench clean
+.PHONY: setup model serve demo-adapters test test-all bench clean
 
 setup: $(STAMP)
 
@@ -30,9 +30,16 @@ model: $(STAMP)
 ADAPTER_ROOT := $(or $(LORAPLEX_CACHE),$(HOME)/.cache/loraplex)/adapters
 HOST ?= 127.0.0.1
 PORT ?= 8000
+DEMO_ADAPTERS := shout terse pirate
 serve: model
 	mkdir -p $(ADAPTER_ROOT)
-	$(VENV)/bin/loraplex serve --host $(HOST) --port $(PORT) --adapter-root $(ADAPTER_ROOT) $(SERVE_ARGS)
+	$(VENV)/bin/loraplex serve --host $(HOST) --port $(PORT) --adapter-root $(ADAPTER_ROOT) \
+		$$(for n in $(DEMO_ADAPTERS); do [ -f $(ADAPTER_ROOT)/$$n/adapter_config.json ] && \
+		   printf -- '--lora-modules %s=%s ' $$n $(ADAPTER_ROOT)/$$n; done) $(SERVE_ARGS)
+
+# Trains the three demo LoRAs (a few minutes on CPU) into the adapter root, not into git.
+demo-adapters: model
+	$(PY) examples/train_demo_adapters.py --out $(ADAPTER_ROOT)
 
 test: model
 	$(PY) -m pytest -q

@@ -66,8 +66,12 @@ def read_peft_adapter(name: str, path: str | Path, config: ModelConfig, max_lora
     alpha = float(raw.get("lora_alpha", rank))
     scaling = alpha / rank ** 0.5 if raw.get("use_rslora") else alpha / rank
     targets = _target_modules(raw.get("target_modules"), fail)
+    layers = _layers(raw, config, fail)
     tensors = _read_weights(folder, fail)
     weights = _collect(tensors, targets, rank, config, fail)
+    stray = sorted({layer for layer, _ in weights} - layers)
+    if stray:
+        raise fail(f"weights for layers {stray[:5]}, which layers_to_transform does not list")
     digest = hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode())
     for key in sorted(tensors):
         digest.update(key.encode())
@@ -100,7 +104,9 @@ def _check_config(raw: dict, max_lora_rank: int, fail) -> None:
     for key in ("rank_pattern", "alpha_pattern"):
         if raw.get(key):
             raise fail(f"{key} (per-module ranks or alphas) is not supported")
-    for key in ("layers_to_transform", "layer_replication", "target_parameters", "trainable_token_indices"):
+    if raw.get("layers_pattern") not in (None, "layers", ["layers"]):
+        raise fail(f"layers_pattern {raw['layers_pattern']!r} is not supported (only 'layers')")
+    for key in ("layer_replication", "target_parameters", "trainable_token_indices"):
         if raw.get(key):
             raise fail(f"{key} is not supported")
     rank = raw.get("r")
@@ -108,6 +114,17 @@ def _check_config(raw: dict, max_lora_rank: int, fail) -> None:
         raise fail(f"rank r must be a positive integer, got {rank!r}")
     if rank > max_lora_rank:
         raise fail(f"rank {rank} exceeds max_lora_rank={max_lora_rank}")
+
+
+def _layers(raw: dict, config: ModelConfig, fail) -> set[int]:
+    """The layers the adapter may touch (peft's layers_to_transform; absent: all)."""
+    value = raw.get("layers_to_transform")
+    if value is None:
+        return set(range(config.num_layers))
+    layers = [value] if isinstance(value, int) else value
+    if not isinstance(layers, list) or not all(isinstance(x, int) and 0 <= x < config.num_layers for x in layers):
+        raise fail(f"layers_to_transform must list layers in [0, {config.num_layers}), got {value!r}")
+    return set(layers)
 
 
 def _target_modules(value, fail) -> set[str]:

@@ -50,6 +50,12 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+def _bench_serve(args: argparse.Namespace) -> int:
+    from loraplex.api.bench_serve import main
+
+    return main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex", description="multi-LoRA, structured-output LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -81,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory", type=_size, default=1 << 30, help="KV cache size: bytes, or e.g. 512MiB")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides memory)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--lora-modules", type=_lora_module, nargs="+", default=[], metavar="NAME=PATH",
-                   help="adapters to load at start-up")
+    p.add_argument("--lora-modules", type=_lora_module, nargs="+", action="extend", default=[],
+                   metavar="NAME=PATH", help="adapters to load at start-up (repeatable)")
     p.add_argument("--max-loras", type=int, default=4, help="distinct adapters in one batch")
     p.add_argument("--max-lora-rank", type=int, default=16)
     p.add_argument("--max-cpu-loras", type=int, default=32, help="adapters kept in CPU memory")
@@ -99,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, seconds in-flight requests get to finish")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    p = bench.add_parser("serve", help="load an OpenAI-compatible server and report vLLM's serving metrics")
+    from loraplex.api.bench_serve import build_parser as bench_serve_parser
+
+    bench_serve_parser(p)
+    p.set_defaults(func=_bench_serve)
     return parser
 
 

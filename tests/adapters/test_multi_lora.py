@@ -122,3 +122,13 @@ def test_256_registered_64_in_flight(tiny_model_dir, tmp_path):
     greedy = tokens(llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], GREEDY, adapter=chosen[:8]))
     assert greedy == peft_greedy(tiny_model_dir, [sources[int(a.split("-")[1]) % 4] for a in chosen[:8]], prompts[:8])
     assert_all_blocks_free(llm.engine)
+
+
+def test_layers_to_transform_matches_peft(tiny_model_dir, tmp_path):
+    """An adapter on the top layer only (peft's layers_to_transform) is served exactly as peft."""
+    folder = make_peft_adapter(tiny_model_dir, tmp_path / "top", rank=8, seed=3, layers_to_transform=[1])
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, lora_modules={"top": str(folder)})
+    prompts = prompts_for(3)
+    got = tokens(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, adapter="top"))
+    assert got == peft_greedy(tiny_model_dir, [folder] * 3, prompts)
+    assert got != tokens(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY))

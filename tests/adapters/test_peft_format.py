@@ -97,3 +97,17 @@ def test_wrong_base_model_is_refused(tmp_path, tiny_model_dir):
     adapter = make_peft_adapter(other, tmp_path / "wide-ad", rank=4)
     with pytest.raises(AdapterError, match="do not fit the base model"):
         read_peft_adapter("wide", adapter, ModelConfig.from_folder(tiny_model_dir), 16)
+
+
+def test_layers_to_transform_must_cover_the_weights(config, adapter):
+    edit_config(adapter, layers_to_transform=[0])  # the weights cover layers 0 and 1
+    with pytest.raises(AdapterError, match="layers \\[1\\], which layers_to_transform does not list"):
+        read_peft_adapter("bad", adapter, config, 16)
+    edit_config(adapter, layers_to_transform=[0, 7])
+    with pytest.raises(AdapterError, match="layers_to_transform must list layers in \\[0, 2\\)"):
+        read_peft_adapter("bad", adapter, config, 16)
+    edit_config(adapter, layers_to_transform=[0, 1], layers_pattern="blocks")
+    with pytest.raises(AdapterError, match="layers_pattern 'blocks'"):
+        read_peft_adapter("bad", adapter, config, 16)
+    edit_config(adapter, layers_to_transform=[1, 0], layers_pattern="layers")
+    assert read_peft_adapter("ok", adapter, config, 16).rank == 8
