@@ -93,9 +93,16 @@ class AdapterRegistry:
         with self._lock:
             return list(self._adapters.values())
 
-    def pin(self, name: str) -> AdapterInfo:
+    def pin(self, name: str, weights: LoRAWeights | None = None) -> AdapterInfo:
+        """Hold the adapter for a request. `weights` (from `prefetch`) go back into the CPU cache
+        if the LRU dropped them meanwhile, so the engine thread never reads disk for them."""
         with self._lock:
             info = self.get(name)
+            if weights is not None:
+                if weights.content_hash != info.content_hash:
+                    raise AdapterError(f"adapter {name!r} was replaced while the request was queued; retry")
+                if name not in self._cpu:
+                    self._cpu[name] = weights
             self._pins[name] += 1
             return info
 
@@ -116,10 +123,10 @@ class AdapterRegistry:
             raise AdapterInUseError(f"adapter {name!r} is in use by {self._pins[name]} request(s); "
                                     f"unload it once they finish")
 
-    def prefetch(self, name: str) -> None:
-        """Make sure the adapter's weights are in CPU memory, reading them from disk in the
-        caller's thread if the LRU dropped them, so the engine thread never reads disk for it."""
-        self._weights(self.get(name))
+    def prefetch(self, name: str) -> LoRAWeights:
+        """The adapter's weights in CPU memory, read from disk in the caller's thread if the LRU
+        dropped them; hand them to `pin`, so the engine thread never reads disk for them."""
+        return self._weights(self.get(name))
 
     def _cache(self, weights: LoRAWeights) -> None:
         self._cpu[weights.name] = weights

@@ -30,7 +30,7 @@ from loraplex.api import openai_format as fmt
 from loraplex.api.metrics import RequestTimer, ServerMetrics
 from loraplex.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    LoadAdapterRequest, TokenizeRequest, UnloadAdapterRequest)
-from loraplex.platform.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from loraplex.platform.async_engine import AsyncEngine, EngineDeadError, QueueFullError, StepFailedError
 from loraplex.platform.request import RequestOutput, SamplingParams
 
 log = logging.getLogger("loraplex.api")
@@ -69,6 +69,8 @@ def _as_api_error(exc: BaseException) -> APIError:
         return APIError(429, str(exc))
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc))
+    if isinstance(exc, StepFailedError):
+        return APIError(500, str(exc))
     if isinstance(exc, ValueError):  # also GrammarError and AdapterError: the request's own fault
         return APIError(400, str(exc))
     log.exception("unexpected error", exc_info=exc)
@@ -153,6 +155,13 @@ class _Server:
         except Exception as exc:  # a template's own raise_exception(): the conversation's fault
             raise APIError(400, f"the chat template refused these messages: {exc}", "messages") from None
         return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def detokenize(self, ids: list[int], param: str) -> str:
+        vocab = self.engine.engine.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"{param} must be token ids in [0, {vocab}); got {bad[:3]}", param)
+        return self.tokenizer.decode(ids)
 
     def default_max_tokens(self, prompt_ids: list[int]) -> int:
         engine = self.engine.engine
@@ -339,11 +348,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.post("/detokenize", dependencies=user)
     async def detokenize(body: DetokenizeRequest):
-        vocab = engine.engine.model_config.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"tokens must be in [0, {vocab}); got {bad[:3]}", "tokens")
-        return {"prompt": server.tokenizer.decode(body.tokens)}
+        return {"prompt": server.detokenize(body.tokens, "tokens")}
 
     @app.post("/v1/completions", dependencies=user)
     async def completions(body: CompletionRequest, request: Request):
@@ -354,17 +359,18 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", "echo")
         prompts = _checked(body.prompts)
         ids = [server.tokenizer(p).input_ids if isinstance(p, str) else p["prompt_token_ids"] for p in prompts]
-        params = [_checked(body.sampling_params, body.max_tokens or server.default_max_tokens(i), body.logprobs)
+        params = [_checked(body.sampling_params, _given(body.max_tokens, server.default_max_tokens(i)), body.logprobs)
                   for i in ids]
-        texts = [p if isinstance(p, str) else server.tokenizer.decode(p["prompt_token_ids"]) for p in prompts]
-        view = fmt.CompletionView(body.model, body.n, texts if body.echo else None, body.logprobs)
+        echo = [p if isinstance(p, str) else server.detokenize(p["prompt_token_ids"], "prompt")
+                for p in prompts] if body.echo else None
+        view = fmt.CompletionView(body.model, body.n, echo, body.logprobs)
         return await _respond(server, request, body, ids, params, adapter, view)
 
     @app.post("/v1/chat/completions", dependencies=user)
     async def chat(body: ChatCompletionRequest, request: Request):
         adapter = server.resolve_model(body.model)
         ids = server.tokenize_chat(body.chat_messages(), body.add_generation_prompt)
-        max_tokens = body.max_completion_tokens or body.max_tokens or server.default_max_tokens(ids)
+        max_tokens = _given(body.max_completion_tokens, _given(body.max_tokens, server.default_max_tokens(ids)))
         params = _checked(body.sampling_params, max_tokens, _checked(body.num_logprobs))
         view = fmt.ChatView(body.model, body.n, body.top_logprobs or 0)
         return await _respond(server, request, body, [ids], [params], adapter, view)
@@ -392,6 +398,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     return app
+
+
+def _given(value, default):
+    """`value` unless the client left it out (0 is a value: SamplingParams refuses it)."""
+    return default if value is None else value
 
 
 def _checked(fn, *args):

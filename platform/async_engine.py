@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 from typing import AsyncIterator, Iterator
@@ -18,10 +19,16 @@ from loraplex.platform.engine import Engine, EngineStats
 from loraplex.platform.request import Request, RequestOutput, SamplingParams
 
 _DONE = object()
+MAX_CONSECUTIVE_STEP_FAILURES = 3  # then the engine is considered broken: /health 503, fail fast
+log = logging.getLogger("loraplex.engine")
 
 
 class EngineDeadError(RuntimeError):
     pass
+
+
+class StepFailedError(RuntimeError):
+    """An engine step raised; the requests in its batch were aborted, the engine goes on."""
 
 
 class QueueFullError(RuntimeError):
@@ -149,14 +156,30 @@ class AsyncEngine:
     # ---- engine thread ---------------------------------------------------------------------
 
     def _loop(self) -> None:
+        failures = 0
         try:
             while not self._stop.is_set():
                 self._drain_commands(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
-                    for out in self.engine.step():
+                    try:
+                        outputs = self.engine.step()
+                        failures = 0
+                    except Exception:
+                        failures += 1
+                        if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                            raise
+                        log.exception("engine step failed; aborting the requests in its batch")
+                        outputs = []
+                        for request_id in self.engine.abort_running():
+                            stream = self._streams.get(request_id)
+                            if stream is not None:
+                                stream.put(StepFailedError("generation failed with an internal error; "
+                                                           "see the server log"))
+                    for out in outputs:
                         self._publish(out)
                 self.stats = self.engine.stats()
         except BaseException as exc:  # the engine cannot continue: fail every stream, never hang
+            log.exception("the engine failed and stopped")
             self.error = exc
             for stream in list(self._streams.values()):
                 stream.put(EngineDeadError("the engine failed; see the server log"))

@@ -103,8 +103,7 @@ class Engine:
                      adapter: str | None = None) -> Request:
         """Tokenize and validate; raises ValueError naming the field and the limit (an unknown
         adapter too). Touches no engine state, so any thread may call it."""
-        if adapter is not None:
-            self.adapters.prefetch(adapter)  # disk reads happen here, never on the engine thread
+        weights = self.adapters.prefetch(adapter) if adapter is not None else None  # disk reads: here, never
         text = None
         if isinstance(prompt, str):
             text = prompt
@@ -138,6 +137,7 @@ class Engine:
         if bad_stop:
             raise ValueError(f"stop_token_ids must be in [0, {vocab}); got {bad_stop[:3]}")
         request = Request(request_id, ids, params, prompt=text, adapter=adapter)
+        request.adapter_weights = weights
         if params.structured is not None:  # compiled here, never on the engine thread
             request.compiled_grammar = self.grammars.compile(params.structured)
         return request
@@ -148,7 +148,8 @@ class Engine:
         if request.adapter is not None:
             # pinned until the group ends; the content hash keys its prefix cache, so a reloaded
             # adapter under the same name never sees the old one's KV
-            request.extra_keys = ("lora", self.adapters.pin(request.adapter).content_hash)
+            info = self.adapters.pin(request.adapter, request.adapter_weights)
+            request.extra_keys, request.adapter_weights = ("lora", info.content_hash), None
         if request.compiled_grammar is not None:
             request.grammar = self.grammars.new_grammar(request.compiled_grammar)
         self.groups[request.request_id] = _Group([request], [self._detokenizer(request)])
@@ -170,6 +171,14 @@ class Engine:
         group.parent.pending_forks = 0
         self._release(group)
         return self._output(group, finished=True)
+
+    def abort_running(self) -> list[str]:
+        """After a step that raised: abort every request in the running batch (their state may be
+        half-updated); waiting requests are untouched. Returns the aborted request ids."""
+        ids = list(dict.fromkeys(r.request_id for r in self.scheduler.running))
+        for request_id in ids:
+            self.abort(request_id)
+        return ids
 
     def _release(self, group: _Group) -> None:
         if group.parent.adapter is not None:

@@ -117,6 +117,7 @@ class Request:
         self.params = params
         self.extra_keys = extra_keys  # salt for prefix-cache hashes (adapter content hash, grammar)
         self.adapter = adapter  # LoRA adapter name; None: the base model
+        self.adapter_weights = None  # prefetched by make_request, handed to the registry's pin
         self.compiled_grammar = None  # compiled spec, shared by the n sequences
         self.grammar = None  # this sequence's matcher
         self.output_token_ids: list[int] = []

@@ -4,16 +4,22 @@ with two adapters loaded at start-up and an adapter root for hot-loading."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 USER_KEY, ADMIN_KEY = "user-key-123", "admin-key-456"
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "n"],
+          "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 6},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 9}}}
 
 
 @dataclass
@@ -94,3 +100,29 @@ def wait_idle(engine, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while engine.has_unfinished() and time.monotonic() < deadline:
         time.sleep(0.02)
+
+
+def http(live, path: str, body=None, key: str | None = USER_KEY, raw: bytes | None = None,
+         method: str | None = None) -> tuple[int, dict | str]:
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(live.url + path, data=data, method=method or ("POST" if data is not None else "GET"))
+    req.add_header("Content-Type", "application/json")
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            status, text = resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        status, text = err.code, err.read().decode()
+    try:
+        return status, json.loads(text)
+    except json.JSONDecodeError:
+        return status, text
+
+
+def assert_error(result, status: int, fragment: str = "") -> None:
+    code, body = result
+    assert code == status, body
+    assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["code"] == status
+    assert fragment.lower() in body["error"]["message"].lower()
+    assert "Traceback" not in body["error"]["message"]

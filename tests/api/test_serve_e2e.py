@@ -4,6 +4,7 @@ examples against it, and SIGTERM ending it with exit status 0."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -20,6 +21,7 @@ from conftest import make_peft_adapter
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
+ADMIN = "sekrit-admin-key-0123"  # given through the environment; must never show up in the log
 
 
 def free_port() -> int:
@@ -49,7 +51,8 @@ def served(default_model_dir, tmp_path_factory):
     cmd = [sys.executable, "-m", "loraplex.api.cli", "serve", str(default_model_dir), "--port", str(port),
            "--max-model-len", "2048", "--lora-modules", f"ex={root / 'ex'}", "--adapter-root", str(root),
            "--shutdown-timeout", "3"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "LORAPLEX_ADMIN_API_KEY": ADMIN})
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc)
@@ -91,14 +94,18 @@ def test_chat_json_and_adapters(served):
 def test_examples_run_against_the_server(served, script, args):
     url, _, root = served
     run = subprocess.run([sys.executable, script, "--base-url", url + "/v1", *args], cwd=REPO / "examples",
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "LORAPLEX_ADMIN_API_KEY": ADMIN})
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert run.stdout.strip()
 
 
-def test_sigterm_exits_zero(served):
+def test_sigterm_exits_zero_and_keys_never_reach_the_log(served):
     url, proc, _ = served
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    wrong = openai.OpenAI(base_url=url + "/v1", api_key=ADMIN[::-1], max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.post("/load_lora_adapter", body={"lora_name": "x", "lora_path": "ex"}, cast_to=str)
     stream = client.completions.create(model="ex", prompt="Once upon a time", max_tokens=1500, stream=True,
                                        extra_body={"ignore_eos": True})
     chunks = iter(stream)
@@ -108,3 +115,6 @@ def test_sigterm_exits_zero(served):
         for _ in chunks:
             pass
     assert proc.wait(60) == 0
+    log = proc.stdout.read()
+    assert "shutting down" in log or "Shutting down" in log
+    assert ADMIN not in log and ADMIN[::-1] not in log and "Bearer" not in log

@@ -1,0 +1,267 @@
+"""Under load, faults and bad input nothing is lost or leaked: real servers on 127.0.0.1 over
+the tiny model, bounded sizes so this runs in CI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import shutil
+import time
+
+import jsonschema
+import openai
+import pytest
+
+from conftest import assert_all_blocks_free
+from live_server import SCHEMA, assert_error, http, start_server, wait_idle
+from loraplex.api.server import ServerConfig
+
+MSG = [{"role": "user", "content": "Hello world"}]
+
+
+def config(root=None, **kw) -> ServerConfig:
+    return ServerConfig(served_model_name="tiny", adapter_roots=(str(root),) if root else (), **kw)
+
+
+def assert_clean(server) -> None:
+    wait_idle(server.engine)
+    assert_all_blocks_free(server.engine)
+    assert server.engine.adapters.num_pins() == 0
+    assert http(server, "/health", key=None)[0] == 200
+
+
+@pytest.fixture
+def adapter_root(tmp_path, tiny_adapters):
+    root = tmp_path / "root"
+    root.mkdir()
+    for src in tiny_adapters[:4]:
+        shutil.copytree(src, root / src.name)
+    return root
+
+
+def test_64_streaming_clients_with_disconnects_preemption_and_admin_calls(tiny_model_dir, adapter_root):
+    server = start_server(tiny_model_dir, config(adapter_root), {"a0": adapter_root / "a0", "a1": adapter_root / "a1"},
+                          num_kv_blocks=24, max_num_seqs=16, max_num_batched_tokens=64, max_loras=2,
+                          max_cpu_loras=3)
+    rng = random.Random(0)
+    outcomes: list[tuple[str, object]] = []
+
+    async def one_client(i: int, client: openai.AsyncOpenAI) -> None:
+        model = rng.choice(["tiny", "a0", "a1", "hot"])
+        structured = rng.random() < 0.25
+        cut = rng.random() < 0.3
+        extra = {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}} \
+            if structured else {}
+        try:
+            stream = await client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": f"Hello world {i}"}], max_tokens=40,
+                temperature=1.0, seed=i, stream=True, extra_body={"ignore_eos": not structured}, **extra)
+            text, finish, chunks = "", None, 0
+            async for chunk in stream:
+                chunks += 1
+                if chunk.choices:
+                    text += chunk.choices[0].delta.content or ""
+                    finish = chunk.choices[0].finish_reason or finish
+                if cut and chunks == 2:
+                    await stream.close()
+                    outcomes.append(("cut", None))
+                    return
+            if structured:
+                assert finish == "stop", text
+                jsonschema.validate(json.loads(text), SCHEMA)
+            outcomes.append(("done", finish))
+        except openai.NotFoundError:  # "hot" is not loaded (yet, or any more): a clear 404
+            outcomes.append(("404", model))
+
+    async def admin() -> None:
+        def call(path, body):
+            return http(server, path, body, key=None)
+
+        await asyncio.sleep(0.3)
+        assert (await asyncio.to_thread(call, "/v1/load_lora_adapter", {"lora_name": "hot", "lora_path": "a2"}))[0] == 200
+        await asyncio.sleep(1.0)
+        status = (await asyncio.to_thread(call, "/v1/unload_lora_adapter", {"lora_name": "a0"}))[0]
+        assert status in (200, 409)  # 409 while requests use it, never pulled from under them
+        if status == 200:
+            assert (await asyncio.to_thread(call, "/v1/load_lora_adapter",
+                                            {"lora_name": "a0", "lora_path": "a0"}))[0] == 200
+        assert (await asyncio.to_thread(call, "/v1/load_lora_adapter", {"lora_name": "hot2", "lora_path": "a3"}))[0] == 200
+
+    async def main() -> None:
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        await asyncio.gather(admin(), *(one_client(i, client) for i in range(64)))
+        await client.close()
+
+    try:
+        asyncio.run(main())
+        assert len(outcomes) == 64
+        kinds = [k for k, _ in outcomes]
+        assert kinds.count("cut") >= 10 and kinds.count("done") >= 20
+        assert all(f in ("stop", "length") for k, f in outcomes if k == "done")
+        assert server.engine.scheduler.num_preemptions > 0
+        assert_clean(server)
+    finally:
+        server.stop()
+
+
+def test_bad_input_is_a_4xx_with_an_openai_error(tiny_model_dir):
+    server = start_server(tiny_model_dir, config(max_request_body_bytes=8192), num_kv_blocks=64)
+    chat = "/v1/chat/completions"
+    cases = [
+        (chat, {"model": "tiny", "messages": MSG, "temperature": "hot"}, "temperature"),
+        (chat, {"model": "tiny", "messages": MSG, "top_p": 7}, "top_p"),
+        (chat, {"model": "tiny", "messages": MSG, "top_k": -5}, "top_k"),
+        (chat, {"model": "tiny", "messages": MSG, "n": 100000}, "n="),
+        (chat, {"model": "tiny", "messages": MSG, "n": 0}, "n"),
+        (chat, {"model": "tiny", "messages": MSG, "max_tokens": 0}, "max_tokens"),
+        (chat, {"model": "tiny", "messages": MSG, "max_tokens": 100000}, "max_model_len"),
+        (chat, {"model": "tiny", "messages": MSG, "logprobs": True, "top_logprobs": 50}, "logprobs"),
+        (chat, {"model": "tiny", "messages": MSG, "top_logprobs": 2}, "top_logprobs"),
+        (chat, {"model": "tiny", "messages": MSG, "stop_token_ids": [10**9]}, "stop_token_ids"),
+        (chat, {"model": "tiny", "messages": MSG, "min_tokens": 99, "max_tokens": 5}, "min_tokens"),
+        (chat, {"model": "tiny", "messages": MSG, "presence_penalty": 9}, "presence_penalty"),
+        (chat, {"model": "tiny", "messages": MSG, "logit_bias": {"5": 3}}, "logit_bias"),
+        (chat, {"model": "tiny", "messages": [{"role": "tool", "content": "x"}]}, "role"),
+        (chat, {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "content"),
+        (chat, {"model": "tiny", "messages": MSG, "response_format": {"type": "xml"}}, "response_format"),
+        (chat, {"model": "tiny", "messages": MSG,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema"),
+        (chat, {"model": "tiny", "messages": MSG, "structured_outputs": {"regex": "(unclosed"}}, "regex"),
+        (chat, {"model": "tiny", "messages": MSG, "structured_outputs": {"choice": []}}, "choice"),
+        (chat, {"model": "tiny", "messages": MSG, "structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one"),
+        (chat, {"model": "tiny", "messages": MSG, "structured_outputs": {"json": {"type": "object", "not": {}}}}, "not"),
+        (chat, {"model": "tiny", "messages": MSG, "structured_outputs": {"json": "{bad"}}, "json"),
+        (chat, {"model": "ghost", "messages": MSG}, "does not exist"),
+        (chat, [1, 2, 3], "invalid request"),
+        ("/v1/completions", {"model": "tiny", "prompt": [[]]}, "empty"),
+        ("/v1/completions", {"model": "tiny", "prompt": [-1]}, "prompt_token_ids"),
+        ("/v1/completions", {"model": "tiny", "prompt": "x", "suffix": "y"}, "suffix"),
+        ("/v1/completions", {"model": "tiny", "prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/etc"}, "adapter loading is off"),
+        ("/v1/unload_lora_adapter", {"lora_name": "ghost"}, "cannot be found"),
+        ("/detokenize", {"tokens": ["a"]}, "tokens"),
+    ]
+    try:
+        for path, body, fragment in cases:
+            status, reply = http(server, path, body, key=None)
+            assert 400 <= status < 500, (body, reply)
+            assert_error((status, reply), status, fragment)
+        assert_error(http(server, chat, raw=b"{" * 10000, key=None), 413, "larger than")
+        assert_error(http(server, chat, raw=b'{"model": "tiny", "messages": [', key=None), 400, "not valid JSON")
+        assert_clean(server)
+    finally:
+        server.stop()
+
+
+def test_overload_gets_429_with_retry_after(tiny_model_dir):
+    server = start_server(tiny_model_dir, config(), max_waiting_requests=2, num_kv_blocks=64, max_num_seqs=1)
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 60, "ignore_eos": True}
+
+    async def main():
+        return await asyncio.gather(*(asyncio.to_thread(http, server, "/v1/completions", body, None)
+                                      for _ in range(12)))
+
+    try:
+        results = asyncio.run(main())
+        statuses = sorted(status for status, _ in results)
+        assert statuses.count(200) >= 3 and 429 in statuses and set(statuses) <= {200, 429}
+        rejected = next(reply for status, reply in results if status == 429)
+        assert rejected["error"]["type"] == "RateLimitError"
+        assert_clean(server)
+    finally:
+        server.stop()
+
+
+def test_retry_after_header_and_request_timeout(tiny_model_dir):
+    import urllib.error
+    import urllib.request
+
+    server = start_server(tiny_model_dir, config(request_timeout_s=0.5), max_waiting_requests=0,
+                          num_kv_blocks=64)
+    try:
+        req = urllib.request.Request(server.url + "/v1/completions", method="POST",
+                                     data=json.dumps({"model": "tiny", "prompt": "x"}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=30)
+        assert err.value.code == 429 and err.value.headers["Retry-After"] == "1"
+        server.front.max_waiting_requests = None
+        slow = {"model": "tiny", "prompt": "Hello", "max_tokens": 480, "ignore_eos": True}
+        real_step = server.engine.step
+        server.engine.step = lambda: (time.sleep(0.05), real_step())[1]  # ~25 s for 480 tokens
+        assert_error(http(server, "/v1/completions", slow, key=None), 504, "request timeout")
+        server.engine.step = real_step
+        assert_clean(server)
+    finally:
+        server.stop()
+
+
+def test_a_failing_step_fails_its_batch_and_the_server_goes_on(tiny_model_dir):
+    server = start_server(tiny_model_dir, config(), num_kv_blocks=64)
+    real = server.engine.runner.execute
+    calls = {"n": 0}
+
+    def flaky(*args):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated kernel fault")
+        return real(*args)
+
+    server.engine.runner.execute = flaky
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 8, "ignore_eos": True}
+    try:
+        status, reply = http(server, "/v1/completions", body, key=None)
+        assert_error((status, reply), 500, "generation failed")
+        assert "simulated" not in reply["error"]["message"]  # internals stay in the log
+        assert http(server, "/v1/completions", body, key=None)[0] == 200
+        assert_clean(server)
+    finally:
+        server.stop()
+
+
+def test_a_broken_engine_turns_health_503_and_fails_fast(tiny_model_dir):
+    server = start_server(tiny_model_dir, config(), num_kv_blocks=64)
+    server.engine.runner.execute = lambda *a: (_ for _ in ()).throw(RuntimeError("device lost"))
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 8}
+    try:
+        for _ in range(3):
+            assert http(server, "/v1/completions", body, key=None)[0] in (500, 503)
+        assert_error(http(server, "/health", key=None), 503)
+        start = time.monotonic()
+        assert_error(http(server, "/v1/completions", body, key=None), 503, "engine failed")
+        assert time.monotonic() - start < 5
+    finally:
+        server.stop()
+
+
+def test_adapter_folder_deleted_after_registration(tiny_model_dir, adapter_root):
+    server = start_server(tiny_model_dir, config(adapter_root),
+                          {f"a{i}": adapter_root / f"a{i}" for i in range(4)}, num_kv_blocks=64, max_loras=2,
+                          max_cpu_loras=2)
+    body = lambda model: {"model": model, "prompt": "Hello", "max_tokens": 4}  # noqa: E731
+    try:
+        shutil.rmtree(adapter_root / "a0")  # a0 was dropped from the 2-entry CPU cache by a2, a3
+        assert_error(http(server, "/v1/completions", body("a0"), key=None), 400, "a0")
+        (adapter_root / "a1" / "adapter_model.safetensors").write_bytes(b"garbage")
+        assert_error(http(server, "/v1/completions", body("a1"), key=None), 400, "a1")
+        for model in ("a2", "a3", "tiny"):
+            assert http(server, "/v1/completions", body(model), key=None)[0] == 200
+        assert_clean(server)
+    finally:
+        server.stop()
+
+
+def test_grammar_compile_timeout_is_a_400(tiny_model_dir):
+    server = start_server(tiny_model_dir, config(), num_kv_blocks=64)
+    server.engine.grammars.timeout_s = 1e-4
+    schema = {"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": f"[a-z]{{{i}}}x"}
+                                               for i in range(40)}}
+    try:
+        status, reply = http(server, "/v1/chat/completions",
+                             {"model": "tiny", "messages": MSG, "response_format": {
+                                 "type": "json_schema", "json_schema": {"name": "big", "schema": schema}}}, key=None)
+        assert_error((status, reply), 400, "longer than")
+        assert_clean(server)
+    finally:
+        server.stop()
