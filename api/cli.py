@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="key for /v1/*, /tokenize, /detokenize (or LORAPLEX_API_KEY)")
     p.add_argument("--admin-api-key", default=None,
                    help="the only key that opens the adapter admin endpoints (or LORAPLEX_ADMIN_API_KEY)")
-    p.add_argument("--grammar-backend", default="xgrammar")
+    p.add_argument("--grammar-backend", default="xgrammar", choices=["xgrammar", "outlines", "auto"])
     p.add_argument("--max-waiting-requests", type=int, default=1024, help="beyond this, 429 with Retry-After")
     p.add_argument("--max-request-body-bytes", type=_size, default=4 << 20, help="beyond this, 413")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds; beyond this, 504")

@@ -19,34 +19,40 @@ SUBSCHEMA_MAPS = {"properties", "$defs", "definitions", "patternProperties", "de
 SUBSCHEMA_LISTS = {"anyOf", "oneOf", "allOf", "prefixItems"}
 
 
-def _refuse(keyword: str, path: str, why: str = "it would be ignored") -> GrammarError:
-    return GrammarError(f"json schema keyword {keyword!r} at {path} is not supported by the grammar backend "
-                        f"({why}, so the request is refused)")
+class UnsupportedKeywordError(GrammarError):
+    """A valid schema with a keyword the backend would not enforce."""
 
 
-def check_schema(schema, path: str = "#") -> None:
+def _refuse(keyword: str, path: str, why: str = "it would be ignored", backend: str = "xgrammar") -> GrammarError:
+    return UnsupportedKeywordError(f"json schema keyword {keyword!r} at {path} is not supported by the {backend} "
+                                   f"grammar backend ({why}, so the request is refused)")
+
+
+def check_schema(schema, path: str = "#", extra_unenforced: frozenset[str] | set[str] = frozenset(),
+                 backend: str = "xgrammar") -> None:
+    """Raise UnsupportedKeywordError for the first keyword `backend` would not enforce."""
     if isinstance(schema, bool):
         return
     if not isinstance(schema, dict):
         raise GrammarError(f"json schema at {path} must be an object or a boolean")
     # combinations xgrammar 0.2.9 accepts but only approximates (it says so in a log warning)
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
-        raise _refuse("allOf", path, "with several schemas it is not enforced exactly")
+        raise _refuse("allOf", path, "with several schemas it is not enforced exactly", backend)
     if isinstance(schema.get("oneOf"), list) and len(schema["oneOf"]) > 1:
-        raise _refuse("oneOf", path, "it is enforced as anyOf")
+        raise _refuse("oneOf", path, "it is enforced as anyOf", backend)
     if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
-        raise _refuse("minLength/maxLength", path, "beside a pattern they would be ignored")
+        raise _refuse("minLength/maxLength", path, "beside a pattern they would be ignored", backend)
     for key, value in schema.items():
-        if key in UNENFORCED:
-            raise _refuse(key, path)
+        if key in UNENFORCED or key in extra_unenforced:
+            raise _refuse(key, path, backend=backend)
         if key in SUBSCHEMA and isinstance(value, (dict, bool)):
-            check_schema(value, f"{path}/{key}")
+            check_schema(value, f"{path}/{key}", extra_unenforced, backend)
         elif key in SUBSCHEMA and isinstance(value, list):  # draft-4 tuple items
             for i, sub in enumerate(value):
-                check_schema(sub, f"{path}/{key}/{i}")
+                check_schema(sub, f"{path}/{key}/{i}", extra_unenforced, backend)
         elif key in SUBSCHEMA_MAPS and isinstance(value, dict):
             for name, sub in value.items():
-                check_schema(sub, f"{path}/{key}/{name}")
+                check_schema(sub, f"{path}/{key}/{name}", extra_unenforced, backend)
         elif key in SUBSCHEMA_LISTS and isinstance(value, list):
             for i, sub in enumerate(value):
-                check_schema(sub, f"{path}/{key}/{i}")
+                check_schema(sub, f"{path}/{key}/{i}", extra_unenforced, backend)

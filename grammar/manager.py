@@ -1,8 +1,13 @@
 """Compiles specs off the engine thread, with a timeout, and builds the step's bitmask.
 
 `compile` runs in the caller's thread against a small pool (so the engine never waits for a
-grammar, and a slow compile fails only its own request); the backend keeps compiled grammars
+grammar, and a slow compile fails only its own request); each backend keeps compiled grammars
 in a bounded cache keyed by the spec.
+
+Backends: "xgrammar" (default), "outlines", or "auto": xgrammar first; a spec xgrammar cannot
+compile (a regex with Unicode classes like `\p{Lu}` or inline flags like `(?i)`) goes to
+outlines when outlines can. A schema keyword xgrammar would not enforce stays refused under
+auto: outlines enforces none that xgrammar does not. Both write the same packed bitmask.
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ import threading
 import torch
 
 from loraplex.grammar.backend import Grammar, GrammarBackend, GrammarError, StructuredOutputs
+from loraplex.grammar.json_schema import UnsupportedKeywordError
 
-BACKENDS = ("xgrammar",)
+BACKENDS = ("xgrammar", "outlines", "auto")
 
 
 class GrammarManager:
@@ -25,29 +31,50 @@ class GrammarManager:
         self._args = (tokenizer, vocab_size, stop_token_ids)
         self.backend_name = backend
         self.timeout_s = timeout_s
-        self._backend: GrammarBackend | None = None
+        self._backends: dict[str, GrammarBackend] = {}
         self._lock = threading.Lock()
         self._pool = cf.ThreadPoolExecutor(threads, thread_name_prefix="loraplex-grammar")
 
     @property
     def backend(self) -> GrammarBackend:
+        """The primary backend: it allocates and applies the step's bitmask."""
+        return self._get("outlines" if self.backend_name == "outlines" else "xgrammar")
+
+    def _get(self, name: str) -> GrammarBackend:
         with self._lock:  # built on first use: the tokenizer scan costs a moment
-            if self._backend is None:
-                from loraplex.grammar.xgrammar_backend import XGrammarBackend
+            if name not in self._backends:
+                if name == "xgrammar":
+                    from loraplex.grammar.xgrammar_backend import XGrammarBackend as cls
+                else:
+                    from loraplex.grammar.outlines_backend import OutlinesBackend as cls
+                self._backends[name] = cls(*self._args)
+            return self._backends[name]
 
-                self._backend = XGrammarBackend(*self._args)
-            return self._backend
-
-    def compile(self, spec: StructuredOutputs) -> tuple[StructuredOutputs, object]:
-        future = self._pool.submit(self.backend.compile, spec)
+    def compile(self, spec: StructuredOutputs) -> tuple[StructuredOutputs, str, object]:
+        """(spec, backend name, compiled grammar); GrammarError naming the problem otherwise."""
+        future = self._pool.submit(self._compile, spec)
         try:
-            return spec, future.result(timeout=self.timeout_s)
+            return future.result(timeout=self.timeout_s)
         except cf.TimeoutError:
             raise GrammarError(f"{spec.kind} took longer than {self.timeout_s:g}s to compile") from None
 
-    def new_grammar(self, compiled: tuple[StructuredOutputs, object]) -> Grammar:
-        spec, grammar = compiled
-        return self.backend.new_grammar(grammar, json_like=spec.kind in ("json", "json_object"))
+    def _compile(self, spec: StructuredOutputs) -> tuple[StructuredOutputs, str, object]:
+        primary = self.backend
+        try:
+            return spec, primary.name, primary.compile(spec)
+        except UnsupportedKeywordError:
+            raise
+        except GrammarError as first:
+            if self.backend_name != "auto" or spec.kind not in ("regex", "choice", "json"):
+                raise
+            try:
+                return spec, "outlines", self._get("outlines").compile(spec)
+            except GrammarError:
+                raise first from None
+
+    def new_grammar(self, compiled: tuple[StructuredOutputs, str, object]) -> Grammar:
+        spec, name, grammar = compiled
+        return self._get(name).new_grammar(grammar, json_like=spec.kind in ("json", "json_object"))
 
     def apply(self, logits: torch.Tensor, grammars: list[Grammar | None]) -> None:
         """Mask each constrained row of `logits` in place to the tokens its grammar allows."""

@@ -1,0 +1,127 @@
+"""outlines-core: regexes (JSON Schemas and choices become regexes) compiled into a token index,
+one Guide per sequence. Writes the same packed bitmask as xgrammar (bit i of word j allows
+token 32*j + i), so both backends fill rows of one mask.
+
+What it takes, exactly: `regex` (Rust regex syntax: also Unicode classes such as `\\p{Lu}` and
+inline flags such as `(?i)`, which xgrammar refuses), `choice`, and `json` for schemas whose
+every keyword outlines enforces (`OUTLINES_UNENFORCED` lists what it would silently drop, which
+is refused by name). Not `json_object` or EBNF `grammar` (no recursion in a regex), and no
+jump-forward.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+
+import outlines_core as oc
+import torch
+
+from loraplex.grammar.backend import GrammarError, StructuredOutputs
+from loraplex.grammar.json_schema import UnsupportedKeywordError, check_schema
+
+# what outlines-core 0.2 accepts in a schema but does not enforce (checked against its regexes)
+OUTLINES_UNENFORCED = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}
+WHITESPACE = r"[ ]?"  # bounded: at most one space between JSON tokens
+MAX_CACHED = 64
+
+
+class OutlinesGrammar:
+    def __init__(self, index: oc.Index, eos_token_id: int) -> None:
+        self.guide = oc.Guide(index, max_rollback=64)
+        self.eos_token_id = eos_token_id
+        self.terminated = False  # EOS accepted in a final state; the guide itself never sees EOS
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        target = bitmask[row]
+        target.zero_()  # tokens past the tokenizer's vocabulary stay forbidden
+        self.guide.write_mask_into(target.data_ptr(), target.numel(), 4)
+
+    def accept_token(self, token_id: int) -> bool:
+        if self.terminated:
+            return False
+        if token_id == self.eos_token_id:
+            self.terminated = self.guide.is_finished()
+            return self.terminated
+        if not self.guide.accepts_tokens([token_id]):
+            return False
+        self.guide.advance(token_id, return_tokens=False)
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens and self.terminated:
+            self.terminated, num_tokens = False, num_tokens - 1
+        if num_tokens:
+            self.guide.rollback_state(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return self.terminated
+
+    def jump_forward_string(self) -> str:
+        return ""
+
+
+class OutlinesBackend:
+    name = "outlines"
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+        self.vocab_size = vocab_size
+        eos = tokenizer.eos_token_id
+        self.eos_token_id = eos if eos in stop_token_ids or not stop_token_ids else stop_token_ids[0]
+        specials = set(tokenizer.all_special_ids) | set(stop_token_ids)
+        vocab: dict[bytes, list[int]] = {}
+        for token_id, raw in enumerate(token_bytes(tokenizer, vocab_size)):
+            if raw and token_id not in specials:
+                vocab.setdefault(raw, []).append(token_id)
+        self.vocabulary = oc.Vocabulary(self.eos_token_id, vocab)
+        self._cache: OrderedDict[str, oc.Index] = OrderedDict()
+
+    def compile(self, spec: StructuredOutputs) -> oc.Index:
+        cached = self._cache.get(spec.key)
+        if cached is not None:
+            self._cache.move_to_end(spec.key)
+            return cached
+        regex = self._regex(spec)
+        try:
+            index = oc.Index(regex, self.vocabulary)
+        except Exception as exc:  # outlines reports bad regexes as ValueError
+            raise GrammarError(f"invalid {spec.kind}: {str(exc).strip().splitlines()[0]}") from None
+        self._cache[spec.key] = index
+        if len(self._cache) > MAX_CACHED:
+            self._cache.popitem(last=False)
+        return index
+
+    def _regex(self, spec: StructuredOutputs) -> str:
+        if spec.kind in ("json_object", "grammar"):
+            raise GrammarError(f"{spec.kind} is not supported by the outlines backend (a regex cannot recurse); "
+                               f"use grammar_backend 'xgrammar' or 'auto'")
+        if spec.kind == "choice":
+            return "|".join(re.escape(c) for c in spec.choice)
+        if spec.kind == "regex":
+            return spec.regex
+        check_schema(spec.json, extra_unenforced=OUTLINES_UNENFORCED, backend="outlines")
+        try:
+            return oc.json_schema.build_regex_from_schema(
+                json.dumps(spec.json), whitespace_pattern=r"[\n\t ]*" if spec.any_whitespace else WHITESPACE)
+        except Exception as exc:
+            raise GrammarError(f"invalid json: {str(exc).strip().splitlines()[0]}") from None
+
+    def new_grammar(self, compiled: oc.Index, json_like: bool = False) -> OutlinesGrammar:
+        return OutlinesGrammar(compiled, self.eos_token_id)
+
+    def allocate_bitmask(self, rows: int) -> torch.Tensor:
+        return torch.full((rows, -(-self.vocab_size // 32)), -1, dtype=torch.int32)
+
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        bits = (bitmask[rows].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+        allowed = bits.bool().view(len(rows), -1)[:, :logits.shape[-1]]
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+def token_bytes(tokenizer, vocab_size: int) -> list[bytes]:
+    """Each token id's exact bytes (byte-level BPE and sentencepiece alike), via xgrammar's
+    tokenizer analysis, which both backends then agree on."""
+    import xgrammar as xgr
+
+    return list(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size).decoded_vocab)
