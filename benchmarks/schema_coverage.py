@@ -21,6 +21,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from loraplex.grammar.backend import GrammarError, StructuredOutputs
+from loraplex.grammar.json_schema import UnsupportedKeywordError
 from loraplex.grammar.manager import GrammarManager
 
 
@@ -38,14 +39,16 @@ def main() -> int:
     parser.add_argument("corpus", type=Path)
     parser.add_argument("--model", default=None, help="tokenizer folder (default: the default model)")
     parser.add_argument("--backend", default="xgrammar", choices=["xgrammar", "outlines", "auto"])
+    parser.add_argument("--every", type=int, default=1, help="take every k-th schema (outlines is slow here)")
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds per compile")
     args = parser.parse_args()
     if args.model is None:
         from loraplex.platform.model_store import materialize_default_model
 
         args.model = str(materialize_default_model())
     tok = AutoTokenizer.from_pretrained(args.model)
-    manager = GrammarManager(tok, len(tok), [tok.eos_token_id], backend=args.backend, timeout_s=30)
-    files = sorted(args.corpus.glob("*.json"))
+    manager = GrammarManager(tok, len(tok), [tok.eos_token_id], backend=args.backend, timeout_s=args.timeout)
+    files = sorted(args.corpus.glob("*.json"))[::args.every]
     if not files:
         print(f"no *.json in {args.corpus}")
         return 1
@@ -64,7 +67,8 @@ def main() -> int:
             compiled = manager.compile(spec)
             compile_ms.append(1e3 * (time.perf_counter() - start))
         except GrammarError as exc:
-            kind = "refused" if "not supported" in str(exc) else "error"
+            kind = "refused" if isinstance(exc, UnsupportedKeywordError) else \
+                "timeout" if "took longer" in str(exc) else "error"
             outcome[kind] += 1
             per_split[split][kind] += 1
             if kind == "refused":
@@ -85,7 +89,8 @@ def main() -> int:
                 invalid_ok += ok
         schemas_all_right += right
     print(f"backend {args.backend}, {len(files)} schemas from {args.corpus}")
-    print(f"compiled {outcome['compiled']}, refused {outcome['refused']}, compile errors {outcome['error']}")
+    print(f"compiled {outcome['compiled']}, refused {outcome['refused']}, compile errors {outcome['error']}, "
+          f"compile timeouts ({args.timeout:g} s) {outcome['timeout']}")
     for split, counts in sorted(per_split.items()):
         print(f"  {split:<16} compiled {counts['compiled']:>4} refused {counts['refused']:>4} errors {counts['error']:>4}")
     print(f"refused keywords: {dict(refused_by.most_common())}")
