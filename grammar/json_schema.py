@@ -29,8 +29,9 @@ def _refuse(keyword: str, path: str, why: str = "it would be ignored", backend: 
 
 
 def check_schema(schema, path: str = "#", extra_unenforced: frozenset[str] | set[str] = frozenset(),
-                 backend: str = "xgrammar") -> None:
-    """Raise UnsupportedKeywordError for the first keyword `backend` would not enforce."""
+                 backend: str = "xgrammar", lenient_formats: frozenset[str] | set[str] = frozenset()) -> None:
+    """Raise UnsupportedKeywordError for the first keyword (or `format` value) `backend` would
+    not enforce."""
     if isinstance(schema, bool):
         return
     if not isinstance(schema, dict):
@@ -42,17 +43,19 @@ def check_schema(schema, path: str = "#", extra_unenforced: frozenset[str] | set
         raise _refuse("oneOf", path, "it is enforced as anyOf", backend)
     if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
         raise _refuse("minLength/maxLength", path, "beside a pattern they would be ignored", backend)
+    if schema.get("format") in lenient_formats:
+        raise _refuse(f"format: {schema['format']}", path, "it would accept values the format forbids", backend)
     for key, value in schema.items():
         if key in UNENFORCED or key in extra_unenforced:
             raise _refuse(key, path, backend=backend)
         if key in SUBSCHEMA and isinstance(value, (dict, bool)):
-            check_schema(value, f"{path}/{key}", extra_unenforced, backend)
+            check_schema(value, f"{path}/{key}", extra_unenforced, backend, lenient_formats)
         elif key in SUBSCHEMA and isinstance(value, list):  # draft-4 tuple items
             for i, sub in enumerate(value):
-                check_schema(sub, f"{path}/{key}/{i}", extra_unenforced, backend)
+                check_schema(sub, f"{path}/{key}/{i}", extra_unenforced, backend, lenient_formats)
         elif key in SUBSCHEMA_MAPS and isinstance(value, dict):
             for name, sub in value.items():
-                check_schema(sub, f"{path}/{key}/{name}", extra_unenforced, backend)
+                check_schema(sub, f"{path}/{key}/{name}", extra_unenforced, backend, lenient_formats)
         elif key in SUBSCHEMA_LISTS and isinstance(value, list):
             for i, sub in enumerate(value):
-                check_schema(sub, f"{path}/{key}/{i}", extra_unenforced, backend)
+                check_schema(sub, f"{path}/{key}/{i}", extra_unenforced, backend, lenient_formats)

@@ -1,4 +1,4 @@
-"""Compiles specs off the engine thread, with a timeout, and builds the step's bitmask.
+r"""Compiles specs off the engine thread, with a timeout, and builds the step's bitmask.
 
 `compile` runs in the caller's thread against a small pool (so the engine never waits for a
 grammar, and a slow compile fails only its own request); each backend keeps compiled grammars

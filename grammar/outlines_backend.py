@@ -4,8 +4,8 @@ token 32*j + i), so both backends fill rows of one mask.
 
 What it takes, exactly: `regex` (Rust regex syntax: also Unicode classes such as `\\p{Lu}` and
 inline flags such as `(?i)`, which xgrammar refuses), `choice`, and `json` for schemas whose
-every keyword outlines enforces (`OUTLINES_UNENFORCED` lists what it would silently drop, which
-is refused by name). Not `json_object` or EBNF `grammar` (no recursion in a regex), and no
+every keyword outlines enforces (`OUTLINES_UNENFORCED` and `LENIENT_FORMATS` list what it would
+silently drop or loosen, which is refused by name). Not `json_object` or EBNF `grammar` (no recursion in a regex), and no
 jump-forward.
 """
 
@@ -23,6 +23,7 @@ from loraplex.grammar.json_schema import UnsupportedKeywordError, check_schema
 
 # what outlines-core 0.2 accepts in a schema but does not enforce (checked against its regexes)
 OUTLINES_UNENFORCED = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}
+LENIENT_FORMATS = {"date-time", "time"}  # its regexes make the UTC offset optional
 WHITESPACE = r"[ ]?"  # bounded: at most one space between JSON tokens
 MAX_CACHED = 64
 
@@ -100,7 +101,8 @@ class OutlinesBackend:
             return "|".join(re.escape(c) for c in spec.choice)
         if spec.kind == "regex":
             return spec.regex
-        check_schema(spec.json, extra_unenforced=OUTLINES_UNENFORCED, backend="outlines")
+        check_schema(spec.json, extra_unenforced=OUTLINES_UNENFORCED, backend="outlines",
+                     lenient_formats=LENIENT_FORMATS)
         try:
             return oc.json_schema.build_regex_from_schema(
                 json.dumps(spec.json), whitespace_pattern=r"[\n\t ]*" if spec.any_whitespace else WHITESPACE)

@@ -42,7 +42,7 @@ def adapter_root(tmp_path, tiny_adapters):
 
 def test_64_streaming_clients_with_disconnects_preemption_and_admin_calls(tiny_model_dir, adapter_root):
     server = start_server(tiny_model_dir, config(adapter_root), {"a0": adapter_root / "a0", "a1": adapter_root / "a1"},
-                          num_kv_blocks=24, max_num_seqs=16, max_num_batched_tokens=64, max_loras=2,
+                          num_kv_blocks=12, max_num_seqs=16, max_num_batched_tokens=64, max_loras=2,
                           max_cpu_loras=3)
     rng = random.Random(0)
     outcomes: list[tuple[str, object]] = []

@@ -41,6 +41,9 @@ def test_outlines_refuses_what_it_would_not_enforce(tok):
     mgr = manager(tok, "outlines")
     with pytest.raises(GrammarError, match="'maximum' at #/properties/n is not supported by the outlines"):
         mgr.compile(StructuredOutputs(json={"type": "object", "properties": {"n": {"type": "integer", "maximum": 3}}}))
+    with pytest.raises(GrammarError, match="'format: date-time' at #/properties/t .*outlines"):
+        mgr.compile(StructuredOutputs(json={"type": "object", "properties": {"t": {"type": "string",
+                                                                                  "format": "date-time"}}}))
     for spec in (StructuredOutputs(json_object=True), StructuredOutputs(grammar='root ::= "a"')):
         with pytest.raises(GrammarError, match="not supported by the outlines backend"):
             mgr.compile(spec)
