@@ -145,6 +145,11 @@ class ChatMessage(_Body):
         return self.content or ""
 
 
+def chat_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template takes them; "developer" is OpenAI's newer name for "system"."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -154,9 +159,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
 
     def chat_messages(self) -> list[dict[str, str]]:
-        # "developer" is OpenAI's newer name for "system"
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+        return chat_dicts(self.messages)
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

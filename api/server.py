@@ -29,7 +29,7 @@ from loraplex.adapters.registry import AdapterInUseError, UnknownAdapterError
 from loraplex.api import openai_format as fmt
 from loraplex.api.metrics import RequestTimer, ServerMetrics
 from loraplex.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                   LoadAdapterRequest, TokenizeRequest, UnloadAdapterRequest)
+                                   LoadAdapterRequest, TokenizeRequest, UnloadAdapterRequest, chat_dicts)
 from loraplex.platform.async_engine import AsyncEngine, EngineDeadError, QueueFullError, StepFailedError
 from loraplex.platform.request import RequestOutput, SamplingParams
 
@@ -180,11 +180,12 @@ class _Server:
             self.metrics.lora_requests.labels(adapter or "").inc()
             try:
                 gen = self.engine.generate({"prompt_token_ids": prompts[i]}, params[i], f"{base_id}-{i}", adapter)
+                last = None
                 async with contextlib.aclosing(gen) as outputs:
-                    async for out in outputs:
-                        timer.tokens(max(len(o.token_ids) for o in out.outputs))
-                        await updates.put((i, out))
-                timer.finish(len(prompts[i]), [o.finish_reason for o in out.outputs])
+                    async for last in outputs:
+                        timer.tokens(max(len(o.token_ids) for o in last.outputs))
+                        await updates.put((i, last))
+                timer.finish(len(prompts[i]), [o.finish_reason for o in last.outputs] if last else [])
                 await updates.put((i, None))
             except Exception as exc:
                 await updates.put((i, exc))
@@ -340,8 +341,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages")
         if body.messages is not None:
-            ids = server.tokenize_chat([{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                                        for m in body.messages], body.add_generation_prompt)
+            ids = server.tokenize_chat(chat_dicts(body.messages), body.add_generation_prompt)
         else:
             ids = server.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
         return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids}
