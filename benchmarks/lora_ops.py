@@ -1,7 +1,7 @@
 """CPU multi-LoRA candidates for one fused layer, against the base matmul of that layer.
 
 For 1, 8 and 64 distinct adapters in the batch and T = 16, 64, 256 tokens, times shrink +
-expand done four ways and prints each as a multiple of the base layer's own matmul (lower is
+expand done several ways (the C kernel is float32 only) and prints each as a multiple of the base layer's own matmul (lower is
 better). The winner is what `kernels/sgmv.py` uses on CPU.
 
     python benchmarks/lora_ops.py --dtype float32 --rank 16
@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from loraplex.kernels.sgmv import LoRABatch, sgmv_expand_reference, sgmv_lora, sgmv_shrink_reference
+from loraplex.kernels import cpu_kernels
+from loraplex.kernels.sgmv import LoRABatch, sgmv_expand_reference, sgmv_lora, sgmv_lora_cpu, sgmv_shrink_reference
 
 # SmolLM2-135M's fused qkv projection: 576 -> 576 (q) + 192 (k) + 192 (v)
 IN, WIDTHS = 576, [576, 192, 192]
@@ -72,7 +73,18 @@ def chosen_cpu_path(x, a, b, ranks, scales, batch, y, offsets, n):
     sgmv_lora(x, a, b, ranks, scales, batch, y, offsets)
 
 
-CANDIDATES = {"cpu-path (chosen)": chosen_cpu_path, "segment-grouped": segment_grouped, "gather+bmm": gather_bmm, "dense-all-slots": dense_all,
+def pytorch_cpu_path(x, a, b, ranks, scales, batch, y, offsets, n):
+    """The PyTorch CPU path alone (segment GEMMs, or gathered bmm for short segments)."""
+    sgmv_lora_cpu(x, a, b, ranks, scales, batch, y, offsets)
+
+
+def c_kernel(x, a, b, ranks, scales, batch, y, offsets, n):
+    """kernels/cpu_kernels.c: each token reads its adapter's A and B in place."""
+    cpu_kernels.sgmv_lora_c(x, a, b, ranks, scales, batch.token_order, batch.order_slots, y, offsets)
+
+
+CANDIDATES = {"dispatch (chosen)": chosen_cpu_path, "C kernel": c_kernel, "pytorch path": pytorch_cpu_path,
+              "segment-grouped": segment_grouped, "gather+bmm": gather_bmm, "dense-all-slots": dense_all,
               "rank-grouped": rank_grouped}
 
 
@@ -113,6 +125,9 @@ def main() -> None:
             base = timeit(lambda: x @ w.T, args.repeats)
             cells = []
             for name, fn in CANDIDATES.items():
+                if name == "C kernel" and dtype != torch.float32:
+                    cells.append(f"{'-':>16}")
+                    continue
                 y = torch.zeros(T, out, dtype=dtype)
                 kw = {"slots_t": slots_t} if name in ("gather+bmm", "dense-all-slots") else {}
                 t = timeit(lambda: fn(x, a, b, ranks, scales, batch, y, offsets, n, **kw), args.repeats)

@@ -47,6 +47,12 @@ def make_adapters(base_dir: str, out: Path, count: int, rank: int) -> list[Path]
     return folders
 
 
+def timed_load(llm: LLM, name: str, folder: Path) -> float:
+    start = time.perf_counter()
+    llm.load_adapter(name, str(folder))
+    return time.perf_counter() - start
+
+
 def prompts_of(tokenizer, batch: int) -> list[list[int]]:
     return [tokenizer.apply_chat_template([{"role": "user", "content": f"Question {i}: tell me about paged "
                                             f"attention and LoRA adapters in {10 + i} words."}],
@@ -80,31 +86,34 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="auto: bfloat16 where the CPU multiplies it natively, else float32")
     parser.add_argument("--skip-peft-single", action="store_true", help="skip peft one adapter at a time (slow)")
     args = parser.parse_args()
-    dtype = getattr(torch, args.dtype)
     counts = [1, 8, 16, 64]
     widest = max(args.batch, max(counts))
     llm = LLM(args.model, dtype=args.dtype, max_model_len=1024, max_num_seqs=widest, num_kv_blocks=widest * 16,
-              max_loras=max(counts), max_lora_rank=args.rank, max_cpu_loras=max(counts))
+              max_loras=max(counts), max_lora_rank=max(args.rank, 16), max_cpu_loras=max(counts))
+    dtype = llm.engine.config.torch_dtype
     base_dir = llm.engine.config.model
     tokenizer = llm.get_tokenizer()
     prompts = prompts_of(tokenizer, args.batch)
     tmp = Path(tempfile.mkdtemp(prefix="loraplex-bench-"))
     try:
-        folders = make_adapters(base_dir, tmp, max(counts), args.rank)
-        load_s = []
-        for i, folder in enumerate(folders):
-            t = time.perf_counter()
-            llm.load_adapter(f"lora-{i}", str(folder))
-            load_s.append(time.perf_counter() - t)
+        load_ms = {}
+        for rank in sorted({8, 16} - {args.rank}):  # load latency only, then unloaded
+            times = [timed_load(llm, f"r{rank}-{i}", f) for i, f in enumerate(make_adapters(base_dir, tmp / f"r{rank}", 8, rank))]
+            load_ms[rank] = 1e3 * statistics.median(times)
+            for i in range(8):
+                llm.unload_adapter(f"r{rank}-{i}")
+        folders = make_adapters(base_dir, tmp / "main", max(counts), args.rank)
+        load_ms[args.rank] = 1e3 * statistics.median([timed_load(llm, f"lora-{i}", f) for i, f in enumerate(folders)])
         llm.engine.adapters.assign_slots({"lora-0"})  # allocates the slot tensors once
         t = time.perf_counter()
         llm.engine.adapters.assign_slots({"lora-1"})
         slot_s = time.perf_counter() - t
 
-        print(f"model={base_dir} dtype={args.dtype} batch={args.batch} new_tokens={args.new_tokens} "
+        print(f"model={base_dir} dtype={dtype} batch={args.batch} new_tokens={args.new_tokens} "
               f"rank={args.rank} threads={torch.get_num_threads()}")
         rows = [("base model alone", run_loraplex(llm, prompts, [None] * args.batch, args.new_tokens))]
         for n in (c for c in counts if c <= args.batch):
@@ -147,11 +156,13 @@ def main() -> None:
         ref = dict(rows)[name.split(")")[0] + ") base model alone"] if name.startswith("(batch") else base
         print(f"{name:<36} {tps:>8.1f} {tps / ref:>7.2f}")
     lp16 = dict(rows).get("loraplex, 16 distinct adapters")
-    peft_mixed = next((t for n, t in rows if n.startswith("peft mixed")), None)
-    if lp16 and peft_mixed:
-        print(f"loraplex 16 adapters / peft mixed batch: {lp16 / peft_mixed:.1f}x")
-    print(f"adapter load (disk -> registered, rank {args.rank}): median {1e3 * statistics.median(load_s):.0f} ms; "
-          f"into a device slot: {1e3 * slot_s:.0f} ms")
+    for label in ("peft mixed", "peft one adapter"):
+        peft_tps = next((t for n, t in rows if n.startswith(label)), None)
+        if lp16 and peft_tps:
+            print(f"loraplex 16 adapters / {label}: {lp16 / peft_tps:.1f}x")
+    for rank, ms in sorted(load_ms.items()):
+        print(f"adapter load (disk -> registered, rank {rank}): median {ms:.0f} ms")
+    print(f"into a device slot (rank {args.rank}): {1e3 * slot_s:.0f} ms")
 
 
 if __name__ == "__main__":

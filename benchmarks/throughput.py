@@ -5,18 +5,21 @@ the decode time per step and tokens/s of each, and their ratios. The matmul floo
 model's own linear layers (same weights, same dtype, the decode batch's shapes) called back to
 back with nothing else: what a step cannot go below without faster matmuls.
 
-    python benchmarks/throughput.py --batch-sizes 1 16 64 --new-tokens 64 --dtype bfloat16
+    python benchmarks/throughput.py --batch-sizes 1 16 64 --new-tokens 64
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
 from loraplex.platform import LLM, SamplingParams
+from loraplex.platform.models.linear import PackedLinear
 
 WORDS = ("the quick brown fox jumps over the lazy dog while paged attention keeps every block "
          "of keys and values in a pool shared by all requests of the batch").split()
@@ -72,18 +75,25 @@ def bench_hf(model, tokenizer, prompts, new_tokens: int) -> dict:
             "total_s": total}
 
 
-def bench_matmul_floor(llm: LLM, batch: int, repeats: int = 10) -> dict:
-    """The decode step's linear layers alone, back to back."""
+def bench_matmul_floor(llm: LLM, batch: int, packed: bool, repeats: int = 10) -> dict:
+    """The decode step's linear layers alone, back to back: through the layers themselves
+    (`packed`: what loraplex runs, oneDNN-prepacked on CPU) or as `F.linear` on the plain weights
+    (what an unpacked engine, transformers included, runs)."""
     model = llm.engine.model
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
     dtype = model.embed_tokens.weight.dtype
     x_in = {m.in_features: torch.randn(batch, m.in_features, dtype=dtype) for m in linears}
+    if packed:
+        calls = [(m, x_in[m.in_features]) for m in linears]
+    else:
+        calls = [(functools.partial(F.linear, weight=m.dense_weight(), bias=m.bias), x_in[m.in_features])
+                 for m in linears]
     times = []
     with torch.inference_mode():
         for _ in range(repeats):
             t = time.perf_counter()
-            for m in linears:
-                m(x_in[m.in_features])
+            for fn, x in calls:
+                fn(x)
             times.append(time.perf_counter() - t)
     return {"step_ms": 1e3 * statistics.median(times)}
 
@@ -93,34 +103,70 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="auto: bfloat16 where the CPU multiplies it natively, else float32")
+    parser.add_argument("--no-pack", action="store_true", help="loraplex on plain weights (F.linear)")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--ablation", action="store_true",
+                        help="only the speed steps side by side: plain weights + PyTorch attention, "
+                             "+ prepacked weights, + C kernels")
     args = parser.parse_args()
+    if args.ablation:
+        return ablation(args)
 
     from transformers import AutoModelForCausalLM
 
     llm = LLM(args.model, dtype=args.dtype, max_model_len=1024, max_num_seqs=max(args.batch_sizes),
-              max_num_batched_tokens=4096, num_kv_blocks=max(args.batch_sizes) * 20)
+              max_num_batched_tokens=4096, num_kv_blocks=max(args.batch_sizes) * 20, pack_weights=not args.no_pack)
     folder = llm.engine.config.model
+    dtype = llm.engine.config.torch_dtype
     tokenizer = llm.get_tokenizer()
-    hf = None if args.skip_hf else AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype)).eval()
-    print(f"model={folder} dtype={args.dtype} new_tokens={args.new_tokens} threads={torch.get_num_threads()}")
-    header = f"{'batch':>5} | {'floor ms/step':>13} | {'loraplex ms/step':>16} {'tok/s':>7} | {'HF ms/step':>10} {'tok/s':>7} | {'HF/loraplex':>11} {'loraplex/floor':>14}"
+    hf = None if args.skip_hf else AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    print(f"model={folder} dtype={dtype} packed={not args.no_pack} new_tokens={args.new_tokens} "
+          f"threads={torch.get_num_threads()}")
+    print("ms/step: median decode step; tok/s: output tokens over the whole run (prefill included)")
+    header = (f"{'batch':>5} | {'plain floor':>11} {'our floor':>9} | {'loraplex ms':>11} {'tok/s':>6} | "
+              f"{'HF ms':>7} {'tok/s':>6} | {'tok/s vs HF':>11} | {'step/our floor':>14} {'step/plain floor':>16}")
     print(header)
     print("-" * len(header))
     for batch in args.batch_sizes:
         prompts = make_prompts(tokenizer, batch)
         bench_loraplex(llm, prompts[:1], 4)  # warm-up
         lp = bench_loraplex(llm, prompts, args.new_tokens)
-        floor = bench_matmul_floor(llm, batch)
-        line = f"{batch:>5} | {floor['step_ms']:>13.1f} | {lp['step_ms']:>16.1f} {lp['tok_s']:>7.1f} | "
+        plain = bench_matmul_floor(llm, batch, packed=False)["step_ms"]
+        ours = bench_matmul_floor(llm, batch, packed=True)["step_ms"]
+        line = f"{batch:>5} | {plain:>11.1f} {ours:>9.1f} | {lp['step_ms']:>11.1f} {lp['tok_s']:>6.1f} | "
         if hf is not None:
             ref = bench_hf(hf, tokenizer, prompts, args.new_tokens)
-            line += f"{ref['step_ms']:>10.1f} {ref['tok_s']:>7.1f} | {ref['step_ms'] / lp['step_ms']:>11.2f} "
+            line += f"{ref['step_ms']:>7.1f} {ref['tok_s']:>6.1f} | {lp['tok_s'] / ref['tok_s']:>10.2f}x | "
         else:
-            line += f"{'-':>10} {'-':>7} | {'-':>11} "
-        line += f"{lp['step_ms'] / floor['step_ms']:>14.2f}"
+            line += f"{'-':>7} {'-':>6} | {'-':>11} | "
+        line += f"{lp['step_ms'] / ours:>13.2f}x {lp['step_ms'] / plain:>15.2f}x"
         print(line, flush=True)
+
+
+def ablation(args) -> None:
+    """Each speed step's effect, measured side by side in one process."""
+    from loraplex.kernels.dispatch import forced_backend
+
+    engine_args = dict(dtype=args.dtype, max_model_len=1024, max_num_seqs=max(args.batch_sizes),
+                       max_num_batched_tokens=4096, num_kv_blocks=max(args.batch_sizes) * 20)
+    plain, packed = LLM(args.model, pack_weights=False, **engine_args), LLM(args.model, **engine_args)
+    variants = [("plain weights, PyTorch attention", plain, "torch"),
+                ("+ prepacked weights", packed, "torch"),
+                ("+ C kernels (attention in place)", packed, "auto")]
+    print(f"dtype={packed.engine.config.torch_dtype} new_tokens={args.new_tokens} threads={torch.get_num_threads()}")
+    print(f"{'batch':>5} | " + " | ".join(f"{name:>32}" for name, _, _ in variants) + " | (median decode step ms, x first)")
+    for batch in args.batch_sizes:
+        prompts = make_prompts(packed.get_tokenizer(), batch)
+        cells, first = [], None
+        for _, llm, backend in variants:
+            with forced_backend(backend):
+                bench_loraplex(llm, prompts[:1], 4)  # warm-up
+                ms = bench_loraplex(llm, prompts, args.new_tokens)["step_ms"]
+            first = first or ms
+            cells.append(f"{ms:>24.1f} ({ms / first:.2f}x)")
+        print(f"{batch:>5} | " + " | ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,11 @@ def use_triton(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cuda" and triton_available()
 
 
+def use_cpu_kernel(tensor: torch.Tensor) -> bool:
+    """The C kernels (built on first use) on CPU tensors, unless a backend is forced."""
+    return _backend == "auto" and tensor.device.type == "cpu"
+
+
 def dot_in_fp32(dtype: torch.dtype) -> bool:
     """Triton's CPU interpreter computes bf16 tl.dot wrongly (triton 3.8): there, and only
     there, kernels upcast bf16 tiles before the dot."""

@@ -1,7 +1,9 @@
 """Paged attention: KV write at a slot mapping and attention over block tables.
 
-This file holds the PyTorch reference, which is also the CPU path, and the dispatch (Triton
-kernels in `paged_attention_triton.py` for CUDA tensors). The reference gathers each request's
+This file holds the PyTorch reference and the dispatch: Triton kernels
+(`paged_attention_triton.py`) for CUDA tensors; on CPU, requests with short query chunks
+(decode, jump-forward) take the C kernel (`cpu_kernels.py`), which reads blocks in place, and
+prefill chunks take the reference, whose SDPA wins there. The reference gathers each request's
 blocks into a padded [batch, context] view and runs one SDPA call with a lower-right causal
 mask (a chunk of queries sees the cached context plus itself; `is_causal=True` would be
 top-left aligned, wrong whenever the query is shorter than the keys).
@@ -14,7 +16,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from loraplex.kernels.dispatch import use_triton
+from loraplex.kernels import cpu_kernels
+from loraplex.kernels.dispatch import use_cpu_kernel, use_triton
+
+# Query chunks up to this length take the C kernel on CPU; longer ones (prefill) the gathered
+# SDPA, which runs the many-query case as blocked GEMMs.
+CPU_KERNEL_MAX_QUERY_LEN = 32
 
 
 @dataclass
@@ -27,6 +34,7 @@ class PagedAttentionMetadata:
     max_seq_len: int
     block_size: int
     _reference: tuple | None = None  # derived once per step for the PyTorch path, shared by all layers
+    _cpu_parts: tuple | None = None  # derived once per step for the CPU dispatch
 
     @staticmethod
     def build(slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -50,6 +58,40 @@ class PagedAttentionMetadata:
             mask = kv_pos[None, None, :] <= q_abs[:, :, None]
             self._reference = (query_batch, query_pos, mask[:, None], self.block_tables[:, :num_blocks])
         return self._reference
+
+    def cpu_parts(self) -> tuple["RequestPart | None", "RequestPart | None"]:
+        """(short-query requests, long-query requests) for the CPU dispatch; None when empty."""
+        if self._cpu_parts is None:
+            query_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
+            short = query_lens <= CPU_KERNEL_MAX_QUERY_LEN
+            self._cpu_parts = (self._part(torch.nonzero(short).flatten()),
+                               self._part(torch.nonzero(~short).flatten()))
+        return self._cpu_parts
+
+    def _part(self, requests: torch.Tensor) -> "RequestPart | None":
+        if len(requests) == 0:
+            return None
+        starts, ends = self.query_start_loc[requests], self.query_start_loc[requests + 1]
+        lens = ends - starts
+        num_tokens = int(lens.sum())
+        everything = len(requests) == len(self.seq_lens)
+        token_request = torch.repeat_interleave(torch.arange(len(requests)), lens, output_size=num_tokens)
+        rows = None if everything else starts[token_request] + (
+            torch.arange(num_tokens) - torch.cumsum(lens, 0)[token_request] + lens[token_request])
+        meta = self if everything else PagedAttentionMetadata.build(
+            self.slot_mapping.new_empty(0), self.block_tables[requests], self.seq_lens[requests],
+            torch.cat([lens.new_zeros(1), torch.cumsum(lens, 0)]), self.block_size)
+        return RequestPart(rows, meta, token_request)
+
+
+@dataclass
+class RequestPart:
+    """Some requests of a step's batch: their token rows in the flat batch (None: all of them),
+    their own metadata, and each of their tokens' request index within the part."""
+
+    rows: torch.Tensor | None
+    meta: PagedAttentionMetadata
+    token_request: torch.Tensor
 
 
 def write_kv_reference(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -96,4 +138,27 @@ def paged_attention(query, k_cache, v_cache, meta: PagedAttentionMetadata, scale
 
         return paged_attention_triton(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                       meta.query_start_loc, meta.max_query_len, scale)
+    if use_cpu_kernel(query) and query.dtype == torch.float32 and cpu_kernels.usable(k_cache, v_cache):
+        return _paged_attention_cpu(query, k_cache, v_cache, meta, scale)
     return paged_attention_reference(query, k_cache, v_cache, meta, scale)
+
+
+def _paged_attention_cpu(query, k_cache, v_cache, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+    """Short-query requests through the C kernel, the others through the reference."""
+    short, long = meta.cpu_parts()
+    out = None
+    for part in (short, long):
+        if part is None:
+            continue
+        q = query if part.rows is None else query[part.rows]
+        if part is short:
+            o = cpu_kernels.paged_attention_c(q, k_cache, v_cache, part.meta.block_tables, part.meta.seq_lens,
+                                              part.meta.query_start_loc, part.token_request, scale)
+        else:
+            o = paged_attention_reference(q, k_cache, v_cache, part.meta, scale)
+        if part.rows is None:
+            return o
+        if out is None:
+            out = torch.empty_like(query)
+        out[part.rows] = o
+    return out

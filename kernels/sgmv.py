@@ -5,6 +5,7 @@ For each token t with adapter slot s = slots[t] (-1: no adapter):
     expand:  y[t, off[i]:off[i+1]]    += scale[s] * h[t, i*R:(i*R + rank[s])] @ B[s, off[i]:off[i+1], :rank[s]].T
 where i runs over the slices of a fused projection (q/k/v, gate/up) and R is the max rank.
 
+On CPU, decode-shaped batches take the C kernel in `cpu_kernels.py` instead (see the dispatch).
 Tokens are grouped into segments of one slot through a sorted index list (`LoRABatch`), so the
 batch itself is never reordered; each Triton program works on one segment, and a rank block
 beyond the slot's own rank exits at once, so mixed ranks cost what their ranks cost.
@@ -17,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.kernels.dispatch import use_triton
+from loraplex.kernels import cpu_kernels
+from loraplex.kernels.dispatch import use_cpu_kernel, use_triton
 
 
 @dataclass
@@ -109,6 +111,9 @@ def _host_list(values) -> list:
 # batch holds many adapters with a few tokens each, per-segment overhead dominates and one
 # gathered bmm over all tokens wins (2-3x at 8-64 adapters, 16-64 tokens).
 GATHER_BELOW_MEAN_SEGMENT = 8
+# The C kernel (cpu_kernels.c) beats both while segments are short: 1.5-14x at 16 tokens over
+# 1-16 adapters, even at 64 tokens of one adapter; per-segment GEMMs win on prefill chunks.
+C_BELOW_MEAN_SEGMENT = 64
 
 
 def sgmv_lora_cpu(x, lora_a, lora_b, ranks, scales, batch: LoRABatch, y, slice_offsets: list[int]):
@@ -200,6 +205,11 @@ def sgmv_lora(x, lora_a, lora_b, ranks, scales, batch: LoRABatch, y, slice_offse
         h = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
         sgmv_shrink(x, lora_a, ranks, batch, h, len(slice_offsets) - 1)
         return sgmv_expand(h, lora_b, ranks, scales, batch, y, slice_offsets)
+    if len(batch.token_order) < C_BELOW_MEAN_SEGMENT * batch.num_segments and use_cpu_kernel(y) \
+            and x.dtype == torch.float32 and cpu_kernels.usable(lora_a, lora_b, y):
+        # decode-shaped batches: the C kernel reads each token's A and B in place
+        return cpu_kernels.sgmv_lora_c(x.contiguous(), lora_a, lora_b, _host_list(ranks), _host_list(scales),
+                                       batch.token_order, batch.order_slots, y, slice_offsets)
     return sgmv_lora_cpu(x, lora_a, lora_b, ranks, scales, batch, y, slice_offsets)
 
 

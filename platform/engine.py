@@ -63,7 +63,7 @@ class Engine:
         self.max_model_len = config.resolve_max_model_len(self.model_config)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         dtype = config.torch_dtype
-        self.model = load_model(config.model, self.model_config, dtype, self.max_model_len)
+        self.model = load_model(config.model, self.model_config, dtype, self.max_model_len, config.pack_weights)
         num_blocks = config.num_kv_blocks or max(
             1, config.kv_cache_memory // kv_bytes_per_block(self.model_config, config.block_size, dtype))
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)

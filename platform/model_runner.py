@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from loraplex.kernels import cpu_kernels
 from loraplex.kernels.paged_attention import PagedAttentionMetadata
 from loraplex.kernels.sgmv import LoRABatch
 from loraplex.platform.config import ModelConfig
@@ -27,6 +28,8 @@ class ModelRunner:
         shape = (config.num_layers, 2, kv.pool.num_blocks, kv.block_size, config.num_kv_heads, config.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(config.num_layers)]
+        if dtype == torch.float32:
+            cpu_kernels.library()  # build (~1 s, once per machine) now rather than in the first step
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, adapter_slots: dict[str, int] | None = None

@@ -34,6 +34,7 @@ def test_wheel_contains_every_package_folder(tmp_path):
         for name in sources:
             assert f"loraplex/{folder}/{name}" in names
     assert "loraplex/platform/models/llama.py" in names
+    assert "loraplex/kernels/cpu_kernels.c" in names  # built on first use, so it must ship
     assert not any(n.startswith(("loraplex/platform/__init__", "platform/")) for n in names)
 
 

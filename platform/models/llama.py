@@ -16,6 +16,7 @@ from torch import nn
 
 from loraplex.kernels.paged_attention import PagedAttentionMetadata, paged_attention, write_kv
 from loraplex.platform.config import ModelConfig
+from loraplex.platform.models.linear import PackedLinear, can_pack
 from loraplex.platform.models.lora_linear import LoRAContext, LoRALinear
 
 
@@ -26,6 +27,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op, same numbers as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # float32 statistics, as the reference implementation does
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -57,10 +60,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D] of a step's positions: looked up once, used by every layer."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -78,12 +84,12 @@ class Attention(nn.Module):
         self.o_proj = LoRALinear(self.q_size, config.hidden_size, False, lora)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, meta: PagedAttentionMetadata):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache, meta: PagedAttentionMetadata):
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k rotate together: one pass over both instead of one each
+        qk = apply_rope(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale)
@@ -109,8 +115,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, lora)
 
-    def forward(self, x, positions, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+    def forward(self, x, rope, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -123,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, self.lora_context) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rope = RotaryEmbedding(config, max_len)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = PackedLinear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -131,8 +137,9 @@ class LlamaForCausalLM(nn.Module):
                 meta: PagedAttentionMetadata) -> torch.Tensor:
         """Flat batch of tokens -> final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
+        rope = self.rope.at(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rope, kv_cache, meta)
+            x = layer(x, rope, kv_cache, meta)
         return self.norm(x)
 
     def attach_lora(self, slots) -> None:
@@ -205,7 +212,8 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_model(folder: str | Path, config: ModelConfig, dtype: torch.dtype, max_len: int) -> LlamaForCausalLM:
+def load_model(folder: str | Path, config: ModelConfig, dtype: torch.dtype, max_len: int,
+               pack_weights: bool = True) -> LlamaForCausalLM:
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_len)
     model = model.to_empty(device="cpu")
@@ -213,4 +221,9 @@ def load_model(folder: str | Path, config: ModelConfig, dtype: torch.dtype, max_
     model.load_weights(folder)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    if pack_weights and can_pack("cpu", dtype):
+        for module in model.modules():
+            if isinstance(module, PackedLinear):
+                module.pack(keep_weight=module is model.lm_head and config.tie_word_embeddings)
+    return model

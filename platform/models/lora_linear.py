@@ -8,9 +8,9 @@ slot each token uses comes from the step's `LoRABatch`, shared by every layer th
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from loraplex.kernels.sgmv import LoRABatch, sgmv_lora
+from loraplex.platform.models.linear import PackedLinear
 
 
 class LoRAContext:
@@ -20,7 +20,7 @@ class LoRAContext:
         self.batch: LoRABatch | None = None
 
 
-class LoRALinear(nn.Linear):
+class LoRALinear(PackedLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool, context: LoRAContext) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.context = context

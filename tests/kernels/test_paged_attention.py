@@ -6,40 +6,13 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.kernels import dispatch
-from loraplex.kernels.paged_attention import PagedAttentionMetadata, paged_attention, write_kv
+from loraplex.kernels.paged_attention import paged_attention, write_kv
+from paged_case import make_case
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=2e-3, rtol=2e-3), torch.float16: dict(atol=1e-2, rtol=1e-2),
        torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
-
-
-def make_case(seed, query_lens, cached_lens, num_heads, num_kv_heads, head_dim, block_size, dtype):
-    """Random paged K/V for requests with `cached_lens` cached tokens and `query_lens` new ones,
-    in shuffled blocks; returns the flat inputs and each request's contiguous K/V."""
-    g = torch.Generator().manual_seed(seed)
-    seq_lens = [q + c for q, c in zip(query_lens, cached_lens)]
-    blocks_per = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per) + 3
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables, cursor = [], 0
-    for n in blocks_per:
-        tables.append(perm[cursor:cursor + n])
-        cursor += n
-    width = max(blocks_per)
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=g).to(dtype)
-    starts = [0]
-    for q in query_lens:
-        starts.append(starts[-1] + q)
-    slots = []
-    for table, q, c in zip(tables, query_lens, cached_lens):
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(c, c + q)]
-    meta = PagedAttentionMetadata.build(
-        torch.tensor(slots, device=DEVICE), torch.tensor([t + [0] * (width - len(t)) for t in tables], device=DEVICE),
-        torch.tensor(seq_lens, device=DEVICE), torch.tensor(starts, device=DEVICE), block_size)
-    return query, k_cache, v_cache, meta, tables, seq_lens
 
 
 def attend(backend, query, k_cache, v_cache, meta, scale):
@@ -71,7 +44,7 @@ CASES = [
 
 @pytest.mark.parametrize("seed,qlens,clens,heads,kv_heads,dim,bs,dtype", CASES)
 def test_triton_matches_reference(seed, qlens, clens, heads, kv_heads, dim, bs, dtype):
-    query, kc, vc, meta, _, _ = make_case(seed, qlens, clens, heads, kv_heads, dim, bs, dtype)
+    query, kc, vc, meta, _, _ = make_case(seed, qlens, clens, heads, kv_heads, dim, bs, dtype, DEVICE)
     ref = attend("torch", query, kc, vc, meta, dim ** -0.5)
     tri = attend("triton", query, kc, vc, meta, dim ** -0.5)
     torch.testing.assert_close(tri.float(), ref.float(), **TOL[dtype])
@@ -79,7 +52,7 @@ def test_triton_matches_reference(seed, qlens, clens, heads, kv_heads, dim, bs, 
 
 def test_reference_is_lower_right_causal_attention():
     qlens, clens = [3, 1, 6], [10, 4, 0]
-    query, kc, vc, meta, tables, seq_lens = make_case(9, qlens, clens, 4, 2, 16, 16, torch.float32)
+    query, kc, vc, meta, tables, seq_lens = make_case(9, qlens, clens, 4, 2, 16, 16, torch.float32, DEVICE)
     out = attend("torch", query, kc, vc, meta, 0.25)
     start = 0
     for table, q, s in zip(tables, qlens, seq_lens):

@@ -86,3 +86,25 @@ def test_missing_weight_is_a_clear_error(tmp_path, tiny_model_dir):
     save_file(tensors, folder / "model.safetensors")
     with pytest.raises(ValueError, match="model.layers.1.mlp.down_proj.weight"):
         Engine(EngineConfig(model=str(folder)))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_packed_weights_give_the_same_logits_without_a_plain_copy(tmp_path, tied):
+    from loraplex.platform.models.linear import PackedLinear, can_pack
+
+    if not can_pack("cpu", torch.float32):
+        pytest.skip("no oneDNN in this torch build")
+    folder = make_tiny_model(tmp_path / "m", "llama", seed=2, tie_word_embeddings=tied)
+    ids = torch.randint(3, 448, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    logits = {}
+    for pack in (False, True):
+        engine = Engine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=16, pack_weights=pack))
+        logits[pack] = prompt_logits(engine, ids, 7)
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
+    model = engine.model
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert linears and all(m.packed is not None for m in linears)
+    assert all(m.weight is None for m in linears if m is not model.lm_head)  # no second copy kept
+    assert (model.lm_head.weight is model.embed_tokens.weight) if tied else model.lm_head.weight is None
+    assert model.layers[0].mlp.down_proj.dense_weight().shape == (model.config.hidden_size,
+                                                                   model.config.intermediate_size)

@@ -1,0 +1,133 @@
+/* CPU kernels (float32) for what the PyTorch path can only do through copies.
+ * Built by cpu_kernels.py with -fopenmp; OpenMP resolves to the runtime torch already loaded,
+ * so these share torch's thread pool. Each returns 0, or -1 when a buffer could not be allocated.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/* Paged attention for short query chunks, reading each request's K/V blocks in place: the
+ * PyTorch path must first gather them into a padded copy, which at decode costs more than the
+ * attention itself (BENCHMARKS.md, "Engine speed").
+ *
+ * One task per query token, all heads: each K and V row (all kv heads, contiguous) is read
+ * once and serves the Hq / Hkv query heads of each group. Scores for the whole context go to
+ * a per-task buffer, then softmax, then the weighted sum of V rows. Causal, lower-right aligned: query i of
+ * a request with query_len n and context seq_len sees keys 0 .. seq_len - n + i.
+ */
+
+int paged_attention_f32(
+    const float *query,         /* [T, Hq, D] */
+    const float *k_cache,       /* [num_blocks, block_size, Hkv, D] */
+    const float *v_cache,       /* same */
+    const int64_t *block_tables, /* [B, table_width] */
+    int64_t table_width,
+    const int64_t *seq_lens,    /* [B] context length after this step */
+    const int64_t *query_start, /* [B + 1] */
+    const int64_t *token_request, /* [T] request index of each query token */
+    int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, float scale,
+    float *out)                 /* [T, Hq, D] */
+{
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t row = num_kv_heads * head_dim; /* one token's K (or V) row, all heads */
+    int failed = 0;
+
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        const int64_t b = token_request[t];
+        const int64_t query_len = query_start[b + 1] - query_start[b];
+        const int64_t ctx = seq_lens[b] - query_len + (t - query_start[b]) + 1;
+        const int64_t *table = block_tables + b * table_width;
+        const float *q = query + t * num_heads * head_dim;
+        float *o = out + t * num_heads * head_dim;
+        float *scores = malloc(sizeof(float) * num_heads * (ctx > 0 ? ctx : 1)); /* [Hq, ctx] */
+        if (!scores) {
+            failed = 1;
+            continue;
+        }
+        float best[num_heads], total[num_heads];
+        for (int64_t j = 0; j < num_heads; ++j) best[j] = -INFINITY;
+        for (int64_t pos = 0; pos < ctx; ++pos) {
+            const float *k = k_cache + (table[pos / block_size] * block_size + pos % block_size) * row;
+            for (int64_t j = 0; j < num_heads; ++j) {
+                const float *qj = q + j * head_dim, *kj = k + (j / group) * head_dim;
+                float dot = 0.f;
+                for (int64_t d = 0; d < head_dim; ++d) dot += qj[d] * kj[d];
+                dot *= scale;
+                scores[j * ctx + pos] = dot;
+                if (dot > best[j]) best[j] = dot;
+            }
+        }
+        for (int64_t j = 0; j < num_heads; ++j) {
+            float sum = 0.f;
+            for (int64_t pos = 0; pos < ctx; ++pos) {
+                const float p = expf(scores[j * ctx + pos] - best[j]);
+                scores[j * ctx + pos] = p;
+                sum += p;
+            }
+            total[j] = sum;
+        }
+        for (int64_t i = 0; i < num_heads * head_dim; ++i) o[i] = 0.f;
+        for (int64_t pos = 0; pos < ctx; ++pos) {
+            const float *v = v_cache + (table[pos / block_size] * block_size + pos % block_size) * row;
+            for (int64_t j = 0; j < num_heads; ++j) {
+                const float p = scores[j * ctx + pos], *vj = v + (j / group) * head_dim;
+                float *oj = o + j * head_dim;
+                for (int64_t d = 0; d < head_dim; ++d) oj[d] += p * vj[d];
+            }
+        }
+        for (int64_t j = 0; j < num_heads; ++j) {
+            const float inv = total[j] > 0.f ? 1.f / total[j] : 0.f;
+            for (int64_t d = 0; d < head_dim; ++d) o[j * head_dim + d] *= inv;
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
+
+/* Multi-LoRA delta for tokens of many adapters with a few tokens each (decode batches):
+ *   y[t, off[i]:off[i+1]] += scale[s] * B[s, off[i]:off[i+1], :r] @ (A[s, i*R:i*R+r, :] @ x[t])
+ * for each slice i of a fused projection, s the token's slot, r its rank. Each token reads
+ * its adapter's A and B rows in place; the PyTorch path gathers a copy of both per token.
+ */
+int sgmv_lora_f32(
+    const float *x,             /* [T, in] */
+    const float *lora_a,        /* [S, num_slices * R, in] */
+    const float *lora_b,        /* [S, out_total, R] */
+    const int64_t *ranks,       /* [S] */
+    const float *scales,        /* [S] */
+    const int64_t *tokens,      /* [N] rows of x / y that have a slot */
+    const int64_t *token_slots, /* [N] their slots */
+    const int64_t *offsets,     /* [num_slices + 1] output offset of each slice */
+    int64_t num_tokens, int64_t in_features, int64_t num_slices, int64_t max_rank,
+    float *y)                   /* [T, out_total] */
+{
+    const int64_t out_total = offsets[num_slices];
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t n = 0; n < num_tokens; ++n) {
+        const int64_t t = tokens[n], s = token_slots[n], r = ranks[s];
+        const float *xt = x + t * in_features;
+        const float *a = lora_a + s * num_slices * max_rank * in_features;
+        const float *b = lora_b + s * out_total * max_rank;
+        float *yt = y + t * out_total;
+        float h[num_slices * max_rank];
+        for (int64_t i = 0; i < num_slices; ++i)
+            for (int64_t k = 0; k < r; ++k) {
+                const float *row = a + (i * max_rank + k) * in_features;
+                float dot = 0.f;
+                for (int64_t d = 0; d < in_features; ++d) dot += row[d] * xt[d];
+                h[i * max_rank + k] = dot * scales[s];
+            }
+        for (int64_t i = 0; i < num_slices; ++i) {
+            const float *hi = h + i * max_rank;
+            for (int64_t o = offsets[i]; o < offsets[i + 1]; ++o) {
+                const float *row = b + o * max_rank;
+                float acc = 0.f;
+                for (int64_t k = 0; k < r; ++k) acc += row[k] * hi[k];
+                yt[o] += acc;
+            }
+        }
+    }
+    return 0;
+}

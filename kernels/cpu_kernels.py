@@ -1,0 +1,136 @@
+"""CPU kernels in C (`cpu_kernels.c`): paged attention for short query chunks and the
+multi-LoRA delta for decode-like batches. Built once per machine with the system C compiler
+into the loraplex cache, called through ctypes on float32 tensors.
+
+No compiler, or a failed build: `library()` returns None (logged once) and callers keep the
+PyTorch path. `LORAPLEX_CC` names the compiler (default `cc`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("loraplex")
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
+         "-fassociative-math", "-fno-signed-zeros", "-ffp-contract=fast"]
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_tried = False
+
+
+def library() -> ctypes.CDLL | None:
+    global _library, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            try:
+                _library = _load(_build())
+            except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+                log.warning("C kernels unavailable (%s); using the PyTorch path", exc)
+    return _library
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("LORAPLEX_CACHE") or Path.home() / ".cache" / "loraplex"
+    return Path(root) / "kernels"
+
+
+def _build() -> Path:
+    compiler = os.environ.get("LORAPLEX_CC", "cc")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C compiler {compiler!r} on PATH")
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode() + _cpu_flags()).hexdigest()[:16]
+    target = _cache_dir() / f"cpu_kernels-{key}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # concurrent builders: last rename wins
+        built = Path(tmp) / target.name
+        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
+                                capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:500]}")
+        os.replace(built, target)
+    return target
+
+
+def _cpu_flags() -> bytes:
+    """-march=native binaries are per CPU: the cache key includes what the CPU offers."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.encode()
+    except OSError:
+        pass
+    return b""
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.paged_attention_f32.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64,
+                                        ctypes.c_float, ptr]
+    lib.sgmv_lora_f32.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr]
+    for fn in (lib.paged_attention_f32, lib.sgmv_lora_f32):
+        fn.restype = ctypes.c_int
+    return lib
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """float32 CPU tensors, contiguous (the kernels index raw memory), and a built library."""
+    return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+            and library() is not None)
+
+
+def paged_attention_c(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                      token_request: torch.Tensor, scale: float) -> torch.Tensor:
+    """query [T, Hq, D] float32 -> [T, Hq, D]; caches [num_blocks, block_size, Hkv, D]; index
+    tensors int64 on the CPU; token_request [T] is each query token's request row."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    query = query.contiguous()
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("C paged attention needs contiguous K/V caches")
+    tables, seq_lens, query_start_loc, token_request = (
+        t.to(torch.int64).contiguous() for t in (block_tables, seq_lens, query_start_loc, token_request))
+    out = torch.empty_like(query)
+    status = library().paged_attention_f32(
+        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
+        seq_lens.data_ptr(), query_start_loc.data_ptr(), token_request.data_ptr(),
+        num_tokens, num_heads, num_kv_heads, head_dim, k_cache.shape[1], scale, out.data_ptr())
+    if status != 0:
+        raise MemoryError("C paged attention could not allocate its score buffer")
+    return out
+
+
+def sgmv_lora_c(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, ranks: list[int],
+                scales: list[float], tokens: torch.Tensor, token_slots: torch.Tensor, y: torch.Tensor,
+                slice_offsets: list[int]) -> torch.Tensor:
+    """y[t] += scale[s] * (x[t] A[s]^T) B[s]^T, in place, for each token t in `tokens` with slot s
+    in `token_slots`; layouts as in sgmv.py. All float32 on the CPU."""
+    for t in (x, lora_a, lora_b, y):
+        if not t.is_contiguous():
+            raise ValueError("C SGMV needs contiguous inputs")
+    num_slices = len(slice_offsets) - 1
+    ranks_t = torch.tensor(ranks, dtype=torch.int64)
+    scales_t = torch.tensor(scales, dtype=torch.float32)
+    offsets_t = torch.tensor(slice_offsets, dtype=torch.int64)
+    tokens, token_slots = tokens.to(torch.int64).contiguous(), token_slots.to(torch.int64).contiguous()
+    library().sgmv_lora_f32(
+        x.data_ptr(), lora_a.data_ptr(), lora_b.data_ptr(), ranks_t.data_ptr(), scales_t.data_ptr(),
+        tokens.data_ptr(), token_slots.data_ptr(), offsets_t.data_ptr(), len(tokens), x.shape[1], num_slices,
+        lora_a.shape[1] // num_slices, y.data_ptr())
+    return y

@@ -1,0 +1,45 @@
+"""nn.Linear whose weight can be reordered once into oneDNN's blocked layout for CPU matmuls.
+
+At decode batch sizes the prepacked oneDNN matmul runs the model's linear layers ~2x faster
+than `F.linear` on the plain weight here (BENCHMARKS.md, "Engine speed"), so the CPU engine
+packs every linear layer after loading and drops the plain copy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def can_pack(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """oneDNN on CPU, in float32, or in bfloat16 where the CPU multiplies bf16 natively."""
+    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and native_bf16()
+
+
+def native_bf16() -> bool:
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+class PackedLinear(nn.Linear):
+    packed: torch.Tensor | None = None
+
+    def pack(self, keep_weight: bool = False) -> None:
+        """Call after the last dtype/device move. `keep_weight` for a weight shared with
+        another module (tied embeddings)."""
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+        if not keep_weight:
+            del self.weight
+            self.register_parameter("weight", None)
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.weight if self.weight is not None else self.packed.to_dense()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

@@ -1,0 +1,131 @@
+"""The C paged-attention kernel (CPU, short query chunks) against the PyTorch reference, the
+CPU dispatch that splits a batch between them, and the fallback when no compiler is there."""
+
+import pytest
+import torch
+
+from loraplex.kernels import cpu_kernels, dispatch
+from loraplex.kernels.paged_attention import CPU_KERNEL_MAX_QUERY_LEN, paged_attention
+from paged_case import make_case
+
+needs_kernel = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler here")
+
+CASES = [
+    # seed, query lens, cached lens, heads, kv heads, head dim, block size
+    (0, [1, 1, 1], [5, 16, 40], 4, 4, 64, 16),  # decode, MHA
+    (1, [1, 1], [31, 70], 8, 1, 64, 32),  # decode, GQA 8
+    (2, [7, 20, 1], [0, 13, 33], 6, 2, 32, 16),  # short chunks over context + decode
+    (3, [1] * 40, list(range(0, 400, 10)), 9, 3, 64, 16),  # SmolLM2's heads, a decode batch
+    (4, [1, 100, 1, 40, 3], [50, 0, 300, 7, 0], 9, 3, 64, 16),  # long prefill chunks beside decodes: split
+    (5, [CPU_KERNEL_MAX_QUERY_LEN + 1], [5], 4, 2, 16, 16),  # only a long chunk: all reference
+]
+
+
+def reference(query, kc, vc, meta, scale):
+    with dispatch.forced_backend("torch"):
+        return paged_attention(query, kc, vc, meta, scale)
+
+
+@needs_kernel
+@pytest.mark.parametrize("seed,qlens,clens,heads,kv_heads,dim,bs", CASES)
+def test_cpu_dispatch_matches_reference(seed, qlens, clens, heads, kv_heads, dim, bs, monkeypatch):
+    query, kc, vc, meta, _, _ = make_case(seed, qlens, clens, heads, kv_heads, dim, bs, torch.float32)
+    calls = []
+    kernel = cpu_kernels.paged_attention_c
+    monkeypatch.setattr(cpu_kernels, "paged_attention_c", lambda *a: calls.append(1) or kernel(*a))
+    out = paged_attention(query, kc, vc, meta, dim ** -0.5)
+    torch.testing.assert_close(out, reference(query, kc, vc, meta, dim ** -0.5), atol=1e-5, rtol=1e-5)
+    assert len(calls) == int(min(qlens) <= CPU_KERNEL_MAX_QUERY_LEN)  # the kernel ran where it should
+
+
+@needs_kernel
+def test_kernel_alone_on_every_request():
+    """The C kernel itself, also on chunks longer than the dispatch would give it."""
+    query, kc, vc, meta, _, _ = make_case(6, [1, 45, 3], [70, 0, 18], 9, 3, 64, 16, torch.float32)
+    lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+    token_request = torch.repeat_interleave(torch.arange(3), lens)
+    out = cpu_kernels.paged_attention_c(query, kc, vc, meta.block_tables, meta.seq_lens,
+                                                  meta.query_start_loc, token_request, 0.125)
+    torch.testing.assert_close(out, reference(query, kc, vc, meta, 0.125), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_split_metadata_is_derived_once_per_step():
+    _, _, _, meta, _, _ = make_case(4, [1, 100, 1], [50, 0, 300], 9, 3, 64, 16, torch.float32)
+    short, long = meta.cpu_parts()
+    assert short.rows.tolist() == [0, 101] and long.rows.tolist() == list(range(1, 101))
+    assert meta.cpu_parts() is meta.cpu_parts()
+
+
+def test_no_compiler_falls_back_to_pytorch(monkeypatch, tmp_path):
+    monkeypatch.setenv("LORAPLEX_CC", "no-such-compiler")
+    monkeypatch.setenv("LORAPLEX_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_library", None)
+    assert cpu_kernels.library() is None
+    query, kc, vc, meta, _, _ = make_case(0, [1, 1], [5, 16], 4, 2, 16, 16, torch.float32)
+    out = paged_attention(query, kc, vc, meta, 0.25)  # the dispatch keeps working
+    torch.testing.assert_close(out, reference(query, kc, vc, meta, 0.25))
+
+
+def test_build_is_cached_per_source_and_cpu(monkeypatch, tmp_path):
+    if cpu_kernels.library() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("LORAPLEX_CACHE", str(tmp_path))
+    first = cpu_kernels._build()
+    assert first.parent == tmp_path / "kernels" and first.is_file()
+    stamp = first.stat().st_mtime_ns
+    assert cpu_kernels._build() == first and first.stat().st_mtime_ns == stamp  # not rebuilt
+
+
+def lora_case(seed, num_tokens, num_slots, max_rank, in_features, widths):
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randint(-1, num_slots, (num_tokens,), generator=g)  # -1: no adapter
+    ranks = [int(r) for r in torch.randint(0, max_rank + 1, (num_slots,), generator=g)]  # rank 0: empty slot
+    x = torch.randn(num_tokens, in_features, generator=g)
+    a = torch.randn(num_slots, len(widths) * max_rank, in_features, generator=g) / in_features ** 0.5
+    b = torch.randn(num_slots, sum(widths), max_rank, generator=g) / max_rank ** 0.5
+    scales = [float(s) for s in torch.rand(num_slots, generator=g) * 2]
+    offsets = [0]
+    for w in widths:
+        offsets.append(offsets[-1] + w)
+    return slots.tolist(), ranks, x, a, b, scales, offsets
+
+
+@needs_kernel
+@pytest.mark.parametrize("seed,tokens,slots,max_rank,widths", [
+    (0, 16, 16, 16, [96, 32, 32]),  # a decode batch: one token per adapter, q/k/v slices
+    (1, 40, 64, 8, [64, 64]),  # gate/up, most slots unused
+    (2, 5, 3, 1, [48]),  # rank 1
+    (3, 48, 1, 16, [64]),  # one adapter, one 48-token segment
+])
+def test_c_sgmv_matches_reference(seed, tokens, slots, max_rank, widths, monkeypatch):
+    from loraplex.kernels.sgmv import LoRABatch, sgmv_expand_reference, sgmv_lora, sgmv_shrink_reference
+
+    s, ranks, x, a, b, scales, offsets = lora_case(seed, tokens, slots, max_rank, 64, widths)
+    batch = LoRABatch.build(s)
+    y0 = torch.randn(tokens, sum(widths))
+    h = torch.zeros(tokens, a.shape[1])
+    sgmv_shrink_reference(x, a, ranks, batch, h, len(widths))
+    expected = sgmv_expand_reference(h, b, ranks, scales, batch, y0.clone(), offsets)
+    calls = []
+    kernel = cpu_kernels.sgmv_lora_c
+    monkeypatch.setattr(cpu_kernels, "sgmv_lora_c", lambda *args: calls.append(1) or kernel(*args))
+    got = sgmv_lora(x, a, b, ranks, scales, batch, y0.clone(), offsets)  # the CPU dispatch
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert calls == [1]  # these batches are decode-like: the C kernel ran
+
+
+@needs_kernel
+def test_c_sgmv_is_skipped_for_long_segments_and_non_contiguous_weights(monkeypatch):
+    from loraplex.kernels.sgmv import LoRABatch, sgmv_lora
+
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "sgmv_lora_c", lambda *args: calls.append(1))
+    s, ranks, x, a, b, scales, offsets = lora_case(3, 300, 2, 8, 64, [64])
+    s = [0] * 150 + [1] * 150  # prefill-shaped: two long segments take the GEMM path
+    sgmv_lora(x, a, b, ranks, scales, LoRABatch.build(s), torch.zeros(300, 64), offsets)
+    s, ranks, x, a, b, scales, offsets = lora_case(4, 8, 8, 8, 64, [64])
+    wide = torch.zeros(8, 64, 2)[..., 0]  # a strided output: the kernel would write wrong rows
+    sgmv_lora(x, a, b, ranks, scales, LoRABatch.build(s), wide, offsets)
+    assert calls == []
