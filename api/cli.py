@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", type=_size, default=1 << 30, help="KV cache size: bytes, or e.g. 512MiB")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides memory)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float16"],
+                   help="float16: twice the KV tokens in the same memory (auto: the model's dtype)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--lora-modules", type=_lora_module, nargs="+", action="extend", default=[],
                    metavar="NAME=PATH", help="adapters to load at start-up (repeatable)")

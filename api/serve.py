@@ -22,7 +22,8 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
     return EngineConfig(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                        kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
+                        kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
+                        enable_prefix_caching=args.enable_prefix_caching,
                         seed=args.seed, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                         max_cpu_loras=args.max_cpu_loras, grammar_backend=args.grammar_backend)
 

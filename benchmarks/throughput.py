@@ -106,10 +106,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="auto: bfloat16 where the CPU multiplies it natively, else float32")
     parser.add_argument("--no-pack", action="store_true", help="loraplex on plain weights (F.linear)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float16"])
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3, help="with --ablation: interleaved rounds, median")
     parser.add_argument("--ablation", action="store_true",
                         help="only the speed steps side by side: plain weights + PyTorch attention, "
-                             "+ prepacked weights, + C kernels")
+                             "+ prepacked weights, + C kernels, + float16 KV cache")
     args = parser.parse_args()
     if args.ablation:
         return ablation(args)
@@ -117,12 +119,13 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     llm = LLM(args.model, dtype=args.dtype, max_model_len=1024, max_num_seqs=max(args.batch_sizes),
-              max_num_batched_tokens=4096, num_kv_blocks=max(args.batch_sizes) * 20, pack_weights=not args.no_pack)
+              max_num_batched_tokens=4096, num_kv_blocks=max(args.batch_sizes) * 20, pack_weights=not args.no_pack,
+              kv_cache_dtype=args.kv_cache_dtype)
     folder = llm.engine.config.model
     dtype = llm.engine.config.torch_dtype
     tokenizer = llm.get_tokenizer()
     hf = None if args.skip_hf else AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-    print(f"model={folder} dtype={dtype} packed={not args.no_pack} new_tokens={args.new_tokens} "
+    print(f"model={folder} dtype={dtype} packed={not args.no_pack} kv_cache_dtype={args.kv_cache_dtype} new_tokens={args.new_tokens} "
           f"threads={torch.get_num_threads()}")
     print("ms/step: median decode step; tok/s: output tokens over the whole run (prefill included)")
     header = (f"{'batch':>5} | {'plain floor':>11} {'our floor':>9} | {'loraplex ms':>11} {'tok/s':>6} | "
@@ -146,27 +149,30 @@ def main() -> None:
 
 
 def ablation(args) -> None:
-    """Each speed step's effect, measured side by side in one process."""
+    """Each speed step's effect, side by side in one process: the variants take turns for
+    `--rounds` rounds and each cell is the median of its rounds' median decode steps."""
     from loraplex.kernels.dispatch import forced_backend
 
     engine_args = dict(dtype=args.dtype, max_model_len=1024, max_num_seqs=max(args.batch_sizes),
                        max_num_batched_tokens=4096, num_kv_blocks=max(args.batch_sizes) * 20)
     plain, packed = LLM(args.model, pack_weights=False, **engine_args), LLM(args.model, **engine_args)
+    half_kv = LLM(args.model, kv_cache_dtype="float16", **engine_args)
     variants = [("plain weights, PyTorch attention", plain, "torch"),
                 ("+ prepacked weights", packed, "torch"),
-                ("+ C kernels (attention in place)", packed, "auto")]
+                ("+ C kernels (attention in place)", packed, "auto"),
+                ("+ kv_cache_dtype=float16 (opt-in)", half_kv, "auto")]
     print(f"dtype={packed.engine.config.torch_dtype} new_tokens={args.new_tokens} threads={torch.get_num_threads()}")
     print(f"{'batch':>5} | " + " | ".join(f"{name:>32}" for name, _, _ in variants) + " | (median decode step ms, x first)")
     for batch in args.batch_sizes:
         prompts = make_prompts(packed.get_tokenizer(), batch)
-        cells, first = [], None
-        for _, llm, backend in variants:
-            with forced_backend(backend):
-                bench_loraplex(llm, prompts[:1], 4)  # warm-up
-                ms = bench_loraplex(llm, prompts, args.new_tokens)["step_ms"]
-            first = first or ms
-            cells.append(f"{ms:>24.1f} ({ms / first:.2f}x)")
-        print(f"{batch:>5} | " + " | ".join(cells), flush=True)
+        runs: dict[str, list[float]] = {name: [] for name, _, _ in variants}
+        for _ in range(args.rounds):  # variants interleaved, so drift hits each alike
+            for name, llm, backend in variants:
+                with forced_backend(backend):
+                    bench_loraplex(llm, prompts[:1], 4)  # warm-up
+                    runs[name].append(bench_loraplex(llm, prompts, args.new_tokens)["step_ms"])
+        medians = [statistics.median(runs[name]) for name, _, _ in variants]
+        print(f"{batch:>5} | " + " | ".join(f"{ms:>24.1f} ({ms / medians[0]:.2f}x)" for ms in medians), flush=True)
 
 
 if __name__ == "__main__":

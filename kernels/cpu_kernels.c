@@ -5,6 +5,33 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
+
+/* 1 when built with F16C: a float16 KV cache can be read (converted 8 values per instruction). */
+int kv_f16_supported(void)
+{
+#ifdef __F16C__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* One K or V row of n values: float32 rows are used in place, float16 rows converted into buf. */
+static inline const float *kv_row(const void *cache, int64_t offset, int64_t n, int f16, float *buf)
+{
+    if (!f16) return (const float *)cache + offset;
+#ifdef __F16C__
+    const uint16_t *src = (const uint16_t *)cache + offset;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+    for (; i < n; ++i) buf[i] = _cvtsh_ss(src[i]);
+#endif
+    return buf;
+}
 
 /* Paged attention for short query chunks, reading each request's K/V blocks in place: the
  * PyTorch path must first gather them into a padded copy, which at decode costs more than the
@@ -18,15 +45,15 @@
 
 int paged_attention_f32(
     const float *query,         /* [T, Hq, D] */
-    const float *k_cache,       /* [num_blocks, block_size, Hkv, D] */
-    const float *v_cache,       /* same */
+    const void *k_cache,        /* [num_blocks, block_size, Hkv, D], float32 or float16 (kv_f16) */
+    const void *v_cache,        /* same */
     const int64_t *block_tables, /* [B, table_width] */
     int64_t table_width,
     const int64_t *seq_lens,    /* [B] context length after this step */
     const int64_t *query_start, /* [B + 1] */
     const int64_t *token_request, /* [T] request index of each query token */
     int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, float scale,
+    int64_t block_size, float scale, int kv_f16,
     float *out)                 /* [T, Hq, D] */
 {
     const int64_t group = num_heads / num_kv_heads;
@@ -46,10 +73,11 @@ int paged_attention_f32(
             failed = 1;
             continue;
         }
-        float best[num_heads], total[num_heads];
+        float best[num_heads], total[num_heads], row_buf[row];
         for (int64_t j = 0; j < num_heads; ++j) best[j] = -INFINITY;
         for (int64_t pos = 0; pos < ctx; ++pos) {
-            const float *k = k_cache + (table[pos / block_size] * block_size + pos % block_size) * row;
+            const float *k = kv_row(k_cache, (table[pos / block_size] * block_size + pos % block_size) * row, row,
+                                    kv_f16, row_buf);
             for (int64_t j = 0; j < num_heads; ++j) {
                 const float *qj = q + j * head_dim, *kj = k + (j / group) * head_dim;
                 float dot = 0.f;
@@ -70,7 +98,8 @@ int paged_attention_f32(
         }
         for (int64_t i = 0; i < num_heads * head_dim; ++i) o[i] = 0.f;
         for (int64_t pos = 0; pos < ctx; ++pos) {
-            const float *v = v_cache + (table[pos / block_size] * block_size + pos % block_size) * row;
+            const float *v = kv_row(v_cache, (table[pos / block_size] * block_size + pos % block_size) * row, row,
+                                    kv_f16, row_buf);
             for (int64_t j = 0; j < num_heads; ++j) {
                 const float p = scores[j * ctx + pos], *vj = v + (j / group) * head_dim;
                 float *oj = o + j * head_dim;

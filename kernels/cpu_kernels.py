@@ -81,7 +81,9 @@ def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.paged_attention_f32.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64,
-                                        ctypes.c_float, ptr]
+                                        ctypes.c_float, ctypes.c_int, ptr]
+    lib.kv_f16_supported.argtypes = []
+    lib.kv_f16_supported.restype = ctypes.c_int
     lib.sgmv_lora_f32.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr]
     for fn in (lib.paged_attention_f32, lib.sgmv_lora_f32):
         fn.restype = ctypes.c_int
@@ -94,11 +96,23 @@ def usable(*tensors: torch.Tensor) -> bool:
             and library() is not None)
 
 
+def usable_kv(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """K/V caches the attention kernel reads: float32, or float16 where the CPU converts (F16C)."""
+    if k_cache.dtype == torch.float16 and v_cache.dtype == torch.float16:
+        return _f16c() and all(t.device.type == "cpu" and t.is_contiguous() for t in (k_cache, v_cache)) \
+            and library() is not None
+    return usable(k_cache, v_cache)
+
+
+def _f16c() -> bool:
+    return library() is not None and bool(library().kv_f16_supported())
+
+
 def paged_attention_c(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                       token_request: torch.Tensor, scale: float) -> torch.Tensor:
-    """query [T, Hq, D] float32 -> [T, Hq, D]; caches [num_blocks, block_size, Hkv, D]; index
-    tensors int64 on the CPU; token_request [T] is each query token's request row."""
+    """query [T, Hq, D] float32 -> [T, Hq, D]; caches [num_blocks, block_size, Hkv, D], float32 or
+    float16; index tensors int64 on the CPU; token_request [T] is each query token's request row."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     query = query.contiguous()
@@ -110,7 +124,8 @@ def paged_attention_c(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     status = library().paged_attention_f32(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
         seq_lens.data_ptr(), query_start_loc.data_ptr(), token_request.data_ptr(),
-        num_tokens, num_heads, num_kv_heads, head_dim, k_cache.shape[1], scale, out.data_ptr())
+        num_tokens, num_heads, num_kv_heads, head_dim, k_cache.shape[1], scale,
+        int(k_cache.dtype == torch.float16), out.data_ptr())
     if status != 0:
         raise MemoryError("C paged attention could not allocate its score buffer")
     return out

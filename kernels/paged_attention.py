@@ -100,8 +100,9 @@ def write_kv_reference(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)
+    # a float16 KV cache under a float32 model stores rounded copies
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
 def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -109,8 +110,8 @@ def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cach
     """query [T, Hq, D] -> [T, Hq, D], attending to each request's paged context."""
     num_tokens, num_heads, head_dim = query.shape
     query_batch, query_pos, mask, tables = meta.reference_view()
-    keys = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
-    values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    keys = k_cache[tables].flatten(1, 2).transpose(1, 2).to(query.dtype)  # [B, Hkv, L, D]
+    values = v_cache[tables].flatten(1, 2).transpose(1, 2).to(query.dtype)
     if meta.max_query_len == 1:
         q = query[:, :, None, :]  # one query per request: already [B, Hq, 1, D]
     else:
@@ -138,7 +139,7 @@ def paged_attention(query, k_cache, v_cache, meta: PagedAttentionMetadata, scale
 
         return paged_attention_triton(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                       meta.query_start_loc, meta.max_query_len, scale)
-    if use_cpu_kernel(query) and query.dtype == torch.float32 and cpu_kernels.usable(k_cache, v_cache):
+    if use_cpu_kernel(query) and query.dtype == torch.float32 and cpu_kernels.usable_kv(k_cache, v_cache):
         return _paged_attention_cpu(query, k_cache, v_cache, meta, scale)
     return paged_attention_reference(query, k_cache, v_cache, meta, scale)
 

@@ -98,6 +98,7 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 10.0
     jump_forward: bool = True  # append grammar-forced tokens without a forward pass each
     pack_weights: bool = True  # CPU: linear weights prepacked for oneDNN (~2x faster decode matmuls)
+    kv_cache_dtype: str = "auto"  # "float16": half the KV bytes (memory, and attention's reads); auto = dtype
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -109,6 +110,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras must be >= max_loras={self.max_loras}, got {self.max_cpu_loras}")
+        if self.kv_cache_dtype not in ("auto", "float16"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'float16', got {self.kv_cache_dtype!r}")
         if self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
 
@@ -120,6 +123,10 @@ class EngineConfig:
 
         # bf16 matmuls without AVX512-BF16/AMX run 4-7x slower than fp32 (BENCHMARKS.md)
         return torch.bfloat16 if native_bf16() else torch.float32
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else DTYPES[self.kv_cache_dtype]
 
     def resolve_max_model_len(self, model: ModelConfig) -> int:
         limit = model.max_position_embeddings

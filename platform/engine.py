@@ -65,20 +65,20 @@ class Engine:
         dtype = config.torch_dtype
         self.model = load_model(config.model, self.model_config, dtype, self.max_model_len, config.pack_weights)
         num_blocks = config.num_kv_blocks or max(
-            1, config.kv_cache_memory // kv_bytes_per_block(self.model_config, config.block_size, dtype))
+            1, config.kv_cache_memory // kv_bytes_per_block(self.model_config, config.block_size, config.torch_kv_dtype))
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    config.max_loras)
         self.adapters = AdapterRegistry(self.model_config, config.max_loras, config.max_lora_rank,
                                         config.max_cpu_loras, dtype)
-        self.runner = ModelRunner(self.model, self.model_config, self.kv, dtype)
+        self.runner = ModelRunner(self.model, self.model_config, self.kv, config.torch_kv_dtype)
         self.eos_token_ids = self._eos_token_ids()
         self.grammars = GrammarManager(self.tokenizer, self.model_config.vocab_size, list(self.eos_token_ids),
                                        config.grammar_backend, config.grammar_compile_timeout_s)
         self.sampler = Sampler(self.model_config.vocab_size, self.eos_token_ids, config.seed, self.grammars)
         self.groups: dict[str, _Group] = {}
         self.num_jump_forward_tokens = 0
-        self._log_kv_size(num_blocks, dtype)
+        self._log_kv_size(num_blocks, config.torch_kv_dtype)
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)
@@ -215,7 +215,8 @@ class Engine:
                 batch.append(seq)
         touched: dict[str, None] = {}
         if batch:
-            sampled = self.sampler(logits[rows], batch)
+            # forks repeat their parent's row; without them the logits are already one row each
+            sampled = self.sampler(logits if len(rows) == len(completed) else logits[rows], batch)
             for seq, token, logprobs in zip(batch, sampled.token_ids, sampled.logprobs):
                 self._append(seq, token, logprobs)
                 self._jump_forward(seq)

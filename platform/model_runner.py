@@ -21,15 +21,14 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, kv: KVCacheManager,
-                 dtype: torch.dtype) -> None:
+                 kv_dtype: torch.dtype) -> None:
         self.model = model
         self.kv = kv
         self.block_size = kv.block_size
         shape = (config.num_layers, 2, kv.pool.num_blocks, kv.block_size, config.num_kv_heads, config.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=dtype)
+        self.kv_cache = torch.zeros(shape, dtype=kv_dtype)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(config.num_layers)]
-        if dtype == torch.float32:
-            cpu_kernels.library()  # build (~1 s, once per machine) now rather than in the first step
+        cpu_kernels.library()  # build (~1 s, once per machine) now rather than in the first step
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, adapter_slots: dict[str, int] | None = None

@@ -32,8 +32,10 @@ class Sampler:
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = logits.clone()
-        if self.grammars is not None and any(r.grammar is not None for r in requests):
+        structured = self.grammars is not None and any(r.grammar is not None for r in requests)
+        if structured or any(_edits_logits(r.params, len(r.output_token_ids)) for r in requests):
+            logits = logits.clone()  # the transforms below write in place; the caller's logits stay
+        if structured:
             self.grammars.apply(logits, [r.grammar for r in requests])  # before any other transform
         self._block_early_stop(logits, requests)
         self._apply_penalties(logits, requests)
@@ -84,6 +86,11 @@ class Sampler:
             noise[j].exponential_(generator=r.generator or self.generator)
         out[rows] = (probs / noise).argmax(dim=-1)
         return out.tolist()
+
+
+def _edits_logits(params, num_output_tokens: int) -> bool:
+    return (num_output_tokens < params.min_tokens or params.repetition_penalty != 1.0
+            or bool(params.presence_penalty or params.frequency_penalty))
 
 
 def filter_and_softmax(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -129,3 +129,16 @@ def test_c_sgmv_is_skipped_for_long_segments_and_non_contiguous_weights(monkeypa
     wide = torch.zeros(8, 64, 2)[..., 0]  # a strided output: the kernel would write wrong rows
     sgmv_lora(x, a, b, ranks, scales, LoRABatch.build(s), wide, offsets)
     assert calls == []
+
+
+@needs_kernel
+@pytest.mark.parametrize("seed,qlens,clens,heads,kv_heads,dim,bs", [CASES[2], CASES[4]])
+def test_float16_kv_cache_matches_the_reference_on_the_same_values(seed, qlens, clens, heads, kv_heads, dim, bs):
+    if not cpu_kernels._f16c():
+        pytest.skip("this CPU has no F16C: a float16 cache takes the PyTorch path")
+    query, kc, vc, meta, _, _ = make_case(seed, qlens, clens, heads, kv_heads, dim, bs, torch.float32)
+    kc16, vc16 = kc.half(), vc.half()
+    out = paged_attention(query, kc16, vc16, meta, dim ** -0.5)
+    torch.testing.assert_close(out, reference(query, kc16, vc16, meta, dim ** -0.5), atol=1e-5, rtol=1e-5)
+    # and close to float32 K/V: only the rounding of the cached values differs
+    torch.testing.assert_close(out, reference(query, kc, vc, meta, dim ** -0.5), atol=5e-3, rtol=5e-3)

@@ -2,6 +2,7 @@
 input is refused, and every block comes back."""
 
 import pytest
+import torch
 
 from conftest import assert_all_blocks_free
 from loraplex.platform import LLM, SamplingParams
@@ -189,3 +190,31 @@ def test_async_generate_leaving_early_aborts(tiny_model_dir):
     finally:
         front.shutdown()
     assert_all_blocks_free(llm.engine)
+
+
+def test_float16_kv_cache_holds_twice_the_blocks_and_stays_close(tiny_model_dir):
+    from loraplex.platform.config import EngineConfig
+    from loraplex.platform.engine import Engine
+    from loraplex.platform.scheduler import SchedulerOutput
+
+    engines = {kv: Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=1 << 22,
+                                       kv_cache_dtype=kv)) for kv in ("auto", "float16")}
+    assert engines["float16"].kv.pool.num_blocks == 2 * engines["auto"].kv.pool.num_blocks
+    assert engines["float16"].runner.kv_cache.dtype == torch.float16
+    ids = list(range(5, 45))
+    logits = {}
+    for kv, engine in engines.items():
+        req = engine.make_request("r", {"prompt_token_ids": ids}, SamplingParams(max_tokens=1))
+        for chunk in (30, 9, 1):  # a prefill chunk, a short chunk (C kernel), a decode-sized one
+            assert engine.kv.allocate_slots(req, chunk) is not None
+            out, _ = engine.runner.execute(SchedulerOutput([(req, chunk)]))
+            req.num_computed_tokens += chunk
+        logits[kv] = out
+    torch.testing.assert_close(logits["float16"], logits["auto"], atol=2e-2, rtol=2e-2)
+
+
+def test_bad_kv_cache_dtype_is_refused():
+    from loraplex.platform.config import EngineConfig
+
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(model="x", kv_cache_dtype="fp8")

@@ -100,3 +100,14 @@ def test_logprobs_are_of_the_raw_distribution_with_ranks():
 def test_bad_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=5),
+                                    SamplingParams(repetition_penalty=1.3, presence_penalty=0.5),
+                                    SamplingParams(min_tokens=3)])
+def test_callers_logits_are_never_changed(params):
+    """The sampler copies the logits only when a transform writes into them."""
+    logits = logits_rows(2)
+    before = logits.clone()
+    Sampler(V, eos_token_ids=(0,))(logits, [req(params, output=(1, 5)), req(params, rid="s")])
+    assert torch.equal(logits, before)
