@@ -19,6 +19,16 @@ int kv_f16_supported(void)
 #endif
 }
 
+/* Ask for the row `ahead` positions on (block tables scatter a request's rows, so the hardware
+ * prefetcher loses the stream at every block boundary). */
+static inline void prefetch_row(const void *cache, const int64_t *table, int64_t pos, int64_t ctx,
+                                int64_t block_size, int64_t row_bytes)
+{
+    if (pos >= ctx) return;
+    const char *p = (const char *)cache + (table[pos / block_size] * block_size + pos % block_size) * row_bytes;
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + b);
+}
+
 /* One K or V row of n values: float32 rows are used in place, float16 rows converted into buf. */
 static inline const float *kv_row(const void *cache, int64_t offset, int64_t n, int f16, float *buf)
 {
@@ -75,7 +85,9 @@ int paged_attention_f32(
         }
         float best[num_heads], total[num_heads], row_buf[row];
         for (int64_t j = 0; j < num_heads; ++j) best[j] = -INFINITY;
+        const int64_t row_bytes = row * (kv_f16 ? 2 : 4), ahead = 4;
         for (int64_t pos = 0; pos < ctx; ++pos) {
+            prefetch_row(k_cache, table, pos + ahead, ctx, block_size, row_bytes);
             const float *k = kv_row(k_cache, (table[pos / block_size] * block_size + pos % block_size) * row, row,
                                     kv_f16, row_buf);
             for (int64_t j = 0; j < num_heads; ++j) {
@@ -98,6 +110,7 @@ int paged_attention_f32(
         }
         for (int64_t i = 0; i < num_heads * head_dim; ++i) o[i] = 0.f;
         for (int64_t pos = 0; pos < ctx; ++pos) {
+            prefetch_row(v_cache, table, pos + ahead, ctx, block_size, row_bytes);
             const float *v = kv_row(v_cache, (table[pos / block_size] * block_size + pos % block_size) * row, row,
                                     kv_f16, row_buf);
             for (int64_t j = 0; j < num_heads; ++j) {
