@@ -28,17 +28,21 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errn
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _tried = False
+_kv_f16 = False  # whether the built library reads float16 K/V (compiled with F16C)
 
 
 def library() -> ctypes.CDLL | None:
-    global _library, _tried
+    global _library, _tried, _kv_f16
+    if _tried:  # every kernel call asks: no lock once the build was tried
+        return _library
     with _lock:
         if not _tried:
-            _tried = True
             try:
                 _library = _load(_build())
+                _kv_f16 = bool(_library.kv_f16_supported())
             except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
                 log.warning("C kernels unavailable (%s); using the PyTorch path", exc)
+            _tried = True
     return _library
 
 
@@ -90,22 +94,20 @@ def _load(path: Path) -> ctypes.CDLL:
     return lib
 
 
-def usable(*tensors: torch.Tensor) -> bool:
-    """float32 CPU tensors, contiguous (the kernels index raw memory), and a built library."""
-    return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
-            and library() is not None)
+def usable(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
+    """CPU tensors of `dtypes`, contiguous (the kernels index raw memory), and a built library."""
+    return library() is not None and all(
+        t.device.type == "cpu" and t.dtype in dtypes and t.is_contiguous() for t in tensors)
 
 
 def usable_kv(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """K/V caches the attention kernel reads: float32, or float16 where the CPU converts (F16C)."""
-    if k_cache.dtype == torch.float16 and v_cache.dtype == torch.float16:
-        return _f16c() and all(t.device.type == "cpu" and t.is_contiguous() for t in (k_cache, v_cache)) \
-            and library() is not None
-    return usable(k_cache, v_cache)
+    return usable(k_cache, v_cache, dtypes=(torch.float32, torch.float16) if _f16c() else (torch.float32,)) \
+        and k_cache.dtype == v_cache.dtype
 
 
 def _f16c() -> bool:
-    return library() is not None and bool(library().kv_f16_supported())
+    return library() is not None and _kv_f16
 
 
 def paged_attention_c(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -147,19 +147,16 @@ def paged_attention(query, k_cache, v_cache, meta: PagedAttentionMetadata, scale
 def _paged_attention_cpu(query, k_cache, v_cache, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
     """Short-query requests through the C kernel, the others through the reference."""
     short, long = meta.cpu_parts()
-    out = None
-    for part in (short, long):
-        if part is None:
-            continue
-        q = query if part.rows is None else query[part.rows]
-        if part is short:
-            o = cpu_kernels.paged_attention_c(q, k_cache, v_cache, part.meta.block_tables, part.meta.seq_lens,
-                                              part.meta.query_start_loc, part.token_request, scale)
-        else:
-            o = paged_attention_reference(q, k_cache, v_cache, part.meta, scale)
-        if part.rows is None:
-            return o
-        if out is None:
-            out = torch.empty_like(query)
-        out[part.rows] = o
+
+    def c_kernel(q, part):
+        return cpu_kernels.paged_attention_c(q, k_cache, v_cache, part.meta.block_tables, part.meta.seq_lens,
+                                             part.meta.query_start_loc, part.token_request, scale)
+
+    if long is None:
+        return c_kernel(query, short)
+    if short is None:
+        return paged_attention_reference(query, k_cache, v_cache, meta, scale)
+    out = torch.empty_like(query)
+    out[short.rows] = c_kernel(query[short.rows], short)
+    out[long.rows] = paged_attention_reference(query[long.rows], k_cache, v_cache, long.meta, scale)
     return out

@@ -140,7 +140,11 @@ def sgmv_lora_cpu(x, lora_a, lora_b, ranks, scales, batch: LoRABatch, y, slice_o
 
 
 def _gathered(batch: LoRABatch) -> bool:
-    return len(batch.token_order) < GATHER_BELOW_MEAN_SEGMENT * batch.num_segments
+    return _mean_segment_below(batch, GATHER_BELOW_MEAN_SEGMENT)
+
+
+def _mean_segment_below(batch: LoRABatch, tokens: int) -> bool:
+    return len(batch.token_order) < tokens * batch.num_segments
 
 
 def _rank_mask(ranks: list[int], slots: torch.Tensor, num_slices: int, max_rank: int) -> torch.Tensor:
@@ -205,8 +209,8 @@ def sgmv_lora(x, lora_a, lora_b, ranks, scales, batch: LoRABatch, y, slice_offse
         h = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
         sgmv_shrink(x, lora_a, ranks, batch, h, len(slice_offsets) - 1)
         return sgmv_expand(h, lora_b, ranks, scales, batch, y, slice_offsets)
-    if len(batch.token_order) < C_BELOW_MEAN_SEGMENT * batch.num_segments and use_cpu_kernel(y) \
-            and x.dtype == torch.float32 and cpu_kernels.usable(lora_a, lora_b, y):
+    if _mean_segment_below(batch, C_BELOW_MEAN_SEGMENT) and use_cpu_kernel(y) and x.dtype == torch.float32 \
+            and cpu_kernels.usable(lora_a, lora_b, y):
         # decode-shaped batches: the C kernel reads each token's A and B in place
         return cpu_kernels.sgmv_lora_c(x.contiguous(), lora_a, lora_b, _host_list(ranks), _host_list(scales),
                                        batch.token_order, batch.order_slots, y, slice_offsets)

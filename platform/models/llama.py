@@ -222,7 +222,7 @@ def load_model(folder: str | Path, config: ModelConfig, dtype: torch.dtype, max_
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model = model.to(dtype).eval()
-    if pack_weights and can_pack("cpu", dtype):
+    if pack_weights and can_pack(dtype):
         for module in model.modules():
             if isinstance(module, PackedLinear):
                 module.pack(keep_weight=module is model.lm_head and config.tie_word_embeddings)
