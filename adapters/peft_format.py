@@ -15,14 +15,10 @@ from pathlib import Path
 import torch
 
 from loraplex.platform.config import ModelConfig
+from loraplex.platform.models import FUSED_PROJECTIONS
 
 # peft module name -> (our fused layer, slice index within it)
-TARGETS = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "o_proj": ("o_proj", 0),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    "down_proj": ("down_proj", 0),
-}
+TARGETS = {part: (fused, i) for fused, parts in FUSED_PROJECTIONS.items() for i, part in enumerate(parts)}
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)"
                   r"\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
@@ -38,13 +34,33 @@ class LoRAWeights:
     rank: int
     scaling: float
     target_modules: frozenset[str]
-    # (layer, peft module) -> (A [r, in], B [out, r]) on the CPU
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+    # (layer, fused projection) -> (A [num_slices * r, in], B [out_total, r]) on the CPU, in the
+    # engine's dtype, contiguous: the layout the multi-LoRA kernels read in place (kernels/sgmv.py
+    # LoRATable). A module the adapter does not target is a zero slice of a projection it touches.
+    projections: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
     content_hash: str = ""
 
     @property
     def nbytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+        return sum(a.nbytes + b.nbytes for a, b in self.projections.values())
+
+
+def fused_offsets(fused: str, shapes: dict[str, tuple[int, int]]) -> list[int]:
+    """Output offset of each slice of a fused projection, plus the total."""
+    offsets = [0]
+    for part in FUSED_PROJECTIONS[fused]:
+        offsets.append(offsets[-1] + shapes[part][1])
+    return offsets
+
+
+def adapter_bytes(config: ModelConfig, rank: int, dtype: torch.dtype, modules=tuple(TARGETS)) -> int:
+    """Bytes of one adapter of `rank` targeting `modules` in every layer, in our fused layout
+    (a projection that is touched stores all of its slices)."""
+    shapes = module_shapes(config)
+    fused = {TARGETS[m][0] for m in modules}
+    per_layer = sum((len(FUSED_PROJECTIONS[f]) * shapes[FUSED_PROJECTIONS[f][0]][0]
+                     + sum(shapes[p][1] for p in FUSED_PROJECTIONS[f])) * rank for f in fused)
+    return per_layer * config.num_layers * torch.empty(0, dtype=dtype).element_size()
 
 
 def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -55,7 +71,8 @@ def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
-def read_peft_adapter(name: str, path: str | Path, config: ModelConfig, max_lora_rank: int) -> LoRAWeights:
+def read_peft_adapter(name: str, path: str | Path, config: ModelConfig, max_lora_rank: int,
+                      dtype: torch.dtype = torch.float32) -> LoRAWeights:
     folder = Path(path)
     fail = lambda reason: AdapterError(f"adapter {name!r} ({folder}): {reason}")  # noqa: E731
     if not folder.is_dir():
@@ -72,11 +89,34 @@ def read_peft_adapter(name: str, path: str | Path, config: ModelConfig, max_lora
     stray = sorted({layer for layer, _ in weights} - layers)
     if stray:
         raise fail(f"weights for layers {stray[:5]}, which layers_to_transform does not list")
+    shapes = module_shapes(config)
+    projections = _fuse(weights, rank, shapes, dtype)
     digest = hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode())
     for key in sorted(tensors):
         digest.update(key.encode())
         digest.update(tensors[key].contiguous().view(torch.uint8).numpy().tobytes())
-    return LoRAWeights(name, str(folder), rank, scaling, frozenset(targets), weights, digest.hexdigest())
+    return LoRAWeights(name, str(folder), rank, scaling, frozenset(targets), projections, digest.hexdigest())
+
+
+def _fuse(weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], rank: int,
+          shapes: dict[str, tuple[int, int]], dtype: torch.dtype) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """Per-module A/B -> per fused projection A [n * r, in], B [out_total, r] (zeros where the
+    adapter leaves a slice alone)."""
+    out = {}
+    for layer in sorted({layer for layer, _ in weights}):
+        for fused, parts in FUSED_PROJECTIONS.items():
+            present = [weights.get((layer, part)) for part in parts]
+            if all(p is None for p in present):
+                continue
+            offsets = fused_offsets(fused, shapes)
+            a = torch.zeros(len(parts) * rank, shapes[parts[0]][0], dtype=dtype)
+            b = torch.zeros(offsets[-1], rank, dtype=dtype)
+            for i, pair in enumerate(present):
+                if pair is not None:
+                    a[i * rank:(i + 1) * rank] = pair[0]
+                    b[offsets[i]:offsets[i + 1]] = pair[1]
+            out[(layer, fused)] = (a, b)
+    return out
 
 
 def _read_config(folder: Path, fail) -> dict:

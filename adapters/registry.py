@@ -1,5 +1,5 @@
-"""The adapter registry: name -> adapter; on disk -> CPU LRU (`max_cpu_loras`) -> device slot
-(`max_loras`); pins while requests use an adapter.
+"""The adapter registry: name -> adapter; on disk -> CPU LRU (bounded by `lora_memory` bytes and
+optionally `max_cpu_loras`) -> slot (`max_loras` per batch); pins while requests use an adapter.
 
 Loading reads and validates the folder in the caller's thread (never the engine's); only the
 registration takes the lock. `unload` of a pinned adapter is refused with `AdapterInUseError`
@@ -37,23 +37,24 @@ class AdapterInfo:
 
 
 class AdapterRegistry:
-    def __init__(self, config: ModelConfig, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
-                 dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None,
+                 dtype: torch.dtype, lora_memory: int | None = None) -> None:
         if max_loras < 1 or max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {max_loras}, {max_lora_rank}")
-        if max_cpu_loras < max_loras:
+        if max_cpu_loras is not None and max_cpu_loras < max_loras:
             raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})")
         self.config = config
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
+        self.lora_memory = lora_memory  # bytes of adapter weights kept in memory; None: no byte bound
         self.dtype = dtype
         self._lock = threading.RLock()
         self._adapters: dict[str, AdapterInfo] = {}
         self._cpu: OrderedDict[str, LoRAWeights] = OrderedDict()  # LRU, most recent last
+        self._cpu_bytes = 0
         self._pins: Counter[str] = Counter()
-        self._slot_names: list[str | None] = [None] * max_loras
-        self._slot_hashes: list[str | None] = [None] * max_loras
-        self._slot_lru: OrderedDict[int, None] = OrderedDict((i, None) for i in range(max_loras))
-        self._slots: LoRASlots | None = None  # allocated with the first adapter
+        self._slots = LoRASlots(config, max_loras)
+        self._slot_of: dict[str, tuple[int, str]] = {}  # name -> (slot, content hash)
+        self._slot_lru: OrderedDict[int, str | None] = OrderedDict((i, None) for i in range(max_loras))
         self.num_slot_loads = 0
 
     # ---- registration (any thread) ----------------------------------------------------------
@@ -64,7 +65,7 @@ class AdapterRegistry:
         with self._lock:
             if name in self._adapters and not replace:
                 raise AdapterError(f"adapter {name!r} is already loaded (from {self._adapters[name].path})")
-        weights = read_peft_adapter(name, path, self.config, self.max_lora_rank)  # slow part, unlocked
+        weights = self._read(name, path)  # slow part, unlocked
         info = AdapterInfo(name, weights.path, weights.rank, weights.content_hash)
         with self._lock:
             if name in self._adapters:
@@ -80,7 +81,7 @@ class AdapterRegistry:
             self.get(name)
             self._check_unpinned(name)
             del self._adapters[name]
-            self._cpu.pop(name, None)
+            self._drop(name)
 
     def get(self, name: str) -> AdapterInfo:
         with self._lock:
@@ -102,7 +103,7 @@ class AdapterRegistry:
                 if weights.content_hash != info.content_hash:
                     raise AdapterError(f"adapter {name!r} was replaced while the request was queued; retry")
                 if name not in self._cpu:
-                    self._cpu[name] = weights
+                    self._cache(weights)
             self._pins[name] += 1
             return info
 
@@ -113,6 +114,7 @@ class AdapterRegistry:
             self._pins[name] -= 1
             if not self._pins[name]:
                 del self._pins[name]
+                self._trim()  # pinned adapters may have pushed the cache over its budget
 
     def num_pins(self, name: str | None = None) -> int:
         with self._lock:
@@ -128,46 +130,77 @@ class AdapterRegistry:
         dropped them; hand them to `pin`, so the engine thread never reads disk for them."""
         return self._weights(self.get(name))
 
-    def _cache(self, weights: LoRAWeights) -> None:
-        self._cpu[weights.name] = weights
-        self._cpu.move_to_end(weights.name)
-        # least recently used first, but never an adapter that requests are using
-        evictable = [n for n in self._cpu if not self._pins[n] and n != weights.name]
-        while len(self._cpu) > self.max_cpu_loras and evictable:
-            del self._cpu[evictable.pop(0)]
+    def memory(self) -> tuple[int, int]:
+        """(adapters, bytes) held in the CPU cache now."""
+        with self._lock:
+            return len(self._cpu), self._cpu_bytes
 
-    # ---- device slots (engine thread) ---------------------------------------------------------
+    def _read(self, name: str, path: str) -> LoRAWeights:
+        return read_peft_adapter(name, path, self.config, self.max_lora_rank, self.dtype)
+
+    def _cache(self, weights: LoRAWeights) -> None:
+        self._drop(weights.name)
+        self._cpu[weights.name] = weights
+        self._cpu_bytes += weights.nbytes
+        self._trim(keep=weights.name)
+
+    def _trim(self, keep: str | None = None) -> None:
+        # least recently used first, but never an adapter that requests are using
+        evictable = [n for n in self._cpu if not self._pins[n] and n != keep]
+        while evictable and self._over_budget():
+            self._drop(evictable.pop(0))
+
+    def _over_budget(self) -> bool:
+        return (self.max_cpu_loras is not None and len(self._cpu) > self.max_cpu_loras) or \
+            (self.lora_memory is not None and self._cpu_bytes > self.lora_memory)
+
+    def _drop(self, name: str) -> None:
+        """Forget an unpinned adapter's weights: out of the cache and out of its slot, so memory
+        is really returned (a slot holds references to the weights it points at)."""
+        weights = self._cpu.pop(name, None)
+        if weights is not None:
+            self._cpu_bytes -= weights.nbytes
+        held = self._slot_of.get(name)
+        if held is not None and not self._pins[name]:
+            self._vacate(held[0])
+
+    # ---- slots (engine thread) --------------------------------------------------------------
 
     @property
-    def slots(self) -> LoRASlots | None:
+    def slots(self) -> LoRASlots:
         return self._slots
 
     def assign_slots(self, names: set[str]) -> dict[str, int]:
-        """Put every named adapter in a device slot, evicting the least recently used slots that
-        hold none of them. The scheduler admits at most `max_loras` distinct adapters at once."""
+        """Give every named adapter a slot, reusing the least recently used slots that hold none
+        of them. On the CPU a slot points at the adapter's weights in the cache (no copy). The
+        scheduler admits at most `max_loras` distinct adapters at once."""
         if len(names) > self.max_loras:
             raise RuntimeError(f"{len(names)} adapters in flight, max_loras={self.max_loras}")
-        if self._slots is None:
-            self._slots = LoRASlots(self.config, self.max_loras, self.max_lora_rank, self.dtype)
         with self._lock:
             wanted = {n: self._adapters[n] for n in sorted(names)}  # sorted: deterministic slots
         out = {}
         for name, info in wanted.items():
-            slot = self._resident_slot(info)
-            if slot is None:
-                slot = next(s for s in self._slot_lru if self._slot_names[s] not in names)
-                self._slots.load(slot, self._weights(info))
-                self._slot_names[slot], self._slot_hashes[slot] = name, info.content_hash
+            held = self._slot_of.get(name)
+            if held is None or held[1] != info.content_hash:
+                weights = self._weights(info)  # pinned adapters are in memory: no disk read here
+                with self._lock:
+                    slot = next(s for s, holder in self._slot_lru.items() if holder not in names)
+                    self._vacate(slot)
+                    self._slots.load(slot, weights)
+                    self._slot_of[name], self._slot_lru[slot] = (slot, info.content_hash), name
                 self.num_slot_loads += 1
-            self._slot_lru.move_to_end(slot)
+            with self._lock:
+                slot = self._slot_of[name][0]
+                self._slot_lru.move_to_end(slot)
             out[name] = slot
         return out
 
-    def _resident_slot(self, info: AdapterInfo) -> int | None:
-        for slot, (name, digest) in enumerate(zip(self._slot_names, self._slot_hashes)):
-            if name == info.name and digest == info.content_hash:
-                return slot
-        return None
+    def _vacate(self, slot: int) -> None:
+        holder = self._slot_lru[slot]
+        if holder is not None and self._slot_of.get(holder, (None,))[0] == slot:
+            del self._slot_of[holder]
+        self._slot_lru[slot] = None
+        self._slots.clear(slot)
 
     def _weights(self, info: AdapterInfo) -> LoRAWeights:
         with self._lock:
@@ -175,7 +208,7 @@ class AdapterRegistry:
             if weights is not None and weights.content_hash == info.content_hash:
                 self._cpu.move_to_end(info.name)
                 return weights
-        weights = read_peft_adapter(info.name, info.path, self.config, self.max_lora_rank)
+        weights = self._read(info.name, info.path)
         if weights.content_hash != info.content_hash:
             raise AdapterError(f"adapter {info.name!r} changed on disk since it was loaded ({info.path})")
         with self._lock:

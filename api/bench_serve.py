@@ -46,6 +46,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000 (with or without /v1)")
     p.add_argument("--model", default=None, help="base model id (default: the server's first model)")
     p.add_argument("--adapters", default="", help="comma-separated adapter names; each request picks one at random")
+    p.add_argument("--base-fraction", type=float, default=0.0,
+                   help="with --adapters: share of requests sent to the base model instead")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--request-rate", default="inf", help="requests per second, or inf (all at once)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson, < 1 burstier")
@@ -139,8 +141,9 @@ async def run(args) -> tuple[list[RequestResult], float]:
     start = time.perf_counter()
     for gap in gaps:
         await asyncio.sleep(gap)
+        on_base = not adapters or rng.random() < args.base_fraction
         tasks.append(asyncio.create_task(limited(make_prompt(rng, args.input_len),
-                                                 rng.choice(adapters) if adapters else "",
+                                                 "" if on_base else rng.choice(adapters),
                                                  rng.random() < args.structured_fraction)))
     results = await asyncio.gather(*tasks)
     duration = time.perf_counter() - start
@@ -169,6 +172,9 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     summary.update(_stats(tpot, "tpot"))
     summary.update(_stats([x for r in ok for x in r.itl], "itl"))
     summary.update(_stats([r.e2e for r in ok], "e2el"))
+    for group, members in (("base", [r for r in ok if not r.adapter]), ("adapter", [r for r in ok if r.adapter])):
+        summary[f"{group}_requests"] = len(members)
+        summary.update({f"{group}_{k}": v for k, v in _stats([r.ttft for r in members], "ttft").items()})
     summary["errors"] = sorted({r.error for r in results if r.error})[:10]
     return summary
 
@@ -194,6 +200,8 @@ def report(summary: dict) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    if not 0.0 <= args.base_fraction <= 1.0:
+        raise ValueError(f"--base-fraction must be in [0, 1], got {args.base_fraction}")
     if not 0.0 <= args.structured_fraction <= 1.0:
         raise ValueError(f"--structured-fraction must be in [0, 1], got {args.structured_fraction}")
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:

@@ -91,9 +91,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--lora-modules", type=_lora_module, nargs="+", action="extend", default=[],
                    metavar="NAME=PATH", help="adapters to load at start-up (repeatable)")
-    p.add_argument("--max-loras", type=int, default=4, help="distinct adapters in one batch")
+    p.add_argument("--max-loras", type=int, default=None,
+                   help="distinct adapters in one batch (default: as many as --lora-memory holds at "
+                        "--max-lora-rank, at most --max-num-seqs; the log says what it chose)")
     p.add_argument("--max-lora-rank", type=int, default=16)
-    p.add_argument("--max-cpu-loras", type=int, default=32, help="adapters kept in CPU memory")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept in CPU memory (default: as many as --lora-memory holds)")
+    p.add_argument("--lora-memory", type=_size, default=2 << 30,
+                   help="memory for adapter weights (the CPU LRU; batches read them in place): bytes, or e.g. 4GiB")
+    p.add_argument("--lora-cycle-steps", type=int, default=32,
+                   help="steps a resident adapter keeps admitting requests while other adapters wait for a slot")
+    p.add_argument("--enable-lora-resolver", action="store_true",
+                   help="serve an unregistered adapter name by loading the PEFT folder of that name "
+                        "from an --adapter-root on its first request")
     p.add_argument("--adapter-root", action="append", default=[], metavar="DIR",
                    help="folder the admin endpoint may load adapters from (repeatable; none: runtime loading off)")
     p.add_argument("--api-key", default=None, help="key for /v1/*, /tokenize, /detokenize (or LORAPLEX_API_KEY)")

@@ -25,7 +25,8 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
                         kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
                         enable_prefix_caching=args.enable_prefix_caching,
                         seed=args.seed, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                        max_cpu_loras=args.max_cpu_loras, grammar_backend=args.grammar_backend)
+                        max_cpu_loras=args.max_cpu_loras, lora_memory=args.lora_memory,
+                        lora_cycle_steps=args.lora_cycle_steps, grammar_backend=args.grammar_backend)
 
 
 def server_config(args: argparse.Namespace, model: str) -> ServerConfig:
@@ -35,7 +36,8 @@ def server_config(args: argparse.Namespace, model: str) -> ServerConfig:
     return ServerConfig(served_model_name=args.served_model_name or Path(model).name, model_path=model,
                         api_key=args.api_key or os.environ.get("LORAPLEX_API_KEY") or None,
                         admin_api_key=args.admin_api_key or os.environ.get("LORAPLEX_ADMIN_API_KEY") or None,
-                        adapter_roots=tuple(args.adapter_root), max_request_body_bytes=args.max_request_body_bytes,
+                        adapter_roots=tuple(args.adapter_root), enable_lora_resolver=args.enable_lora_resolver,
+                        max_request_body_bytes=args.max_request_body_bytes,
                         request_timeout_s=args.request_timeout)
 
 

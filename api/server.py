@@ -43,6 +43,7 @@ class ServerConfig:
     api_key: str | None = None
     admin_api_key: str | None = None
     adapter_roots: tuple[str, ...] = ()  # runtime loading only from inside these; none: loading is off
+    enable_lora_resolver: bool = False  # an unknown adapter name loads <root>/<name> on first use
     max_request_body_bytes: int = 4 << 20
     request_timeout_s: float | None = None
 
@@ -89,6 +90,7 @@ class _Server:
         self.max_model_len = engine.engine.max_model_len
         self.metrics = ServerMetrics(lambda: engine.stats)
         self.created = int(time.time())
+        self._resolving: dict[str, asyncio.Future] = {}  # adapter name -> its one load in flight
 
     # ---- auth ------------------------------------------------------------------------------
 
@@ -118,15 +120,44 @@ class _Server:
 
     # ---- models and adapters ---------------------------------------------------------------
 
-    def resolve_model(self, model: str) -> str | None:
-        """The adapter a `model` field names: None for the base model. Never a silent fallback."""
+    async def resolve_model(self, model: str) -> str | None:
+        """The adapter a `model` field names: None for the base model. Never a silent fallback.
+        With the resolver on, an unregistered name that is a PEFT folder directly inside an
+        adapter root is loaded first (off the event loop and the engine thread; concurrent first
+        requests share one load)."""
         base = self.config.served_model_name
         if model == base:
             return None
         name = model[len(base) + 1:] if model.startswith(base + ":") else model
-        if name and name in {a.name for a in self.engine.engine.adapters.list()}:
+        adapters = self.engine.engine.adapters
+        if name and name in {a.name for a in adapters.list()}:
             return name
-        raise APIError(404, f"The model `{model}` does not exist.", "model")
+        path = self._resolvable(name) if self.config.enable_lora_resolver and name else None
+        if path is None:
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
+        load = self._resolving.get(name)
+        if load is None:
+            load = asyncio.ensure_future(asyncio.to_thread(adapters.load, name, str(path)))
+            self._resolving[name] = load
+            load.add_done_callback(lambda _: self._resolving.pop(name, None))
+            log.info("resolver: loading adapter %r from %s", name, path)
+        try:
+            await asyncio.shield(load)
+        except ValueError as exc:
+            if name not in {a.name for a in adapters.list()}:  # not loaded by anyone meanwhile
+                raise APIError(400, f"adapter {name!r} could not be loaded: {exc}", "model") from None
+        return name
+
+    def _resolvable(self, name: str) -> Path | None:
+        """<root>/<name> when it is a PEFT folder inside its root (after symlinks), else None."""
+        if name in (".", "..") or any(sep in name for sep in "/\\:\0"):
+            return None
+        for root in (Path(r).resolve() for r in self.config.adapter_roots):
+            path = (root / name).resolve()
+            if path.is_relative_to(root) and (path / "adapter_config.json").is_file() \
+                    and all(f.resolve().is_relative_to(root) for f in path.iterdir()):
+                return path
+        return None
 
     def adapter_path(self, lora_path: str) -> Path:
         """The folder `lora_path` names, after symlinks, inside one of the adapter roots."""
@@ -352,7 +383,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=user)
     async def completions(body: CompletionRequest, request: Request):
-        adapter = server.resolve_model(body.model)
+        adapter = await server.resolve_model(body.model)
         if body.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
         if body.echo and body.logprobs is not None:
@@ -368,7 +399,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=user)
     async def chat(body: ChatCompletionRequest, request: Request):
-        adapter = server.resolve_model(body.model)
+        adapter = await server.resolve_model(body.model)
         ids = server.tokenize_chat(body.chat_messages(), body.add_generation_prompt)
         max_tokens = _given(body.max_completion_tokens, _given(body.max_tokens, server.default_max_tokens(ids)))
         params = _checked(body.sampling_params, max_tokens, _checked(body.num_logprobs))

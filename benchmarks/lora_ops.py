@@ -1,8 +1,10 @@
 """CPU multi-LoRA candidates for one fused layer, against the base matmul of that layer.
 
 For 1, 8 and 64 distinct adapters in the batch and T = 16, 64, 256 tokens, times shrink +
-expand done several ways (the C kernel is float32 only) and prints each as a multiple of the base layer's own matmul (lower is
-better). The winner is what `kernels/sgmv.py` uses on CPU.
+expand done several ways and prints each as a multiple of the base layer's own matmul (lower is
+better). The first three read a `LoRATable` (each adapter in place, in its own rank: what the
+engine uses on CPU); the rest read the stacked layout the Triton kernels use. The winner is what
+`kernels/sgmv.py` uses on CPU.
 
     python benchmarks/lora_ops.py --dtype float32 --rank 16
 """
@@ -16,7 +18,8 @@ import time
 import torch
 
 from loraplex.kernels import cpu_kernels
-from loraplex.kernels.sgmv import LoRABatch, sgmv_expand_reference, sgmv_lora, sgmv_lora_cpu, sgmv_shrink_reference
+from loraplex.kernels.sgmv import (LoRABatch, LoRATable, sgmv_expand_reference, sgmv_lora_table, sgmv_lora_table_torch,
+                                   sgmv_shrink_reference)
 
 # SmolLM2-135M's fused qkv projection: 576 -> 576 (q) + 192 (k) + 192 (v)
 IN, WIDTHS = 576, [576, 192, 192]
@@ -68,19 +71,19 @@ def rank_grouped(x, a, b, ranks, scales, batch, y, offsets, n):
                 y[idx, lo:hi] += scales[slot] * (xa[:, i * r:(i + 1) * r] @ b[slot, lo:hi, :r].T)
 
 
-def chosen_cpu_path(x, a, b, ranks, scales, batch, y, offsets, n):
-    """What the engine runs on CPU: `kernels/sgmv.py`'s dispatch."""
-    sgmv_lora(x, a, b, ranks, scales, batch, y, offsets)
+def chosen_cpu_path(x, a, b, ranks, scales, batch, y, offsets, n, table=None):
+    """What the engine runs on CPU: `kernels/sgmv.py`'s dispatch over a LoRATable."""
+    sgmv_lora_table(x, table, batch, y)
 
 
-def pytorch_cpu_path(x, a, b, ranks, scales, batch, y, offsets, n):
-    """The PyTorch CPU path alone (segment GEMMs, or gathered bmm for short segments)."""
-    sgmv_lora_cpu(x, a, b, ranks, scales, batch, y, offsets)
+def pytorch_cpu_path(x, a, b, ranks, scales, batch, y, offsets, n, table=None):
+    """The PyTorch CPU path alone: one GEMM pair per adapter segment, from the table."""
+    sgmv_lora_table_torch(x, table, batch, y)
 
 
-def c_kernel(x, a, b, ranks, scales, batch, y, offsets, n):
-    """kernels/cpu_kernels.c: each token reads its adapter's A and B in place."""
-    cpu_kernels.sgmv_lora_c(x, a, b, ranks, scales, batch.token_order, batch.order_slots, y, offsets)
+def c_kernel(x, a, b, ranks, scales, batch, y, offsets, n, table=None):
+    """kernels/cpu_kernels.c: each token reads its adapter's A and B in place (float32 or bfloat16)."""
+    cpu_kernels.sgmv_lora_table_c(x, table, batch.token_order, batch.order_slots, y)
 
 
 CANDIDATES = {"dispatch (chosen)": chosen_cpu_path, "C kernel": c_kernel, "pytorch path": pytorch_cpu_path,
@@ -117,6 +120,7 @@ def main() -> None:
         b = torch.randn(num_adapters, out, args.rank, dtype=dtype) / args.rank ** 0.5
         ranks = [args.rank] * num_adapters
         scales = [2.0] * num_adapters
+        table = LoRATable.from_stacked(a, b, ranks, scales, offsets)
         for T in (16, 64, 256):
             x = torch.randn(T, IN, dtype=dtype)
             slots = [i % num_adapters for i in range(T)]
@@ -125,11 +129,9 @@ def main() -> None:
             base = timeit(lambda: x @ w.T, args.repeats)
             cells = []
             for name, fn in CANDIDATES.items():
-                if name == "C kernel" and dtype != torch.float32:
-                    cells.append(f"{'-':>16}")
-                    continue
                 y = torch.zeros(T, out, dtype=dtype)
-                kw = {"slots_t": slots_t} if name in ("gather+bmm", "dense-all-slots") else {}
+                kw = {"slots_t": slots_t} if name in ("gather+bmm", "dense-all-slots") else \
+                    {"table": table} if name in ("dispatch (chosen)", "C kernel", "pytorch path") else {}
                 t = timeit(lambda: fn(x, a, b, ranks, scales, batch, y, offsets, n, **kw), args.repeats)
                 cells.append(f"{t * 1e3:>7.3f}ms {t / base:>5.2f}x")
             print(f"{num_adapters:>8} {T:>5} {base * 1e3:>8.3f} | " + " ".join(cells), flush=True)

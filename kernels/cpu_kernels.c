@@ -1,4 +1,4 @@
-/* CPU kernels (float32) for what the PyTorch path can only do through copies.
+/* CPU kernels (float32; the multi-LoRA one in bfloat16 too) for what the PyTorch path can only do through copies.
  * Built by cpu_kernels.py with -fopenmp; OpenMP resolves to the runtime torch already loaded,
  * so these share torch's thread pool. Each returns 0, or -1 when a buffer could not be allocated.
  */
@@ -129,47 +129,71 @@ int paged_attention_f32(
 }
 
 /* Multi-LoRA delta for tokens of many adapters with a few tokens each (decode batches):
- *   y[t, off[i]:off[i+1]] += scale[s] * B[s, off[i]:off[i+1], :r] @ (A[s, i*R:i*R+r, :] @ x[t])
- * for each slice i of a fused projection, s the token's slot, r its rank. Each token reads
- * its adapter's A and B rows in place; the PyTorch path gathers a copy of both per token.
+ *   y[t, off[i]:off[i+1]] += scale[s] * B[s][off[i]:off[i+1], :] @ (A[s][i*r:(i+1)*r, :] @ x[t])
+ * for each slice i of a fused projection, s the token's slot and r its own rank. Each slot
+ * points at its adapter's weights where they already lie (A [num_slices * r, in], B [out, r],
+ * compact: no padding to a max rank, no copy into a stacked buffer); each token reads its
+ * adapter's rows in place. Accumulation is float32 in both variants; the bfloat16 one rounds y
+ * once, to nearest even, as torch's conversion does.
  */
-int sgmv_lora_f32(
-    const float *x,             /* [T, in] */
-    const float *lora_a,        /* [S, num_slices * R, in] */
-    const float *lora_b,        /* [S, out_total, R] */
-    const int64_t *ranks,       /* [S] */
-    const float *scales,        /* [S] */
-    const int64_t *tokens,      /* [N] rows of x / y that have a slot */
-    const int64_t *token_slots, /* [N] their slots */
-    const int64_t *offsets,     /* [num_slices + 1] output offset of each slice */
-    int64_t num_tokens, int64_t in_features, int64_t num_slices, int64_t max_rank,
-    float *y)                   /* [T, out_total] */
+static inline float bf16_load(const uint16_t *p, int64_t i)
 {
-    const int64_t out_total = offsets[num_slices];
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t n = 0; n < num_tokens; ++n) {
-        const int64_t t = tokens[n], s = token_slots[n], r = ranks[s];
-        const float *xt = x + t * in_features;
-        const float *a = lora_a + s * num_slices * max_rank * in_features;
-        const float *b = lora_b + s * out_total * max_rank;
-        float *yt = y + t * out_total;
-        float h[num_slices * max_rank];
-        for (int64_t i = 0; i < num_slices; ++i)
-            for (int64_t k = 0; k < r; ++k) {
-                const float *row = a + (i * max_rank + k) * in_features;
-                float dot = 0.f;
-                for (int64_t d = 0; d < in_features; ++d) dot += row[d] * xt[d];
-                h[i * max_rank + k] = dot * scales[s];
-            }
-        for (int64_t i = 0; i < num_slices; ++i) {
-            const float *hi = h + i * max_rank;
-            for (int64_t o = offsets[i]; o < offsets[i + 1]; ++o) {
-                const float *row = b + o * max_rank;
-                float acc = 0.f;
-                for (int64_t k = 0; k < r; ++k) acc += row[k] * hi[k];
-                yt[o] += acc;
-            }
-        }
-    }
-    return 0;
+    union { uint32_t u; float f; } v = { (uint32_t)p[i] << 16 };
+    return v.f;
 }
+
+static inline uint16_t bf16_round(float f)
+{
+    union { float f; uint32_t u; } v = { f };
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u); /* quiet NaN */
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+static inline float f32_load(const float *p, int64_t i) { return p[i]; }
+
+#define SGMV_LORA_TABLE(NAME, T, LOAD, STORE_ADD)                                                   \
+int NAME(                                                                                          \
+    const T *x,                 /* [T, in] */                                                      \
+    const int64_t *a_ptrs,      /* [S] address of slot s's A [num_slices * r_s, in], or 0 */       \
+    const int64_t *b_ptrs,      /* [S] address of slot s's B [out_total, r_s] */                   \
+    const int64_t *ranks,       /* [S] r_s (0: the slot does not touch this projection) */        \
+    const float *scales,        /* [S] */                                                          \
+    const int64_t *tokens,      /* [N] rows of x / y that have a slot */                           \
+    const int64_t *token_slots, /* [N] their slots */                                              \
+    const int64_t *offsets,     /* [num_slices + 1] output offset of each slice */                 \
+    int64_t num_tokens, int64_t in_features, int64_t num_slices, int64_t max_rank,                 \
+    T *y)                       /* [T, out_total] */                                               \
+{                                                                                                  \
+    const int64_t out_total = offsets[num_slices];                                                 \
+    _Pragma("omp parallel for schedule(dynamic, 1)")                                               \
+    for (int64_t n = 0; n < num_tokens; ++n) {                                                     \
+        const int64_t t = tokens[n], s = token_slots[n], r = ranks[s];                             \
+        if (r <= 0 || r > max_rank) continue;                                                      \
+        const T *a = (const T *)(intptr_t)a_ptrs[s];                                               \
+        const T *b = (const T *)(intptr_t)b_ptrs[s];                                               \
+        const T *xt = x + t * in_features;                                                         \
+        T *yt = y + t * out_total;                                                                 \
+        float h[num_slices * max_rank];                                                            \
+        for (int64_t k = 0; k < num_slices * r; ++k) {                                             \
+            const T *row = a + k * in_features;                                                    \
+            float dot = 0.f;                                                                       \
+            for (int64_t d = 0; d < in_features; ++d) dot += LOAD(row, d) * LOAD(xt, d);           \
+            h[k] = dot * scales[s];                                                                \
+        }                                                                                          \
+        for (int64_t i = 0; i < num_slices; ++i) {                                                 \
+            const float *hi = h + i * r;                                                           \
+            for (int64_t o = offsets[i]; o < offsets[i + 1]; ++o) {                                \
+                const T *row = b + o * r;                                                          \
+                float acc = 0.f;                                                                   \
+                for (int64_t k = 0; k < r; ++k) acc += LOAD(row, k) * hi[k];                       \
+                STORE_ADD(yt, o, acc);                                                             \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    return 0;                                                                                      \
+}
+
+#define F32_ADD(p, i, v) ((p)[i] += (v))
+#define BF16_ADD(p, i, v) ((p)[i] = bf16_round(bf16_load((p), (i)) + (v)))
+SGMV_LORA_TABLE(sgmv_lora_table_f32, float, f32_load, F32_ADD)
+SGMV_LORA_TABLE(sgmv_lora_table_bf16, uint16_t, bf16_load, BF16_ADD)

@@ -1,6 +1,7 @@
 """CPU kernels in C (`cpu_kernels.c`): paged attention for short query chunks and the
 multi-LoRA delta for decode-like batches. Built once per machine with the system C compiler
-into the loraplex cache, called through ctypes on float32 tensors.
+into the loraplex cache, called through ctypes on float32 tensors (the multi-LoRA delta also on
+bfloat16 ones, accumulating in float32).
 
 No compiler, or a failed build: `library()` returns None (logged once) and callers keep the
 PyTorch path. `LORAPLEX_CC` names the compiler (default `cc`).
@@ -28,6 +29,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errn
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _tried = False
+SGMV_DTYPES = (torch.float32, torch.bfloat16)  # the multi-LoRA kernel's variants
 _kv_f16 = False  # whether the built library reads float16 K/V (compiled with F16C)
 
 
@@ -88,8 +90,9 @@ def _load(path: Path) -> ctypes.CDLL:
                                         ctypes.c_float, ctypes.c_int, ptr]
     lib.kv_f16_supported.argtypes = []
     lib.kv_f16_supported.restype = ctypes.c_int
-    lib.sgmv_lora_f32.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr]
-    for fn in (lib.paged_attention_f32, lib.sgmv_lora_f32):
+    for fn in (lib.sgmv_lora_table_f32, lib.sgmv_lora_table_bf16):
+        fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr]
+    for fn in (lib.paged_attention_f32, lib.sgmv_lora_table_f32, lib.sgmv_lora_table_bf16):
         fn.restype = ctypes.c_int
     return lib
 
@@ -133,21 +136,17 @@ def paged_attention_c(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return out
 
 
-def sgmv_lora_c(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, ranks: list[int],
-                scales: list[float], tokens: torch.Tensor, token_slots: torch.Tensor, y: torch.Tensor,
-                slice_offsets: list[int]) -> torch.Tensor:
+def sgmv_lora_table_c(x: torch.Tensor, table, tokens: torch.Tensor, token_slots: torch.Tensor,
+                      y: torch.Tensor) -> torch.Tensor:
     """y[t] += scale[s] * (x[t] A[s]^T) B[s]^T, in place, for each token t in `tokens` with slot s
-    in `token_slots`; layouts as in sgmv.py. All float32 on the CPU."""
-    for t in (x, lora_a, lora_b, y):
-        if not t.is_contiguous():
-            raise ValueError("C SGMV needs contiguous inputs")
-    num_slices = len(slice_offsets) - 1
-    ranks_t = torch.tensor(ranks, dtype=torch.int64)
-    scales_t = torch.tensor(scales, dtype=torch.float32)
-    offsets_t = torch.tensor(slice_offsets, dtype=torch.int64)
+    in `token_slots`, reading each slot's weights where `table` (a `sgmv.LoRATable`) points.
+    x, y and the weights share one dtype, float32 or bfloat16; accumulation is float32."""
+    if not (x.is_contiguous() and y.is_contiguous()):
+        raise ValueError("C SGMV needs contiguous inputs")
+    kernel = library().sgmv_lora_table_bf16 if x.dtype == torch.bfloat16 else library().sgmv_lora_table_f32
+    offsets = torch.tensor(table.offsets, dtype=torch.int64)
     tokens, token_slots = tokens.to(torch.int64).contiguous(), token_slots.to(torch.int64).contiguous()
-    library().sgmv_lora_f32(
-        x.data_ptr(), lora_a.data_ptr(), lora_b.data_ptr(), ranks_t.data_ptr(), scales_t.data_ptr(),
-        tokens.data_ptr(), token_slots.data_ptr(), offsets_t.data_ptr(), len(tokens), x.shape[1], num_slices,
-        lora_a.shape[1] // num_slices, y.data_ptr())
+    kernel(x.data_ptr(), table.a_ptrs.data_ptr(), table.b_ptrs.data_ptr(), table.ranks_t.data_ptr(),
+           table.scales_t.data_ptr(), tokens.data_ptr(), token_slots.data_ptr(), offsets.data_ptr(), len(tokens),
+           x.shape[1], table.num_slices, max(table.ranks), y.data_ptr())
     return y

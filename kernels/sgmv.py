@@ -5,7 +5,9 @@ For each token t with adapter slot s = slots[t] (-1: no adapter):
     expand:  y[t, off[i]:off[i+1]]    += scale[s] * h[t, i*R:(i*R + rank[s])] @ B[s, off[i]:off[i+1], :rank[s]].T
 where i runs over the slices of a fused projection (q/k/v, gate/up) and R is the max rank.
 
-On CPU, decode-shaped batches take the C kernel in `cpu_kernels.py` instead (see the dispatch).
+That stacked layout is what the Triton kernels read (CUDA). On the CPU, adapters are not copied
+into stacked slots: a `LoRATable` points at each adapter's own compact weights, which the C kernel
+(`cpu_kernels.py`, decode-shaped batches, float32 or bfloat16) or per-segment GEMMs read in place.
 Tokens are grouped into segments of one slot through a sorted index list (`LoRABatch`), so the
 batch itself is never reordered; each Triton program works on one segment, and a rank block
 beyond the slot's own rank exits at once, so mixed ranks cost what their ranks cost.
@@ -106,92 +108,110 @@ def _host_list(values) -> list:
     return values.tolist() if isinstance(values, torch.Tensor) else list(values)
 
 
-# ---- CPU path -------------------------------------------------------------------------------
-# benchmarks/lora_ops.py: a loop of per-segment GEMMs wins while segments are long; when the
-# batch holds many adapters with a few tokens each, per-segment overhead dominates and one
-# gathered bmm over all tokens wins (2-3x at 8-64 adapters, 16-64 tokens).
-GATHER_BELOW_MEAN_SEGMENT = 8
-# The C kernel (cpu_kernels.c) beats both while segments are short: 1.5-14x at 16 tokens over
-# 1-16 adapters, even at 64 tokens of one adapter; per-segment GEMMs win on prefill chunks.
+# ---- CPU path: adapters read where they lie ------------------------------------------------------
+
+@dataclass
+class LoRATable:
+    """One fused projection's adapters on the CPU. Slot s points at its adapter's own weights,
+    A [num_slices * r_s, in] and B [out_total, r_s], in each adapter's own rank: no stacked copy
+    padded to a max rank (on CPU the "device" memory is the RAM the adapter already lies in).
+    Setting a slot stores references, so the weights live as long as the slot points at them."""
+
+    offsets: list[int]  # output offset of each slice, plus the total
+    a: list[torch.Tensor | None]
+    b: list[torch.Tensor | None]
+    ranks: list[int]  # 0: the slot does not touch this projection
+    scales: list[float]
+    a_ptrs: torch.Tensor  # int64 [S], the addresses the C kernel reads
+    b_ptrs: torch.Tensor
+    ranks_t: torch.Tensor  # int64 [S]
+    scales_t: torch.Tensor  # float32 [S]
+
+    @staticmethod
+    def empty(num_slots: int, offsets: list[int]) -> "LoRATable":
+        zeros = lambda dtype: torch.zeros(num_slots, dtype=dtype)  # noqa: E731
+        return LoRATable(list(offsets), [None] * num_slots, [None] * num_slots, [0] * num_slots,
+                         [0.0] * num_slots, zeros(torch.int64), zeros(torch.int64), zeros(torch.int64),
+                         zeros(torch.float32))
+
+    @staticmethod
+    def from_stacked(lora_a: torch.Tensor, lora_b: torch.Tensor, ranks: list[int], scales: list[float],
+                     offsets: list[int]) -> "LoRATable":
+        """The same adapters as the stacked layout above, each cut to its own rank (rank 0: empty)."""
+        num_slices, max_rank = len(offsets) - 1, lora_b.shape[2]
+        table = LoRATable.empty(lora_a.shape[0], offsets)
+        for slot, r in enumerate(ranks):
+            if r:
+                a = lora_a[slot].view(num_slices, max_rank, -1)[:, :r].reshape(num_slices * r, -1).contiguous()
+                table.set(slot, a, lora_b[slot, :, :r].contiguous(), scales[slot])
+        return table
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.offsets) - 1
+
+    def set(self, slot: int, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+        rank = b.shape[1]
+        if not (a.is_contiguous() and b.is_contiguous()) or a.dtype != b.dtype:
+            raise ValueError("LoRA table weights must be contiguous and of one dtype")
+        if a.shape[0] != self.num_slices * rank or b.shape[0] != self.offsets[-1]:
+            raise ValueError(f"LoRA table slot {slot}: A{tuple(a.shape)} B{tuple(b.shape)} do not fit "
+                             f"{self.num_slices} slices of rank {rank} and {self.offsets[-1]} outputs")
+        self.a[slot], self.b[slot], self.ranks[slot], self.scales[slot] = a, b, rank, scale
+        self.a_ptrs[slot], self.b_ptrs[slot] = a.data_ptr(), b.data_ptr()
+        self.ranks_t[slot], self.scales_t[slot] = rank, scale
+
+    def clear(self, slot: int) -> None:
+        self.a[slot] = self.b[slot] = None
+        self.ranks[slot], self.scales[slot] = 0, 0.0
+        self.a_ptrs[slot] = self.b_ptrs[slot] = self.ranks_t[slot] = 0
+        self.scales_t[slot] = 0.0
+
+
+# The C kernel (cpu_kernels.c) beats per-segment GEMMs while segments are short: 1.5-14x at 16
+# tokens over 1-16 adapters, even at 64 tokens of one adapter (benchmarks/lora_ops.py);
+# per-segment GEMMs win on prefill chunks.
 C_BELOW_MEAN_SEGMENT = 64
 
 
-def sgmv_lora_cpu(x, lora_a, lora_b, ranks, scales, batch: LoRABatch, y, slice_offsets: list[int]):
-    """Shrink and expand fused per segment, for a whole LoRA layer: no [T, n*R] intermediate,
-    one `index_add_` per segment. Matmuls run in the model's dtype."""
-    num_slices = len(slice_offsets) - 1
-    if _gathered(batch):
-        h = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
-        sgmv_shrink_cpu(x, lora_a, ranks, batch, h, num_slices)
-        return sgmv_expand_cpu(h, lora_b, ranks, scales, batch, y, slice_offsets)
-    ranks, scales = _host_list(ranks), _host_list(scales)
-    max_rank = lora_b.shape[2]
+def sgmv_lora_table(x: torch.Tensor, table: LoRATable, batch: LoRABatch, y: torch.Tensor) -> torch.Tensor:
+    """y += scale[s] * (x A[s]^T) B[s]^T for each token's slot s, on the CPU: one LoRA layer."""
+    if _mean_segment_below(batch, C_BELOW_MEAN_SEGMENT) and use_cpu_kernel(y) \
+            and cpu_kernels.usable(x, y, dtypes=cpu_kernels.SGMV_DTYPES) and x.dtype == y.dtype \
+            and all(table.a[s] is None or table.a[s].dtype == y.dtype for s in batch.host_slots):
+        # decode-shaped batches: the C kernel reads each token's A and B in place
+        return cpu_kernels.sgmv_lora_table_c(x.contiguous(), table, batch.token_order, batch.order_slots, y)
+    return sgmv_lora_table_torch(x, table, batch, y)
+
+
+def sgmv_lora_table_torch(x: torch.Tensor, table: LoRATable, batch: LoRABatch, y: torch.Tensor) -> torch.Tensor:
+    """The PyTorch path: shrink and expand fused per segment (one GEMM pair per adapter), in the
+    model's dtype, one `index_add_` per segment."""
+    offsets = table.offsets
     for slot, idx in batch.segments():
-        r = ranks[slot]
+        r = table.ranks[slot]
         if r == 0:
             continue
-        a = lora_a[slot].view(num_slices, max_rank, -1)[:, :r].reshape(num_slices * r, -1)
-        h = x.index_select(0, idx) @ a.T
+        h = x.index_select(0, idx) @ table.a[slot].T
         delta = torch.empty(len(idx), y.shape[1], dtype=y.dtype, device=y.device)
-        for i, (lo, hi) in enumerate(zip(slice_offsets[:-1], slice_offsets[1:])):
-            torch.matmul(h[:, i * r:(i + 1) * r], lora_b[slot, lo:hi, :r].T, out=delta[:, lo:hi])
-        y.index_add_(0, idx, delta, alpha=scales[slot])
+        for i, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:])):
+            torch.matmul(h[:, i * r:(i + 1) * r], table.b[slot][lo:hi].T, out=delta[:, lo:hi])
+        y.index_add_(0, idx, delta, alpha=table.scales[slot])
     return y
-
-
-def _gathered(batch: LoRABatch) -> bool:
-    return _mean_segment_below(batch, GATHER_BELOW_MEAN_SEGMENT)
 
 
 def _mean_segment_below(batch: LoRABatch, tokens: int) -> bool:
     return len(batch.token_order) < tokens * batch.num_segments
 
 
-def _rank_mask(ranks: list[int], slots: torch.Tensor, num_slices: int, max_rank: int) -> torch.Tensor:
-    """[N, num_slices * max_rank]: True where a column lies within the token's slot rank."""
-    cols = torch.arange(max_rank, device=slots.device).repeat(num_slices)
-    return cols[None, :] < torch.tensor(ranks, device=slots.device)[slots][:, None]
-
-
-def sgmv_shrink_cpu(x, lora_a, ranks, batch: LoRABatch, out, num_slices: int = 1):
-    if not _gathered(batch):
-        return sgmv_shrink_reference(x, lora_a, ranks, batch, out, num_slices)
-    ranks = _host_list(ranks)
-    slots = batch.order_slots
-    idx = batch.token_order
-    h = torch.bmm(_f32(lora_a[slots]), _f32(x.index_select(0, idx))[:, :, None])[:, :, 0]
-    keep = _rank_mask(ranks, slots, num_slices, lora_a.shape[1] // num_slices)
-    rows = out.index_select(0, idx)
-    out.index_copy_(0, idx, torch.where(keep, h.to(out.dtype), rows))
-    return out
-
-
-def sgmv_expand_cpu(h, lora_b, ranks, scales, batch: LoRABatch, y, slice_offsets: list[int]):
-    if not _gathered(batch):
-        return sgmv_expand_reference(h, lora_b, ranks, scales, batch, y, slice_offsets)
-    ranks, scales = _host_list(ranks), _host_list(scales)
-    slots = batch.order_slots
-    idx = batch.token_order
-    max_rank = lora_b.shape[2]
-    num_slices = len(slice_offsets) - 1
-    h_tok = torch.where(_rank_mask(ranks, slots, num_slices, max_rank), _f32(h.index_select(0, idx)), 0.0)
-    b_tok = _f32(lora_b[slots])  # [N, out, R]
-    delta = torch.empty(len(idx), y.shape[1], dtype=torch.float32, device=y.device)
-    for i, (lo, hi) in enumerate(zip(slice_offsets[:-1], slice_offsets[1:])):
-        delta[:, lo:hi] = torch.bmm(b_tok[:, lo:hi], h_tok[:, i * max_rank:(i + 1) * max_rank, None])[:, :, 0]
-    delta *= torch.tensor(scales, dtype=torch.float32, device=y.device)[slots][:, None]
-    y.index_add_(0, idx, delta.to(y.dtype))
-    return y
-
-
-# ---- dispatch -----------------------------------------------------------------------------------
+# ---- dispatch (stacked layout: Triton on CUDA, the reference elsewhere) ------------------------
 
 def sgmv_shrink(x, lora_a, ranks, batch: LoRABatch, out, num_slices: int = 1):
     if use_triton(x):
         from loraplex.kernels.sgmv_triton import sgmv_shrink_triton
 
         return sgmv_shrink_triton(x, lora_a, _as_tensor(ranks, torch.int32, x.device), batch, out, num_slices)
-    return sgmv_shrink_cpu(x, lora_a, ranks, batch, out, num_slices)
+    return sgmv_shrink_reference(x, lora_a, ranks, batch, out, num_slices)
 
 
 def sgmv_expand(h, lora_b, ranks, scales, batch: LoRABatch, y, slice_offsets: list[int]):
@@ -200,21 +220,7 @@ def sgmv_expand(h, lora_b, ranks, scales, batch: LoRABatch, y, slice_offsets: li
 
         return sgmv_expand_triton(h, lora_b, _as_tensor(ranks, torch.int32, y.device),
                                   _as_tensor(scales, torch.float32, y.device), batch, y, slice_offsets)
-    return sgmv_expand_cpu(h, lora_b, ranks, scales, batch, y, slice_offsets)
-
-
-def sgmv_lora(x, lora_a, lora_b, ranks, scales, batch: LoRABatch, y, slice_offsets: list[int]):
-    """y += scale[s] * (x A[s]^T) B[s]^T for each token's slot s: one LoRA layer."""
-    if use_triton(y):
-        h = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
-        sgmv_shrink(x, lora_a, ranks, batch, h, len(slice_offsets) - 1)
-        return sgmv_expand(h, lora_b, ranks, scales, batch, y, slice_offsets)
-    if _mean_segment_below(batch, C_BELOW_MEAN_SEGMENT) and use_cpu_kernel(y) and x.dtype == torch.float32 \
-            and cpu_kernels.usable(lora_a, lora_b, y):
-        # decode-shaped batches: the C kernel reads each token's A and B in place
-        return cpu_kernels.sgmv_lora_c(x.contiguous(), lora_a, lora_b, _host_list(ranks), _host_list(scales),
-                                       batch.token_order, batch.order_slots, y, slice_offsets)
-    return sgmv_lora_cpu(x, lora_a, lora_b, ranks, scales, batch, y, slice_offsets)
+    return sgmv_expand_reference(h, lora_b, ranks, scales, batch, y, slice_offsets)
 
 
 def _as_tensor(values, dtype, device) -> torch.Tensor:

@@ -91,9 +91,11 @@ class EngineConfig:
     kv_cache_memory: int = 1 << 30  # bytes, used when num_kv_blocks is None
     enable_prefix_caching: bool = True
     seed: int = 0
-    max_loras: int = 4  # distinct adapters in one batch (device slots)
+    max_loras: int | None = None  # distinct adapters in one batch; None: as many as lora_memory holds
     max_lora_rank: int = 16
-    max_cpu_loras: int = 32  # adapters kept in CPU memory (LRU); others are re-read from disk
+    max_cpu_loras: int | None = None  # adapters kept in CPU memory (LRU); None: as many as lora_memory holds
+    lora_memory: int = 2 << 30  # bytes of adapter weights kept in memory (the LRU; slots point into it)
+    lora_cycle_steps: int = 32  # steps a resident adapter keeps admitting requests while others wait for a slot
     grammar_backend: str = "xgrammar"
     grammar_compile_timeout_s: float = 10.0
     jump_forward: bool = True  # append grammar-forced tokens without a forward pass each
@@ -103,12 +105,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.max_cpu_loras < self.max_loras:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_lora_rank", "lora_memory",
+                     "lora_cycle_steps", "num_kv_blocks", "max_loras", "max_cpu_loras"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.max_cpu_loras is not None and self.max_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras must be >= max_loras={self.max_loras}, got {self.max_cpu_loras}")
         if self.kv_cache_dtype not in ("auto", "float16"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'float16', got {self.kv_cache_dtype!r}")
@@ -127,6 +129,22 @@ class EngineConfig:
     @property
     def torch_kv_dtype(self) -> torch.dtype:
         return self.torch_dtype if self.kv_cache_dtype == "auto" else DTYPES[self.kv_cache_dtype]
+
+    def resolve_max_loras(self, model: ModelConfig) -> tuple[int, str]:
+        """Adapters per batch and why: the given value, or as many worst-case adapters (every
+        projection at max_lora_rank) as `lora_memory` holds, capped by max_num_seqs (a batch
+        cannot use more adapters than it has sequences) and max_cpu_loras."""
+        if self.max_loras is not None:
+            return self.max_loras, "set by max_loras"
+        from loraplex.adapters.peft_format import adapter_bytes
+
+        worst = adapter_bytes(model, self.max_lora_rank, self.torch_dtype)
+        fits = max(1, self.lora_memory // worst)
+        chosen = min(fits, self.max_num_seqs, self.max_cpu_loras or fits)
+        return chosen, (f"lora_memory={self.lora_memory / 2**20:.0f} MiB holds {fits} adapters of rank "
+                        f"{self.max_lora_rank} on every projection ({worst / 2**20:.1f} MiB each); "
+                        f"max_num_seqs={self.max_num_seqs}" + (f", max_cpu_loras={self.max_cpu_loras}"
+                                                               if self.max_cpu_loras else ""))
 
     def resolve_max_model_len(self, model: ModelConfig) -> int:
         limit = model.max_position_embeddings

@@ -67,10 +67,14 @@ class Engine:
         num_blocks = config.num_kv_blocks or max(
             1, config.kv_cache_memory // kv_bytes_per_block(self.model_config, config.block_size, config.torch_kv_dtype))
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.max_loras, why = config.resolve_max_loras(self.model_config)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                   config.max_loras)
-        self.adapters = AdapterRegistry(self.model_config, config.max_loras, config.max_lora_rank,
-                                        config.max_cpu_loras, dtype)
+                                   self.max_loras, config.lora_cycle_steps)
+        self.adapters = AdapterRegistry(self.model_config, self.max_loras, config.max_lora_rank,
+                                        config.max_cpu_loras, dtype, config.lora_memory)
+        self.model.attach_lora(self.adapters.slots)
+        print(f"[loraplex] adapters: max_loras={self.max_loras} per batch ({why}); CPU cache bounded by "
+              f"lora_memory={config.lora_memory / 2**20:.0f} MiB", file=sys.stderr)
         self.runner = ModelRunner(self.model, self.model_config, self.kv, config.torch_kv_dtype)
         self.eos_token_ids = self._eos_token_ids()
         self.grammars = GrammarManager(self.tokenizer, self.model_config.vocab_size, list(self.eos_token_ids),
@@ -192,7 +196,7 @@ class Engine:
         return EngineStats(
             len(s.running), len(s.waiting), self.kv.pool.usage, self.kv.num_queries, self.kv.num_hits,
             s.num_preemptions, tuple(sorted(s.running_adapters())),
-            tuple(sorted({r.adapter for r in s.waiting if r.adapter is not None})), self.config.max_loras)
+            tuple(sorted({r.adapter for r in s.waiting if r.adapter is not None})), self.max_loras)
 
     # ---- one step --------------------------------------------------------------------------
 
@@ -232,12 +236,7 @@ class Engine:
 
     def _assign_adapter_slots(self) -> dict[str, int]:
         names = self.scheduler.running_adapters()
-        if not names:
-            return {}
-        slots = self.adapters.assign_slots(names)
-        if self.model.layers[0].self_attn.qkv_proj.lora is None:
-            self.model.attach_lora(self.adapters.slots)
-        return slots
+        return self.adapters.assign_slots(names) if names else {}
 
     def _fork(self, parent: Request) -> list[Request]:
         if not parent.pending_forks:

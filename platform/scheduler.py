@@ -5,6 +5,13 @@ with its token count. Running requests go first (oldest first), then waiting one
 order, under a token budget and a sequence cap; a long prompt is cut into chunks. When blocks
 run out the newest running request is preempted: its blocks are freed and it is recomputed
 later from the front of the queue, so no request starves.
+
+Adapter slots never block the queue: a waiting request whose adapter has no slot (`max_loras`
+distinct adapters already run) is skipped, and base requests and requests of resident adapters
+behind it go on (vLLM V1 does the same). So that no adapter starves, a resident adapter that
+has held its slot `lora_cycle_steps` steps while others wait stops admitting new requests; its
+slot frees when its running requests finish and goes to the oldest waiting adapter (LoRAX's
+adapter cycling). Within one adapter, and for KV blocks, admission stays FCFS.
 """
 
 from __future__ import annotations
@@ -29,9 +36,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, max_loras: int = 1) -> None:
+                 max_model_len: int, max_loras: int = 1, lora_cycle_steps: int = 32) -> None:
         self.kv = kv
         self.max_loras = max_loras
+        self.lora_cycle_steps = lora_cycle_steps
+        self._step = 0
+        self._resident_since: dict[str, int] = {}  # running adapter -> step it took its slot
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -46,6 +56,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        self._step += 1
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled_ids: set[str] = set()
@@ -76,20 +87,24 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         adapters = self.running_adapters()
-        while self.waiting and budget > 0:
-            req = self.waiting[0]
+        yielding = self._yielding_adapters(adapters)
+        i = 0
+        while i < len(self.waiting) and budget > 0:
+            req = self.waiting[i]
             group = req.pending_forks + 1
             if self.running and len(self.running) + group > self.max_num_seqs:
                 break
-            if req.adapter is not None and req.adapter not in adapters and len(adapters) >= self.max_loras:
-                break  # every slot is busy; FCFS, so requests of busy adapters do not overtake it
+            if req.adapter is not None and (req.adapter in yielding or
+                                            (req.adapter not in adapters and len(adapters) >= self.max_loras)):
+                i += 1  # no slot for it now: base requests and resident adapters behind it go on
+                continue
             hits, num_hit = ([], 0)
             if req.num_computed_tokens == 0:
                 hits, num_hit = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, budget)
             if self.kv.allocate_slots(req, num_new, hits) is None:
-                break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.popleft()
+                break  # FCFS for KV blocks: nobody overtakes the first request that fits no slot
+            del self.waiting[i]
             self.kv.record_prefix_lookup(req.num_tokens, num_hit)
             if req.status == RequestStatus.WAITING:
                 req.num_cached_tokens = num_hit
@@ -101,6 +116,20 @@ class Scheduler:
             out.scheduled.append((req, num_new))
             budget -= num_new
         return budget
+
+    def _yielding_adapters(self, resident: set[str]) -> set[str]:
+        """Resident adapters that stop admitting so that waiting ones get a slot: while adapters
+        wait for a slot, the longest-resident ones past `lora_cycle_steps`, one per waiting adapter."""
+        for name in [n for n in self._resident_since if n not in resident]:
+            del self._resident_since[name]
+        for name in resident:
+            self._resident_since.setdefault(name, self._step)
+        if len(resident) < self.max_loras:
+            return set()
+        starved = {r.adapter for r in self.waiting if r.adapter is not None and r.adapter not in resident}
+        overdue = sorted((since, name) for name, since in self._resident_since.items()
+                         if self._step - since >= self.lora_cycle_steps)
+        return {name for _, name in overdue[:len(starved)]}
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

@@ -124,6 +124,29 @@ def make_peft_adapter(base_dir: Path, out_dir: Path, rank: int = 8, seed: int = 
     return out_dir
 
 
+def peft_greedy(base_dir, adapter_dirs, prompts, new_tokens: int) -> list[list[int]]:
+    """peft's PeftModel with each prompt's adapter, one prompt at a time; None: base model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    base.generation_config.eos_token_id = None
+    out, models = [], {}
+    for ids, adapter in zip(prompts, adapter_dirs):
+        if adapter is None:
+            model = base
+        else:
+            model = models.get(adapter)
+            if model is None:
+                fresh = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+                fresh.generation_config.eos_token_id = None
+                model = models[adapter] = PeftModel.from_pretrained(fresh, adapter).eval()
+        with torch.no_grad():
+            g = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)
+        out.append(g[0, len(ids):].tolist())
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_adapters(tiny_model_dir, tmp_path_factory) -> list[Path]:
     """8 adapters on the tiny model: ranks 8 and 16, all seven projections."""

@@ -143,7 +143,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def attach_lora(self, slots) -> None:
-        """Point each LoRA-capable projection at its stacked slot weights."""
+        """Point each LoRA-capable projection at its slot table (`adapters/slots.py`)."""
         for layer, projections in zip(self.layers, slots.layers):
             layer.self_attn.qkv_proj.lora = projections["qkv_proj"]
             layer.self_attn.o_proj.lora = projections["o_proj"]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import assert_all_blocks_free, make_peft_adapter
+from conftest import assert_all_blocks_free, make_peft_adapter, peft_greedy
 from loraplex.platform import LLM, SamplingParams
 
 NEW = 8
@@ -13,29 +13,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 def prompts_for(n, shared_prefix=0):
     prefix = list(range(100, 100 + shared_prefix))
     return [prefix + list(range(3 + i, 3 + i + 5 + 3 * i)) for i in range(n)]
-
-
-def peft_greedy(base_dir, adapter_dirs, prompts):
-    """peft's PeftModel with each prompt's adapter, one prompt at a time; None: base model."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    base.generation_config.eos_token_id = None
-    out, models = [], {}
-    for ids, adapter in zip(prompts, adapter_dirs):
-        if adapter is None:
-            model = base
-        else:
-            model = models.get(adapter)
-            if model is None:
-                fresh = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-                fresh.generation_config.eos_token_id = None
-                model = models[adapter] = PeftModel.from_pretrained(fresh, adapter).eval()
-        with torch.no_grad():
-            g = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=NEW, do_sample=False)
-        out.append(g[0, len(ids):].tolist())
-    return out
 
 
 def tokens(outs):
@@ -54,7 +31,7 @@ def test_eight_adapters_in_one_call_match_peft(tiny_model_dir, tiny_adapters, na
     prompts = prompts_for(8, shared_prefix) + prompts_for(1, shared_prefix)
     adapters = names + [None]
     got = tokens(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, adapter=adapters))
-    want = peft_greedy(tiny_model_dir, list(tiny_adapters) + [None], prompts)
+    want = peft_greedy(tiny_model_dir, list(tiny_adapters) + [None], prompts, NEW)
     assert got == want
     assert len({tuple(t) for t in got}) > 4  # the adapters really change the outputs
     if max_loras == 2:
@@ -85,7 +62,7 @@ def test_reloaded_name_never_reuses_the_old_adapters_kv(tiny_model_dir, tiny_ada
     llm.load_adapter("tuned", str(tiny_adapters[2]))
     new = llm.generate(prompt, GREEDY, adapter="tuned")[0]
     assert new.num_cached_tokens == 0  # the old adapter's cached blocks are not hit
-    assert new.outputs[0].token_ids == peft_greedy(tiny_model_dir, [tiny_adapters[2]], [prompt[0]["prompt_token_ids"]])[0]
+    assert new.outputs[0].token_ids == peft_greedy(tiny_model_dir, [tiny_adapters[2]], [prompt[0]["prompt_token_ids"]], NEW)[0]
     assert new.outputs[0].token_ids != old
 
 
@@ -120,7 +97,7 @@ def test_256_registered_64_in_flight(tiny_model_dir, tmp_path):
              for p, a in list(zip(prompts, chosen))[:12]]
     assert batched[:12] == alone
     greedy = tokens(llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], GREEDY, adapter=chosen[:8]))
-    assert greedy == peft_greedy(tiny_model_dir, [sources[int(a.split("-")[1]) % 4] for a in chosen[:8]], prompts[:8])
+    assert greedy == peft_greedy(tiny_model_dir, [sources[int(a.split("-")[1]) % 4] for a in chosen[:8]], prompts[:8], NEW)
     assert_all_blocks_free(llm.engine)
 
 
@@ -130,5 +107,41 @@ def test_layers_to_transform_matches_peft(tiny_model_dir, tmp_path):
     llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, lora_modules={"top": str(folder)})
     prompts = prompts_for(3)
     got = tokens(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, adapter="top"))
-    assert got == peft_greedy(tiny_model_dir, [folder] * 3, prompts)
+    assert got == peft_greedy(tiny_model_dir, [folder] * 3, prompts, NEW)
     assert got != tokens(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY))
+
+
+def test_more_adapters_than_memory_holds_match_peft_and_the_engine_thread_never_reads_disk(
+        tiny_model_dir, tiny_adapters, names, monkeypatch):
+    """lora_memory holds two adapters of the eight: every other one is evicted and re-read from
+    disk, always in the submitting thread; mixed ranks (8 and 16), two slots, peft's tokens."""
+    import threading
+
+    from loraplex.adapters import registry as registry_module
+    from loraplex.adapters.peft_format import adapter_bytes
+    from loraplex.platform.async_engine import AsyncEngine
+    from loraplex.platform.config import EngineConfig, ModelConfig
+    from loraplex.platform.engine import Engine
+
+    two = 2 * adapter_bytes(ModelConfig.from_folder(tiny_model_dir), 16, torch.float32)
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=128, lora_memory=two,
+                                 max_num_seqs=2))
+    assert engine.max_loras == 2  # derived from lora_memory
+    for name, path in zip(names, tiny_adapters):
+        engine.adapters.load(name, str(path))
+    assert engine.adapters.memory()[0] < 8 and engine.adapters.memory()[1] <= two
+    reads: list[str] = []
+    real = registry_module.read_peft_adapter
+    monkeypatch.setattr(registry_module, "read_peft_adapter",
+                        lambda *a, **k: reads.append(threading.current_thread().name) or real(*a, **k))
+    front = AsyncEngine(engine)
+    prompts = prompts_for(8)
+    order = [0, 5, 2, 7, 1, 4, 3, 6]
+    try:
+        ids = [front.submit({"prompt_token_ids": prompts[i]}, GREEDY, adapter=names[i]) for i in order]
+        got = {i: [o for o in front.stream(rid, timeout=60)][-1].outputs[0].token_ids for i, rid in zip(order, ids)}
+    finally:
+        front.shutdown()
+    assert [got[i] for i in range(8)] == peft_greedy(tiny_model_dir, list(tiny_adapters), prompts, NEW)
+    assert reads and "loraplex-engine" not in reads  # evicted adapters came back, never on the engine thread
+    assert engine.adapters.num_pins() == 0 and engine.adapters.memory()[1] <= two

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import make_peft_adapter, make_tiny_model
-from loraplex.adapters.peft_format import AdapterError, read_peft_adapter
+from loraplex.adapters.peft_format import AdapterError, adapter_bytes, read_peft_adapter
 from loraplex.platform.config import ModelConfig
 
 
@@ -30,13 +30,30 @@ def edit_config(folder, **changes):
 
 
 def test_reads_weights_rank_scaling_and_hash(config, tiny_adapters):
+    from safetensors.torch import load_file
+
     w = read_peft_adapter("a1", tiny_adapters[1], config, max_lora_rank=16)
-    assert w.rank == 8 and w.scaling == 2.0 and len(w.weights) == 2 * 7
-    a, b = w.weights[(0, "q_proj")]
-    assert a.shape == (8, 64) and b.shape == (64, 8) and b.abs().sum() > 0
+    assert w.rank == 8 and w.scaling == 2.0 and len(w.projections) == 2 * 4  # 2 layers x 4 fused projections
+    a, b = w.projections[(0, "qkv_proj")]  # q, k, v stacked in the adapter's own rank
+    assert a.shape == (3 * 8, 64) and b.shape == (64 + 32 + 32, 8) and a.is_contiguous()
+    raw = load_file(str(tiny_adapters[1] / "adapter_model.safetensors"))
+    key = "base_model.model.model.layers.0.self_attn.k_proj.lora_{}.weight"
+    assert torch.equal(a[8:16], raw[key.format("A")]) and torch.equal(b[64:96], raw[key.format("B")])
+    assert w.nbytes == sum(t.nbytes for t in raw.values())  # every module targeted: no padding at all
     again = read_peft_adapter("other-name", tiny_adapters[1], config, 16)
     assert again.content_hash == w.content_hash
     assert read_peft_adapter("a3", tiny_adapters[3], config, 16).content_hash != w.content_hash
+
+
+def test_untargeted_modules_are_zero_slices_in_the_engine_dtype(config, tiny_model_dir, tmp_path):
+    folder = make_peft_adapter(tiny_model_dir, tmp_path / "qv", rank=4, targets=["q_proj", "v_proj"])
+    w = read_peft_adapter("qv", folder, config, 16, dtype=torch.bfloat16)
+    assert set(w.projections) == {(0, "qkv_proj"), (1, "qkv_proj")}
+    a, b = w.projections[(1, "qkv_proj")]
+    assert a.dtype == b.dtype == torch.bfloat16
+    assert a[4:8].abs().sum() == 0 and b[64:96].abs().sum() == 0  # k untouched
+    assert a[8:12].abs().sum() > 0 and b[96:128].abs().sum() > 0  # v
+    assert adapter_bytes(config, 4, torch.bfloat16, ["q_proj", "v_proj"]) == w.nbytes
 
 
 def test_rslora_scaling(config, adapter):

@@ -49,21 +49,37 @@ def test_pinned_adapter_cannot_be_unloaded_or_replaced(registry, tiny_adapters):
         registry.unpin("a")
 
 
-def test_slots_are_reused_lru_and_cpu_cache_is_bounded(registry, tiny_adapters):
+def test_slots_are_reused_lru_and_point_at_the_cached_weights(registry, tiny_adapters):
     for i in range(5):
         registry.load(f"a{i}", str(tiny_adapters[i]))
     assert list(registry._cpu) == ["a2", "a3", "a4"]  # max_cpu_loras=3
     assert registry.assign_slots({"a0", "a1"}) == {"a0": 0, "a1": 1}  # a0, a1 re-read from disk
     assert registry.assign_slots({"a1"}) == {"a1": 1} and registry.num_slot_loads == 2
     assert registry.assign_slots({"a1", "a2"}) == {"a1": 1, "a2": 0}  # evicts a0, the LRU slot
-    slots = registry.slots
-    proj = slots.layers[0]["qkv_proj"]
-    assert proj.ranks == [16, 8] and proj.scales == [2.0, 2.0]  # a2: rank 16 in slot 0, a1: rank 8
-    a, b = registry._weights(registry.get("a1")).weights[(0, "k_proj")]
-    assert torch.equal(proj.a[1, 16:24], a) and torch.equal(proj.b[1, 64:96, :8], b)  # k: 2nd slice
-    assert proj.a[1, 24:32].abs().sum() == 0 and proj.b[1, :, 8:].abs().sum() == 0  # zero beyond rank
+    table = registry.slots.layers[0]["qkv_proj"]
+    assert table.ranks == [16, 8] and table.scales == [2.0, 2.0]  # a2: rank 16 in slot 0, a1: rank 8
+    a, b = registry._weights(registry.get("a1")).projections[(0, "qkv_proj")]
+    assert table.a[1] is a and table.b[1] is b  # no copy: the slot reads the cached tensors in place
+    assert int(table.a_ptrs[1]) == a.data_ptr() and a.shape == (3 * 8, 64)  # compact: rank 8, not 16
     with pytest.raises(RuntimeError, match="max_loras"):
         registry.assign_slots({"a1", "a2", "a3"})
+
+
+def test_cpu_cache_is_bounded_by_bytes_and_evicted_slots_let_go(tiny_model_dir, tiny_adapters):
+    config = ModelConfig.from_folder(tiny_model_dir)
+    one = AdapterRegistry(config, 2, 16, None, torch.float32)
+    one.load("a0", str(tiny_adapters[0]))  # rank 16
+    size = one.memory()[1]
+    registry = AdapterRegistry(config, 2, 16, None, torch.float32, lora_memory=2 * size)
+    for i in (0, 2, 4):  # three rank-16 adapters, room for two
+        registry.load(f"a{i}", str(tiny_adapters[i]))
+    assert list(registry._cpu) == ["a2", "a4"] and registry.memory() == (2, 2 * size)
+    assert registry.assign_slots({"a2"}) == {"a2": 0} and registry.assign_slots({"a4"}) == {"a4": 1}
+    registry.load("a6", str(tiny_adapters[6]))  # evicts a2 (least recently used), which slot 0 pointed at
+    table = registry.slots.layers[0]["o_proj"]
+    assert "a2" not in registry._cpu and table.a[0] is None and table.a[1] is not None
+    registry.unload("a6")
+    assert registry.memory() == (1, size)
 
 
 def test_concurrent_loads_are_safe(registry, tiny_adapters):

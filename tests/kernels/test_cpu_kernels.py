@@ -78,56 +78,66 @@ def test_build_is_cached_per_source_and_cpu(monkeypatch, tmp_path):
     assert cpu_kernels._build() == first and first.stat().st_mtime_ns == stamp  # not rebuilt
 
 
-def lora_case(seed, num_tokens, num_slots, max_rank, in_features, widths):
-    g = torch.Generator().manual_seed(seed)
-    slots = torch.randint(-1, num_slots, (num_tokens,), generator=g)  # -1: no adapter
-    ranks = [int(r) for r in torch.randint(0, max_rank + 1, (num_slots,), generator=g)]  # rank 0: empty slot
-    x = torch.randn(num_tokens, in_features, generator=g)
-    a = torch.randn(num_slots, len(widths) * max_rank, in_features, generator=g) / in_features ** 0.5
-    b = torch.randn(num_slots, sum(widths), max_rank, generator=g) / max_rank ** 0.5
-    scales = [float(s) for s in torch.rand(num_slots, generator=g) * 2]
-    offsets = [0]
-    for w in widths:
-        offsets.append(offsets[-1] + w)
-    return slots.tolist(), ranks, x, a, b, scales, offsets
-
-
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed,tokens,slots,max_rank,widths", [
     (0, 16, 16, 16, [96, 32, 32]),  # a decode batch: one token per adapter, q/k/v slices
     (1, 40, 64, 8, [64, 64]),  # gate/up, most slots unused
     (2, 5, 3, 1, [48]),  # rank 1
     (3, 48, 1, 16, [64]),  # one adapter, one 48-token segment
+    (4, 24, 8, 16, [64]),  # ranks 0..16: empty slots mixed in
 ])
-def test_c_sgmv_matches_reference(seed, tokens, slots, max_rank, widths, monkeypatch):
-    from loraplex.kernels.sgmv import LoRABatch, sgmv_expand_reference, sgmv_lora, sgmv_shrink_reference
+def test_c_sgmv_matches_reference(seed, tokens, slots, max_rank, widths, dtype, monkeypatch):
+    """The C kernel reads each adapter in place, in its own rank, in float32 and bfloat16."""
+    from lora_case import lora_case, reference, table_from_stacked
 
-    s, ranks, x, a, b, scales, offsets = lora_case(seed, tokens, slots, max_rank, 64, widths)
-    batch = LoRABatch.build(s)
-    y0 = torch.randn(tokens, sum(widths))
-    h = torch.zeros(tokens, a.shape[1])
-    sgmv_shrink_reference(x, a, ranks, batch, h, len(widths))
-    expected = sgmv_expand_reference(h, b, ranks, scales, batch, y0.clone(), offsets)
+    from loraplex.kernels.sgmv import LoRABatch, sgmv_lora_table
+
+    s, ranks, x, a, b, scales, offsets = lora_case(seed, tokens, slots, max_rank, 64, widths, dtype,
+                                                   min_rank=0 if seed == 4 else 1)
+    y0 = torch.randn(tokens, sum(widths)).to(dtype)
+    expected = reference(x, a, b, ranks, scales, offsets, s, y0)
     calls = []
-    kernel = cpu_kernels.sgmv_lora_c
-    monkeypatch.setattr(cpu_kernels, "sgmv_lora_c", lambda *args: calls.append(1) or kernel(*args))
-    got = sgmv_lora(x, a, b, ranks, scales, batch, y0.clone(), offsets)  # the CPU dispatch
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    kernel = cpu_kernels.sgmv_lora_table_c
+    monkeypatch.setattr(cpu_kernels, "sgmv_lora_table_c", lambda *args: calls.append(1) or kernel(*args))
+    got = sgmv_lora_table(x, table_from_stacked(a, b, ranks, scales, offsets), LoRABatch.build(s), y0.clone())
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    else:  # float32 accumulation both ways; y rounded once to bfloat16 (one ulp apart at most)
+        torch.testing.assert_close(got.float(), expected.float(), atol=1e-2, rtol=8e-3)
     assert calls == [1]  # these batches are decode-like: the C kernel ran
 
 
 @needs_kernel
-def test_c_sgmv_is_skipped_for_long_segments_and_non_contiguous_weights(monkeypatch):
-    from loraplex.kernels.sgmv import LoRABatch, sgmv_lora
+def test_c_sgmv_bf16_rounds_to_nearest_even_like_torch():
+    """One token, one rank-1 adapter with unit weights: the kernel's only error is the final rounding."""
+    from loraplex.kernels.sgmv import LoRABatch, LoRATable, sgmv_lora_table
+
+    y0 = torch.tensor([[1.0, 1.0, -3.0, 256.0]], dtype=torch.bfloat16)
+    deltas = torch.tensor([2 ** -8, 3 * 2 ** -8, 2 ** -20, 1.0])  # ties, above a tie, tiny, exact
+    table = LoRATable.empty(1, [0, 4])
+    table.set(0, torch.ones(1, 1, dtype=torch.bfloat16), deltas[:, None].to(torch.bfloat16), 1.0)
+    x = torch.ones(1, 1, dtype=torch.bfloat16)
+    got = sgmv_lora_table(x, table, LoRABatch.build([0]), y0.clone())
+    expected = (y0.float() + deltas.to(torch.bfloat16).float()).to(torch.bfloat16)
+    assert torch.equal(got, expected)
+
+
+@needs_kernel
+def test_c_sgmv_is_skipped_for_long_segments_and_non_contiguous_outputs(monkeypatch):
+    from lora_case import lora_case, table_from_stacked
+
+    from loraplex.kernels.sgmv import LoRABatch, sgmv_lora_table
 
     calls = []
-    monkeypatch.setattr(cpu_kernels, "sgmv_lora_c", lambda *args: calls.append(1))
+    monkeypatch.setattr(cpu_kernels, "sgmv_lora_table_c", lambda *args: calls.append(1))
     s, ranks, x, a, b, scales, offsets = lora_case(3, 300, 2, 8, 64, [64])
     s = [0] * 150 + [1] * 150  # prefill-shaped: two long segments take the GEMM path
-    sgmv_lora(x, a, b, ranks, scales, LoRABatch.build(s), torch.zeros(300, 64), offsets)
+    table = table_from_stacked(a, b, ranks, scales, offsets)
+    sgmv_lora_table(x, table, LoRABatch.build(s), torch.zeros(300, 64))
     s, ranks, x, a, b, scales, offsets = lora_case(4, 8, 8, 8, 64, [64])
     wide = torch.zeros(8, 64, 2)[..., 0]  # a strided output: the kernel would write wrong rows
-    sgmv_lora(x, a, b, ranks, scales, LoRABatch.build(s), wide, offsets)
+    sgmv_lora_table(x, table_from_stacked(a, b, ranks, scales, offsets), LoRABatch.build(s), wide)
     assert calls == []
 
 

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from lora_case import lora_case
+
 from loraplex.kernels import dispatch
 from loraplex.kernels.sgmv import LoRABatch, sgmv_expand, sgmv_shrink
 
@@ -12,20 +14,7 @@ TOL = {torch.float32: dict(atol=2e-3, rtol=2e-3), torch.float16: dict(atol=2e-2,
        torch.bfloat16: dict(atol=8e-2, rtol=5e-2)}
 
 
-def case(seed, num_tokens, num_slots, max_rank, in_features, widths, dtype, none_frac=0.2, rank_choices=None):
-    g = torch.Generator().manual_seed(seed)
-    slots = torch.randint(0, num_slots, (num_tokens,), generator=g)
-    slots[torch.rand(num_tokens, generator=g) < none_frac] = -1
-    ranks = [int(r) for r in torch.randint(1, max_rank + 1, (num_slots,), generator=g)] if rank_choices is None \
-        else [rank_choices[i % len(rank_choices)] for i in range(num_slots)]
-    x = torch.randn(num_tokens, in_features, generator=g).to(dtype)
-    a = (torch.randn(num_slots, len(widths) * max_rank, in_features, generator=g) / in_features ** 0.5).to(dtype)
-    b = (torch.randn(num_slots, sum(widths), max_rank, generator=g) / max_rank ** 0.5).to(dtype)
-    scales = [float(s) for s in torch.rand(num_slots, generator=g) * 2]
-    offsets = [0]
-    for w in widths:
-        offsets.append(offsets[-1] + w)
-    return slots.tolist(), ranks, x, a, b, scales, offsets
+case = lora_case
 
 
 def run(backend, slots, ranks, x, a, b, scales, offsets, y0):
@@ -107,27 +96,32 @@ def test_randomized_sweep(seed):
                                        pick([32, 64, 80]), widths, dtype)
 
 
-@pytest.mark.parametrize("tokens,slots", [(12, 8), (64, 64), (80, 2)])  # gathered, gathered, segment loop
-def test_cpu_path_matches_reference(tokens, slots):
-    from loraplex.kernels.sgmv import (sgmv_expand_cpu, sgmv_expand_reference, sgmv_shrink_cpu,
-                                       sgmv_shrink_reference)
+@pytest.mark.parametrize("tokens,slots,dtype", [(12, 8, torch.float32), (64, 64, torch.float32),
+                                                (80, 2, torch.float32), (40, 5, torch.bfloat16)])
+def test_cpu_table_path_matches_the_stacked_reference(tokens, slots, dtype):
+    """The PyTorch CPU path reads each adapter in its own rank from a LoRATable."""
+    from lora_case import reference, table_from_stacked
 
-    s, ranks, x, a, b, scales, offsets = case(11, tokens, slots, 16, 48, [32, 16], torch.float32)
-    batch = LoRABatch.build(s)
-    y0 = torch.randn(tokens, 48)
-    outs = []
-    for shrink, expand in ((sgmv_shrink_reference, sgmv_expand_reference), (sgmv_shrink_cpu, sgmv_expand_cpu)):
-        h = torch.zeros(tokens, a.shape[1])
-        shrink(x, a, ranks, batch, h, 2)
-        y = y0.clone()
-        expand(h, b, ranks, scales, batch, y, offsets)
-        outs.append((h, y))
-    torch.testing.assert_close(outs[1][0], outs[0][0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(outs[1][1], outs[0][1], atol=1e-5, rtol=1e-5)
-    from loraplex.kernels.sgmv import sgmv_lora_cpu
+    from loraplex.kernels.sgmv import sgmv_lora_table_torch
 
-    fused = sgmv_lora_cpu(x, a, b, ranks, scales, batch, y0.clone(), offsets)
-    torch.testing.assert_close(fused, outs[0][1], atol=1e-5, rtol=1e-5)
+    s, ranks, x, a, b, scales, offsets = lora_case(11, tokens, slots, 16, 48, [32, 16], dtype)
+    y0 = torch.randn(tokens, 48).to(dtype)
+    expected = reference(x, a, b, ranks, scales, offsets, s, y0)
+    got = sgmv_lora_table_torch(x, table_from_stacked(a, b, ranks, scales, offsets), LoRABatch.build(s), y0.clone())
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), expected.float(), **tol)
+
+
+def test_table_refuses_weights_that_do_not_fit_it():
+    from loraplex.kernels.sgmv import LoRATable
+
+    table = LoRATable.empty(2, [0, 8, 12])
+    with pytest.raises(ValueError, match="do not fit"):
+        table.set(0, torch.zeros(4, 16), torch.zeros(8, 2), 1.0)  # 2 slices of rank 2 need A [4, in], B [12, 2]
+    table.set(1, torch.zeros(4, 16), torch.zeros(12, 2), 0.5)
+    assert table.ranks == [0, 2] and table.a_ptrs[1] != 0
+    table.clear(1)
+    assert table.ranks == [0, 0] and table.a[1] is None and int(table.a_ptrs[1]) == 0
 
 
 def test_forced_backend_restores_the_previous_choice():

@@ -118,3 +118,54 @@ def test_prefix_hits_are_counted_once_per_admission():
     out = s.schedule()
     assert out.scheduled == [(second, 1)] and second.num_cached_tokens == 8
     assert s.kv.prefix_cache_hit_rate == 8 / 18
+
+
+def lora_req(rid, adapter, n_prompt=4, max_tokens=4):
+    r = req(rid, n_prompt, max_tokens)
+    r.adapter = adapter
+    return r
+
+
+def make_lora(max_loras, cycle_steps=4, max_num_seqs=8):
+    kv = KVCacheManager(256, 4, enable_caching=False)
+    return Scheduler(kv, max_num_seqs, 64, max_model_len=1024, max_loras=max_loras, lora_cycle_steps=cycle_steps)
+
+
+def test_base_and_resident_adapter_requests_overtake_one_waiting_for_a_slot():
+    s = make_lora(max_loras=1)
+    s.add(lora_req("x0", "x", max_tokens=20))
+    advance(s, s.schedule())  # x holds the only slot
+    s.add(lora_req("y0", "y"))  # needs a slot: none is free
+    s.add(req("base", 4))
+    s.add(lora_req("x1", "x"))
+    out = s.schedule()
+    assert [r.request_id for r, _ in out.scheduled] == ["x0", "base", "x1"]
+    assert [r.request_id for r in s.waiting] == ["y0"]
+
+
+def test_no_adapter_waits_forever_while_others_are_served():
+    """Two slots, four adapters and a steady stream of new requests for the first two: the
+    resident ones yield after lora_cycle_steps, so every adapter is served within a bound."""
+    s = make_lora(max_loras=2, cycle_steps=4, max_num_seqs=6)
+    first_step: dict[str, int] = {}
+    for a in "abcd":
+        s.add(lora_req(f"{a}-0", a, max_tokens=3))
+    for step in range(1, 80):
+        for a in "ab":  # a and b never run out of new requests
+            s.add(lora_req(f"{a}-{step}", a, max_tokens=3))
+        out = s.schedule()
+        assert len({r.adapter for r in s.running if r.adapter}) <= 2
+        for r, _ in out.scheduled:
+            first_step.setdefault(r.adapter, step)
+        advance(s, out)
+    assert set(first_step) == set("abcd")
+    assert max(first_step.values()) <= 4 + 2 * 3 + 2  # a cycle, then the residents' running requests drain
+
+
+def test_cycling_waits_until_adapters_are_waiting():
+    s = make_lora(max_loras=2, cycle_steps=1)
+    for step in range(10):
+        s.add(lora_req(f"a{step}", "a", max_tokens=2))
+        out = s.schedule()
+        assert any(r.request_id == f"a{step}" for r, _ in out.scheduled)  # nobody waits: a never yields
+        advance(s, out)
