@@ -34,7 +34,7 @@ class LoRAWeights:
     rank: int
     scaling: float
     target_modules: frozenset[str]
-    # (layer, fused projection) -> (A [num_slices * r, in], B [out_total, r]) on the CPU, in the
+    # (layer, fused projection) -> (A [num_slices * r, in], B transposed [r, out_total]) on the CPU, in the
     # engine's dtype, contiguous: the layout the multi-LoRA kernels read in place (kernels/sgmv.py
     # LoRATable). A module the adapter does not target is a zero slice of a projection it touches.
     projections: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
@@ -100,8 +100,8 @@ def read_peft_adapter(name: str, path: str | Path, config: ModelConfig, max_lora
 
 def _fuse(weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], rank: int,
           shapes: dict[str, tuple[int, int]], dtype: torch.dtype) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    """Per-module A/B -> per fused projection A [n * r, in], B [out_total, r] (zeros where the
-    adapter leaves a slice alone)."""
+    """Per-module A/B -> per fused projection A [n * r, in] and B transposed, Bt [r, out_total]
+    (zeros where the adapter leaves a slice alone)."""
     out = {}
     for layer in sorted({layer for layer, _ in weights}):
         for fused, parts in FUSED_PROJECTIONS.items():
@@ -110,11 +110,11 @@ def _fuse(weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], ran
                 continue
             offsets = fused_offsets(fused, shapes)
             a = torch.zeros(len(parts) * rank, shapes[parts[0]][0], dtype=dtype)
-            b = torch.zeros(offsets[-1], rank, dtype=dtype)
+            b = torch.zeros(rank, offsets[-1], dtype=dtype)
             for i, pair in enumerate(present):
                 if pair is not None:
                     a[i * rank:(i + 1) * rank] = pair[0]
-                    b[offsets[i]:offsets[i + 1]] = pair[1]
+                    b[:, offsets[i]:offsets[i + 1]] = pair[1].T
             out[(layer, fused)] = (a, b)
     return out
 

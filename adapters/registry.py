@@ -52,7 +52,7 @@ class AdapterRegistry:
         self._cpu: OrderedDict[str, LoRAWeights] = OrderedDict()  # LRU, most recent last
         self._cpu_bytes = 0
         self._pins: Counter[str] = Counter()
-        self._slots = LoRASlots(config, max_loras)
+        self._slots = LoRASlots(config, max_loras, dtype)
         self._slot_of: dict[str, tuple[int, str]] = {}  # name -> (slot, content hash)
         self._slot_lru: OrderedDict[int, str | None] = OrderedDict((i, None) for i in range(max_loras))
         self.num_slot_loads = 0

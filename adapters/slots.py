@@ -8,6 +8,8 @@ by memory (how many adapters may be resident at once), not by copy time.
 
 from __future__ import annotations
 
+import torch
+
 from loraplex.adapters.peft_format import LoRAWeights, fused_offsets, module_shapes
 from loraplex.kernels.sgmv import LoRATable
 from loraplex.platform.config import ModelConfig
@@ -15,11 +17,11 @@ from loraplex.platform.models import FUSED_PROJECTIONS
 
 
 class LoRASlots:
-    def __init__(self, config: ModelConfig, max_loras: int) -> None:
+    def __init__(self, config: ModelConfig, max_loras: int, dtype: torch.dtype) -> None:
         self.max_loras = max_loras
         shapes = module_shapes(config)
         self.layers: list[dict[str, LoRATable]] = [
-            {fused: LoRATable.empty(max_loras, fused_offsets(fused, shapes)) for fused in FUSED_PROJECTIONS}
+            {fused: LoRATable.empty(max_loras, fused_offsets(fused, shapes), dtype) for fused in FUSED_PROJECTIONS}
             for _ in range(config.num_layers)]
 
     def load(self, slot: int, lora: LoRAWeights) -> None:

@@ -88,12 +88,15 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="auto: bfloat16 where the CPU multiplies it natively, else float32")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the loraplex configurations")
     parser.add_argument("--skip-peft-single", action="store_true", help="skip peft one adapter at a time (slow)")
     args = parser.parse_args()
     counts = [1, 8, 16, 64]
     widest = max(args.batch, max(counts))
+    # prefix caching off: every configuration reruns the same prompts, and a cache hit for one
+    # (the same prompt under the same adapter) would skip prefill that the others pay
     llm = LLM(args.model, dtype=args.dtype, max_model_len=1024, max_num_seqs=widest, num_kv_blocks=widest * 16,
-              max_loras=max(counts), max_lora_rank=max(args.rank, 16), max_cpu_loras=max(counts))
+              max_loras=max(counts), max_lora_rank=max(args.rank, 16), enable_prefix_caching=False)
     dtype = llm.engine.config.torch_dtype
     base_dir = llm.engine.config.model
     tokenizer = llm.get_tokenizer()
@@ -108,24 +111,27 @@ def main() -> None:
                 llm.unload_adapter(f"r{rank}-{i}")
         folders = make_adapters(base_dir, tmp / "main", max(counts), args.rank)
         load_ms[args.rank] = 1e3 * statistics.median([timed_load(llm, f"lora-{i}", f) for i, f in enumerate(folders)])
-        llm.engine.adapters.assign_slots({"lora-0"})  # allocates the slot tensors once
+        llm.engine.adapters.assign_slots({"lora-0"})
         t = time.perf_counter()
         llm.engine.adapters.assign_slots({"lora-1"})
         slot_s = time.perf_counter() - t
 
         print(f"model={base_dir} dtype={dtype} batch={args.batch} new_tokens={args.new_tokens} "
               f"rank={args.rank} threads={torch.get_num_threads()}")
-        rows = [("base model alone", run_loraplex(llm, prompts, [None] * args.batch, args.new_tokens))]
-        for n in (c for c in counts if c <= args.batch):
-            names = [f"lora-{i % n}" for i in range(args.batch)]
-            rows.append((f"loraplex, {n} distinct adapters", run_loraplex(llm, prompts, names, args.new_tokens)))
-        wide = [c for c in counts if c > args.batch]  # more adapters than requests: a batch as wide as them
-        for n in wide:
+        configs = [("base model alone", prompts, [None] * args.batch)]
+        configs += [(f"loraplex, {n} distinct adapters", prompts, [f"lora-{i % n}" for i in range(args.batch)])
+                    for n in counts if n <= args.batch]
+        for n in (c for c in counts if c > args.batch):  # more adapters than requests: a batch as wide as them
             wide_prompts = prompts_of(tokenizer, n)
-            base_wide = run_loraplex(llm, wide_prompts, [None] * n, args.new_tokens)
-            lora_wide = run_loraplex(llm, wide_prompts, [f"lora-{i}" for i in range(n)], args.new_tokens)
-            rows.append((f"(batch {n}) base model alone", base_wide))
-            rows.append((f"(batch {n}) loraplex, {n} adapters", lora_wide))
+            configs += [(f"(batch {n}) base model alone", wide_prompts, [None] * n),
+                        (f"(batch {n}) loraplex, {n} adapters", wide_prompts, [f"lora-{i}" for i in range(n)])]
+        # configurations interleaved over rounds, median per configuration: this machine's speed
+        # drifts by tens of percent within minutes, which one pass would charge to one configuration
+        samples: dict[str, list[float]] = {name: [] for name, _, _ in configs}
+        for _ in range(args.rounds):
+            for name, ps, adapters in configs:
+                samples[name].append(run_loraplex(llm, ps, adapters, args.new_tokens))
+        rows = [(name, statistics.median(values)) for name, values in samples.items()]
 
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
@@ -162,7 +168,7 @@ def main() -> None:
             print(f"loraplex 16 adapters / {label}: {lp16 / peft_tps:.1f}x")
     for rank, ms in sorted(load_ms.items()):
         print(f"adapter load (disk -> registered, rank {rank}): median {ms:.0f} ms")
-    print(f"into a device slot (rank {args.rank}): {1e3 * slot_s:.0f} ms")
+    print(f"into a slot (rank {args.rank}; a pointer to its weights, no copy): {1e3 * slot_s:.3f} ms")
 
 
 if __name__ == "__main__":

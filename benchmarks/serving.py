@@ -35,11 +35,11 @@ def adapter_folders() -> list[Path]:
     return folders + [ensure_example_adapter()]
 
 
-def start_server(port: int, num_adapters: int, max_loras: int) -> subprocess.Popen:
+def start_server(port: int, num_adapters: int, max_loras: int | None) -> subprocess.Popen:
     folders = adapter_folders()
     modules = [f"ad{i}={folders[i % len(folders)]}" for i in range(num_adapters)]
     cmd = [sys.executable, "-m", "loraplex.api.cli", "serve", str(default_model_dir()), "--port", str(port),
-           "--max-model-len", "2048", "--max-loras", str(max_loras), "--max-cpu-loras", str(num_adapters),
+           "--max-model-len", "2048", *(["--max-loras", str(max_loras)] if max_loras else []),
            "--lora-modules", *modules]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(240):
@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--max-loras", type=int, default=8)
+    parser.add_argument("--max-loras", type=int, default=None, help="default: the server's (derived from memory)")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -79,7 +79,7 @@ def main() -> None:
         proc.terminate()
         proc.wait(60)
     print(f"\n{args.num_prompts} prompts, ~{args.input_len} prompt words, {args.output_len} output tokens, "
-          f"max_loras={args.max_loras}, 64 adapters registered\n")
+          f"max_loras={args.max_loras or 'derived'}, 64 adapters registered\n")
     print("| rate (req/s) | adapters | structured | ok/failed | req/s | out tok/s | TTFT mean / p99 ms "
           "| TPOT mean ms | ITL p99 ms | E2E mean ms |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -129,12 +129,13 @@ int paged_attention_f32(
 }
 
 /* Multi-LoRA delta for tokens of many adapters with a few tokens each (decode batches):
- *   y[t, off[i]:off[i+1]] += scale[s] * B[s][off[i]:off[i+1], :] @ (A[s][i*r:(i+1)*r, :] @ x[t])
+ *   y[t, off[i]:off[i+1]] += scale[s] * (A[s][i*r:(i+1)*r, :] @ x[t]) @ Bt[s][:, off[i]:off[i+1]]
  * for each slice i of a fused projection, s the token's slot and r its own rank. Each slot
- * points at its adapter's weights where they already lie (A [num_slices * r, in], B [out, r],
- * compact: no padding to a max rank, no copy into a stacked buffer); each token reads its
- * adapter's rows in place. Accumulation is float32 in both variants; the bfloat16 one rounds y
- * once, to nearest even, as torch's conversion does.
+ * points at its adapter's weights where they already lie (A [num_slices * r, in] and B stored
+ * transposed, Bt [r, out_total]: compact, no padding to a max rank, no copy into a stacked
+ * buffer). The shrink is r dot products over contiguous rows; the expand is r contiguous
+ * axpys into the token's output row, which stays in L1. Accumulation is float32 in both
+ * variants; the bfloat16 one rounds y once, to nearest even, as torch's conversion does.
  */
 static inline float bf16_load(const uint16_t *p, int64_t i)
 {
@@ -151,11 +152,11 @@ static inline uint16_t bf16_round(float f)
 
 static inline float f32_load(const float *p, int64_t i) { return p[i]; }
 
-#define SGMV_LORA_TABLE(NAME, T, LOAD, STORE_ADD)                                                   \
+#define SGMV_LORA_TABLE(NAME, T, LOAD, STORE)                                                       \
 int NAME(                                                                                          \
     const T *x,                 /* [T, in] */                                                      \
-    const int64_t *a_ptrs,      /* [S] address of slot s's A [num_slices * r_s, in], or 0 */       \
-    const int64_t *b_ptrs,      /* [S] address of slot s's B [out_total, r_s] */                   \
+    const int64_t *a_ptrs,      /* [S] address of slot s's A [num_slices * r_s, in] */             \
+    const int64_t *b_ptrs,      /* [S] address of slot s's Bt [r_s, out_total] */                  \
     const int64_t *ranks,       /* [S] r_s (0: the slot does not touch this projection) */        \
     const float *scales,        /* [S] */                                                          \
     const int64_t *tokens,      /* [N] rows of x / y that have a slot */                           \
@@ -165,35 +166,41 @@ int NAME(                                                                       
     T *y)                       /* [T, out_total] */                                               \
 {                                                                                                  \
     const int64_t out_total = offsets[num_slices];                                                 \
-    _Pragma("omp parallel for schedule(dynamic, 1)")                                               \
-    for (int64_t n = 0; n < num_tokens; ++n) {                                                     \
-        const int64_t t = tokens[n], s = token_slots[n], r = ranks[s];                             \
-        if (r <= 0 || r > max_rank) continue;                                                      \
-        const T *a = (const T *)(intptr_t)a_ptrs[s];                                               \
-        const T *b = (const T *)(intptr_t)b_ptrs[s];                                               \
-        const T *xt = x + t * in_features;                                                         \
-        T *yt = y + t * out_total;                                                                 \
-        float h[num_slices * max_rank];                                                            \
-        for (int64_t k = 0; k < num_slices * r; ++k) {                                             \
-            const T *row = a + k * in_features;                                                    \
-            float dot = 0.f;                                                                       \
-            for (int64_t d = 0; d < in_features; ++d) dot += LOAD(row, d) * LOAD(xt, d);           \
-            h[k] = dot * scales[s];                                                                \
-        }                                                                                          \
-        for (int64_t i = 0; i < num_slices; ++i) {                                                 \
-            const float *hi = h + i * r;                                                           \
-            for (int64_t o = offsets[i]; o < offsets[i + 1]; ++o) {                                \
-                const T *row = b + o * r;                                                          \
-                float acc = 0.f;                                                                   \
-                for (int64_t k = 0; k < r; ++k) acc += LOAD(row, k) * hi[k];                       \
-                STORE_ADD(yt, o, acc);                                                             \
+    int failed = 0;                                                                                \
+    _Pragma("omp parallel")                                                                        \
+    {                                                                                              \
+        float *acc = malloc(sizeof(float) * (out_total + num_slices * max_rank));                  \
+        float *h = acc + out_total;                                                                \
+        if (!acc) failed = 1;                                                                      \
+        _Pragma("omp for schedule(dynamic, 1)")                                                    \
+        for (int64_t n = 0; n < num_tokens; ++n) {                                                 \
+            const int64_t t = tokens[n], s = token_slots[n], r = ranks[s];                         \
+            if (!acc || r <= 0 || r > max_rank) continue;                                          \
+            const T *a = (const T *)(intptr_t)a_ptrs[s];                                           \
+            const T *bt = (const T *)(intptr_t)b_ptrs[s];                                          \
+            const T *xt = x + t * in_features;                                                     \
+            T *yt = y + t * out_total;                                                             \
+            for (int64_t k = 0; k < num_slices * r; ++k) {                                         \
+                const T *row = a + k * in_features;                                                \
+                float dot = 0.f;                                                                   \
+                for (int64_t d = 0; d < in_features; ++d) dot += LOAD(row, d) * LOAD(xt, d);       \
+                h[k] = dot * scales[s];                                                            \
             }                                                                                      \
+            for (int64_t o = 0; o < out_total; ++o) acc[o] = LOAD(yt, o);                          \
+            for (int64_t i = 0; i < num_slices; ++i)                                               \
+                for (int64_t k = 0; k < r; ++k) {                                                  \
+                    const float hk = h[i * r + k];                                                 \
+                    const T *row = bt + k * out_total;                                             \
+                    for (int64_t o = offsets[i]; o < offsets[i + 1]; ++o) acc[o] += hk * LOAD(row, o); \
+                }                                                                                  \
+            for (int64_t o = 0; o < out_total; ++o) STORE(yt, o, acc[o]);                          \
         }                                                                                          \
+        free(acc);                                                                                 \
     }                                                                                              \
-    return 0;                                                                                      \
+    return failed ? -1 : 0;                                                                        \
 }
 
-#define F32_ADD(p, i, v) ((p)[i] += (v))
-#define BF16_ADD(p, i, v) ((p)[i] = bf16_round(bf16_load((p), (i)) + (v)))
-SGMV_LORA_TABLE(sgmv_lora_table_f32, float, f32_load, F32_ADD)
-SGMV_LORA_TABLE(sgmv_lora_table_bf16, uint16_t, bf16_load, BF16_ADD)
+#define F32_STORE(p, i, v) ((p)[i] = (v))
+#define BF16_STORE(p, i, v) ((p)[i] = bf16_round(v))
+SGMV_LORA_TABLE(sgmv_lora_table_f32, float, f32_load, F32_STORE)
+SGMV_LORA_TABLE(sgmv_lora_table_bf16, uint16_t, bf16_load, BF16_STORE)

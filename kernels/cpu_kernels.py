@@ -138,15 +138,18 @@ def paged_attention_c(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 def sgmv_lora_table_c(x: torch.Tensor, table, tokens: torch.Tensor, token_slots: torch.Tensor,
                       y: torch.Tensor) -> torch.Tensor:
-    """y[t] += scale[s] * (x[t] A[s]^T) B[s]^T, in place, for each token t in `tokens` with slot s
+    """y[t] += scale[s] * (x[t] A[s]^T) Bt[s], in place, for each token t in `tokens` with slot s
     in `token_slots`, reading each slot's weights where `table` (a `sgmv.LoRATable`) points.
     x, y and the weights share one dtype, float32 or bfloat16; accumulation is float32."""
     if not (x.is_contiguous() and y.is_contiguous()):
         raise ValueError("C SGMV needs contiguous inputs")
     kernel = library().sgmv_lora_table_bf16 if x.dtype == torch.bfloat16 else library().sgmv_lora_table_f32
-    offsets = torch.tensor(table.offsets, dtype=torch.int64)
-    tokens, token_slots = tokens.to(torch.int64).contiguous(), token_slots.to(torch.int64).contiguous()
-    kernel(x.data_ptr(), table.a_ptrs.data_ptr(), table.b_ptrs.data_ptr(), table.ranks_t.data_ptr(),
-           table.scales_t.data_ptr(), tokens.data_ptr(), token_slots.data_ptr(), offsets.data_ptr(), len(tokens),
-           x.shape[1], table.num_slices, max(table.ranks), y.data_ptr())
+    if tokens.dtype != torch.int64 or token_slots.dtype != torch.int64:
+        tokens, token_slots = tokens.to(torch.int64), token_slots.to(torch.int64)
+    status = kernel(x.data_ptr(), table.a_ptrs.ctypes.data, table.b_ptrs.ctypes.data, table.ranks_arr.ctypes.data,
+                    table.scales_arr.ctypes.data, tokens.contiguous().data_ptr(), token_slots.contiguous().data_ptr(), table.offsets_arr.ctypes.data,
+                    len(tokens),
+                    x.shape[1], table.num_slices, max(table.ranks), y.data_ptr())
+    if status != 0:
+        raise MemoryError("C SGMV could not allocate its row buffer")
     return y

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from loraplex.kernels import cpu_kernels
@@ -113,37 +114,42 @@ def _host_list(values) -> list:
 @dataclass
 class LoRATable:
     """One fused projection's adapters on the CPU. Slot s points at its adapter's own weights,
-    A [num_slices * r_s, in] and B [out_total, r_s], in each adapter's own rank: no stacked copy
+    A [num_slices * r_s, in] and B transposed, Bt [r_s, out_total] (the expand then adds r
+    contiguous rows), in each adapter's own rank: no stacked copy
     padded to a max rank (on CPU the "device" memory is the RAM the adapter already lies in).
     Setting a slot stores references, so the weights live as long as the slot points at them."""
 
     offsets: list[int]  # output offset of each slice, plus the total
+    dtype: torch.dtype  # of every slot's weights
     a: list[torch.Tensor | None]
     b: list[torch.Tensor | None]
     ranks: list[int]  # 0: the slot does not touch this projection
     scales: list[float]
-    a_ptrs: torch.Tensor  # int64 [S], the addresses the C kernel reads
-    b_ptrs: torch.Tensor
-    ranks_t: torch.Tensor  # int64 [S]
-    scales_t: torch.Tensor  # float32 [S]
+    # the same as arrays the C kernel reads; numpy, since setting a slot writes 4 x 4 x layers
+    # scalars and a torch scalar write costs ~10 us (5 ms per slot on a 30-layer model)
+    a_ptrs: np.ndarray  # int64 [S] addresses
+    b_ptrs: np.ndarray
+    ranks_arr: np.ndarray  # int64 [S]
+    scales_arr: np.ndarray  # float32 [S]
+    offsets_arr: np.ndarray  # int64 [num_slices + 1]
 
     @staticmethod
-    def empty(num_slots: int, offsets: list[int]) -> "LoRATable":
-        zeros = lambda dtype: torch.zeros(num_slots, dtype=dtype)  # noqa: E731
-        return LoRATable(list(offsets), [None] * num_slots, [None] * num_slots, [0] * num_slots,
-                         [0.0] * num_slots, zeros(torch.int64), zeros(torch.int64), zeros(torch.int64),
-                         zeros(torch.float32))
+    def empty(num_slots: int, offsets: list[int], dtype: torch.dtype = torch.float32) -> "LoRATable":
+        return LoRATable(list(offsets), dtype, [None] * num_slots, [None] * num_slots, [0] * num_slots,
+                         [0.0] * num_slots, np.zeros(num_slots, np.int64), np.zeros(num_slots, np.int64),
+                         np.zeros(num_slots, np.int64), np.zeros(num_slots, np.float32),
+                         np.array(offsets, dtype=np.int64))
 
     @staticmethod
     def from_stacked(lora_a: torch.Tensor, lora_b: torch.Tensor, ranks: list[int], scales: list[float],
                      offsets: list[int]) -> "LoRATable":
         """The same adapters as the stacked layout above, each cut to its own rank (rank 0: empty)."""
         num_slices, max_rank = len(offsets) - 1, lora_b.shape[2]
-        table = LoRATable.empty(lora_a.shape[0], offsets)
+        table = LoRATable.empty(lora_a.shape[0], offsets, lora_a.dtype)
         for slot, r in enumerate(ranks):
             if r:
                 a = lora_a[slot].view(num_slices, max_rank, -1)[:, :r].reshape(num_slices * r, -1).contiguous()
-                table.set(slot, a, lora_b[slot, :, :r].contiguous(), scales[slot])
+                table.set(slot, a, lora_b[slot, :, :r].T.contiguous(), scales[slot])
         return table
 
     @property
@@ -151,21 +157,22 @@ class LoRATable:
         return len(self.offsets) - 1
 
     def set(self, slot: int, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
-        rank = b.shape[1]
-        if not (a.is_contiguous() and b.is_contiguous()) or a.dtype != b.dtype:
-            raise ValueError("LoRA table weights must be contiguous and of one dtype")
-        if a.shape[0] != self.num_slices * rank or b.shape[0] != self.offsets[-1]:
+        """`b` is B transposed: [rank, out_total]."""
+        rank = b.shape[0]
+        if not (a.is_contiguous() and b.is_contiguous()) or a.dtype != self.dtype or b.dtype != self.dtype:
+            raise ValueError(f"LoRA table weights must be contiguous {self.dtype}, got {a.dtype} / {b.dtype}")
+        if a.shape[0] != self.num_slices * rank or b.shape[1] != self.offsets[-1]:
             raise ValueError(f"LoRA table slot {slot}: A{tuple(a.shape)} B{tuple(b.shape)} do not fit "
                              f"{self.num_slices} slices of rank {rank} and {self.offsets[-1]} outputs")
         self.a[slot], self.b[slot], self.ranks[slot], self.scales[slot] = a, b, rank, scale
         self.a_ptrs[slot], self.b_ptrs[slot] = a.data_ptr(), b.data_ptr()
-        self.ranks_t[slot], self.scales_t[slot] = rank, scale
+        self.ranks_arr[slot], self.scales_arr[slot] = rank, scale
 
     def clear(self, slot: int) -> None:
         self.a[slot] = self.b[slot] = None
         self.ranks[slot], self.scales[slot] = 0, 0.0
-        self.a_ptrs[slot] = self.b_ptrs[slot] = self.ranks_t[slot] = 0
-        self.scales_t[slot] = 0.0
+        self.a_ptrs[slot] = self.b_ptrs[slot] = self.ranks_arr[slot] = 0
+        self.scales_arr[slot] = 0.0
 
 
 # The C kernel (cpu_kernels.c) beats per-segment GEMMs while segments are short: 1.5-14x at 16
@@ -175,10 +182,9 @@ C_BELOW_MEAN_SEGMENT = 64
 
 
 def sgmv_lora_table(x: torch.Tensor, table: LoRATable, batch: LoRABatch, y: torch.Tensor) -> torch.Tensor:
-    """y += scale[s] * (x A[s]^T) B[s]^T for each token's slot s, on the CPU: one LoRA layer."""
+    """y += scale[s] * (x A[s]^T) Bt[s] for each token's slot s, on the CPU: one LoRA layer."""
     if _mean_segment_below(batch, C_BELOW_MEAN_SEGMENT) and use_cpu_kernel(y) \
-            and cpu_kernels.usable(x, y, dtypes=cpu_kernels.SGMV_DTYPES) and x.dtype == y.dtype \
-            and all(table.a[s] is None or table.a[s].dtype == y.dtype for s in batch.host_slots):
+            and cpu_kernels.usable(x, y, dtypes=cpu_kernels.SGMV_DTYPES) and x.dtype == y.dtype == table.dtype:
         # decode-shaped batches: the C kernel reads each token's A and B in place
         return cpu_kernels.sgmv_lora_table_c(x.contiguous(), table, batch.token_order, batch.order_slots, y)
     return sgmv_lora_table_torch(x, table, batch, y)
@@ -195,7 +201,7 @@ def sgmv_lora_table_torch(x: torch.Tensor, table: LoRATable, batch: LoRABatch, y
         h = x.index_select(0, idx) @ table.a[slot].T
         delta = torch.empty(len(idx), y.shape[1], dtype=y.dtype, device=y.device)
         for i, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:])):
-            torch.matmul(h[:, i * r:(i + 1) * r], table.b[slot][lo:hi].T, out=delta[:, lo:hi])
+            torch.matmul(h[:, i * r:(i + 1) * r], table.b[slot][:, lo:hi], out=delta[:, lo:hi])
         y.index_add_(0, idx, delta, alpha=table.scales[slot])
     return y
 

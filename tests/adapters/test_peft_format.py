@@ -35,10 +35,10 @@ def test_reads_weights_rank_scaling_and_hash(config, tiny_adapters):
     w = read_peft_adapter("a1", tiny_adapters[1], config, max_lora_rank=16)
     assert w.rank == 8 and w.scaling == 2.0 and len(w.projections) == 2 * 4  # 2 layers x 4 fused projections
     a, b = w.projections[(0, "qkv_proj")]  # q, k, v stacked in the adapter's own rank
-    assert a.shape == (3 * 8, 64) and b.shape == (64 + 32 + 32, 8) and a.is_contiguous()
+    assert a.shape == (3 * 8, 64) and b.shape == (8, 64 + 32 + 32) and a.is_contiguous()  # b: B transposed
     raw = load_file(str(tiny_adapters[1] / "adapter_model.safetensors"))
     key = "base_model.model.model.layers.0.self_attn.k_proj.lora_{}.weight"
-    assert torch.equal(a[8:16], raw[key.format("A")]) and torch.equal(b[64:96], raw[key.format("B")])
+    assert torch.equal(a[8:16], raw[key.format("A")]) and torch.equal(b[:, 64:96], raw[key.format("B")].T)
     assert w.nbytes == sum(t.nbytes for t in raw.values())  # every module targeted: no padding at all
     again = read_peft_adapter("other-name", tiny_adapters[1], config, 16)
     assert again.content_hash == w.content_hash
@@ -51,8 +51,8 @@ def test_untargeted_modules_are_zero_slices_in_the_engine_dtype(config, tiny_mod
     assert set(w.projections) == {(0, "qkv_proj"), (1, "qkv_proj")}
     a, b = w.projections[(1, "qkv_proj")]
     assert a.dtype == b.dtype == torch.bfloat16
-    assert a[4:8].abs().sum() == 0 and b[64:96].abs().sum() == 0  # k untouched
-    assert a[8:12].abs().sum() > 0 and b[96:128].abs().sum() > 0  # v
+    assert a[4:8].abs().sum() == 0 and b[:, 64:96].abs().sum() == 0  # k untouched
+    assert a[8:12].abs().sum() > 0 and b[:, 96:128].abs().sum() > 0  # v
     assert adapter_bytes(config, 4, torch.bfloat16, ["q_proj", "v_proj"]) == w.nbytes
 
 

@@ -115,8 +115,8 @@ def test_c_sgmv_bf16_rounds_to_nearest_even_like_torch():
 
     y0 = torch.tensor([[1.0, 1.0, -3.0, 256.0]], dtype=torch.bfloat16)
     deltas = torch.tensor([2 ** -8, 3 * 2 ** -8, 2 ** -20, 1.0])  # ties, above a tie, tiny, exact
-    table = LoRATable.empty(1, [0, 4])
-    table.set(0, torch.ones(1, 1, dtype=torch.bfloat16), deltas[:, None].to(torch.bfloat16), 1.0)
+    table = LoRATable.empty(1, [0, 4], torch.bfloat16)
+    table.set(0, torch.ones(1, 1, dtype=torch.bfloat16), deltas[None, :].to(torch.bfloat16), 1.0)
     x = torch.ones(1, 1, dtype=torch.bfloat16)
     got = sgmv_lora_table(x, table, LoRABatch.build([0]), y0.clone())
     expected = (y0.float() + deltas.to(torch.bfloat16).float()).to(torch.bfloat16)

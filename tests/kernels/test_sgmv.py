@@ -117,8 +117,10 @@ def test_table_refuses_weights_that_do_not_fit_it():
 
     table = LoRATable.empty(2, [0, 8, 12])
     with pytest.raises(ValueError, match="do not fit"):
-        table.set(0, torch.zeros(4, 16), torch.zeros(8, 2), 1.0)  # 2 slices of rank 2 need A [4, in], B [12, 2]
-    table.set(1, torch.zeros(4, 16), torch.zeros(12, 2), 0.5)
+        table.set(0, torch.zeros(4, 16), torch.zeros(2, 8), 1.0)  # 2 slices of rank 2 need A [4, in], Bt [2, 12]
+    with pytest.raises(ValueError, match="bfloat16"):
+        table.set(1, torch.zeros(4, 16, dtype=torch.bfloat16), torch.zeros(2, 12, dtype=torch.bfloat16), 0.5)
+    table.set(1, torch.zeros(4, 16), torch.zeros(2, 12), 0.5)
     assert table.ranks == [0, 2] and table.a_ptrs[1] != 0
     table.clear(1)
     assert table.ranks == [0, 0] and table.a[1] is None and int(table.a_ptrs[1]) == 0
