@@ -37,6 +37,38 @@ def _size(text: str) -> int:
     return int(lowered)
 
 
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per `EngineConfig` field (but `model`): name, type, default and help come from
+    the field, so a new engine setting is on the command line without being declared twice."""
+    from dataclasses import fields
+
+    from loraplex.platform.config import EngineConfig
+
+    for f in fields(EngineConfig):
+        if f.name == "model":
+            continue
+        meta = dict(f.metadata)
+        flag = meta.get("flag", "--" + f.name.replace("_", "-"))
+        kind = str(f.type).replace(" | None", "")
+        kwargs = {"dest": f.name, "default": f.default, "help": meta["help"]}
+        if kind == "bool":
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = _size if meta.get("size") else {"int": int, "float": float, "str": str}[kind]
+            if "choices" in meta:
+                kwargs["choices"] = meta["choices"]
+        parser.add_argument(flag, **kwargs)
+
+
+def engine_args(args: argparse.Namespace) -> dict:
+    """The parsed engine flags, as EngineConfig keyword arguments."""
+    from dataclasses import fields
+
+    from loraplex.platform.config import EngineConfig
+
+    return {f.name: getattr(args, f.name) for f in fields(EngineConfig) if f.name != "model"}
+
+
 def _lora_module(text: str) -> tuple[str, str]:
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
@@ -79,28 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the base model's id (default: its folder's name)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", type=_size, default=1 << 30, help="KV cache size: bytes, or e.g. 512MiB")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides memory)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float16"],
-                   help="float16: twice the KV tokens in the same memory (auto: the model's dtype)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    add_engine_flags(p)
     p.add_argument("--lora-modules", type=_lora_module, nargs="+", action="extend", default=[],
                    metavar="NAME=PATH", help="adapters to load at start-up (repeatable)")
-    p.add_argument("--max-loras", type=int, default=None,
-                   help="distinct adapters in one batch (default: as many as --lora-memory holds at "
-                        "--max-lora-rank, at most --max-num-seqs; the log says what it chose)")
-    p.add_argument("--max-lora-rank", type=int, default=16)
-    p.add_argument("--max-cpu-loras", type=int, default=None,
-                   help="adapters kept in CPU memory (default: as many as --lora-memory holds)")
-    p.add_argument("--lora-memory", type=_size, default=2 << 30,
-                   help="memory for adapter weights (the CPU LRU; batches read them in place): bytes, or e.g. 4GiB")
-    p.add_argument("--lora-cycle-steps", type=int, default=32,
-                   help="steps a resident adapter keeps admitting requests while other adapters wait for a slot")
     p.add_argument("--enable-lora-resolver", action="store_true",
                    help="serve an unregistered adapter name by loading the PEFT folder of that name "
                         "from an --adapter-root on its first request")
@@ -109,13 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="key for /v1/*, /tokenize, /detokenize (or LORAPLEX_API_KEY)")
     p.add_argument("--admin-api-key", default=None,
                    help="the only key that opens the adapter admin endpoints (or LORAPLEX_ADMIN_API_KEY)")
-    p.add_argument("--grammar-backend", default="xgrammar", choices=["xgrammar", "outlines", "auto"])
     p.add_argument("--max-waiting-requests", type=int, default=1024, help="beyond this, 429 with Retry-After")
     p.add_argument("--max-request-body-bytes", type=_size, default=4 << 20, help="beyond this, 413")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds; beyond this, 504")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests get to finish")
-    p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)

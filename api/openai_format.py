@@ -1,5 +1,6 @@
-"""Engine outputs -> OpenAI JSON: completion and chat responses, their stream chunks, logprobs,
-the model list and error bodies. Pure functions of the outputs; no engine access."""
+"""Engine outputs -> OpenAI JSON: completion and chat responses (from accumulated outputs), their
+stream chunks (one per delta output), logprobs, the model list and error bodies. Pure
+functions of the outputs; no engine access."""
 
 from __future__ import annotations
 
@@ -64,9 +65,9 @@ def _top(entries: dict[int, Logprob], num: int) -> list[tuple[int, Logprob]]:
     return sorted(((t, lp) for t, lp in entries.items() if lp.rank <= num), key=lambda x: x[1].rank)[:num]
 
 
-def completion_logprobs(out: CompletionOutput, start: int, text_offset: int) -> dict:
+def completion_logprobs(out: CompletionOutput, text_offset: int) -> dict:
     tokens, token_logprobs, top, offsets = [], [], [], []
-    for tid, entries in zip(out.token_ids[start:], out.logprobs[start:]):
+    for tid, entries in zip(out.token_ids, out.logprobs):
         chosen = entries[tid]
         tokens.append(chosen.decoded_token)
         token_logprobs.append(chosen.logprob)
@@ -76,13 +77,13 @@ def completion_logprobs(out: CompletionOutput, start: int, text_offset: int) -> 
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def chat_logprobs(out: CompletionOutput, start: int, num: int) -> dict:
+def chat_logprobs(out: CompletionOutput, num: int) -> dict:
     def entry(lp: Logprob) -> dict:
         token = lp.decoded_token or ""
         return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
 
     content = [{**entry(entries[tid]), "top_logprobs": [entry(lp) for _, lp in _top(entries, num)]}
-               for tid, entries in zip(out.token_ids[start:], out.logprobs[start:])]
+               for tid, entries in zip(out.token_ids, out.logprobs)]
     return {"content": content}
 
 
@@ -94,12 +95,14 @@ class View(Protocol):
 
 
 class _Stream:
-    """Per-choice progress of one streamed response: what text and tokens were already sent."""
+    """Per-choice progress of one streamed response. The engine's outputs are deltas, so each
+    becomes a chunk as it is; this only tracks which choices started and finished, and counts."""
 
     def __init__(self, view: "CompletionView | ChatView", include_usage: bool) -> None:
         self.view = view
         self.include_usage = include_usage
-        self.sent: dict[int, tuple[int, int, bool]] = {}  # choice -> (chars, tokens, finished)
+        self.started: set[int] = set()
+        self.finished: set[int] = set()
         self.prompt_tokens: dict[int, int] = {}
         self.completion_tokens: dict[int, int] = {}
 
@@ -108,16 +111,15 @@ class _Stream:
         chunks = []
         for o in out.outputs:
             choice = prompt_index * self.view.n + o.index
-            self.completion_tokens[choice] = len(o.token_ids)
-            first = choice not in self.sent
-            chars, tokens, finished = self.sent.get(choice, (0, 0, False))
-            if finished:
+            if choice in self.finished:
                 continue
-            delta = o.text[chars:]
-            if delta or first or o.finish_reason or len(o.token_ids) > tokens:
-                chunks.append(self.view.chunk(choice, prompt_index, o, delta, tokens, first,
-                                              self.include_usage))
-            self.sent[choice] = (len(o.text), len(o.token_ids), o.finish_reason is not None)
+            self.completion_tokens[choice] = self.completion_tokens.get(choice, 0) + len(o.token_ids)
+            first = choice not in self.started
+            if o.text or first or o.finish_reason or o.token_ids:
+                chunks.append(self.view.chunk(choice, prompt_index, o, o.text, first, self.include_usage))
+            self.started.add(choice)
+            if o.finish_reason is not None:
+                self.finished.add(choice)
         return chunks
 
     def usage_chunk(self) -> dict:
@@ -159,14 +161,14 @@ class CompletionView(_Base):
 
     def choice(self, index: int, prompt_index: int, o: CompletionOutput) -> dict:
         echo = self._echo(prompt_index)
-        lps = completion_logprobs(o, 0, len(echo)) if self.logprobs is not None else None
+        lps = completion_logprobs(o, len(echo)) if self.logprobs is not None else None
         return {"index": index, "text": echo + o.text, "logprobs": lps, "finish_reason": o.finish_reason,
                 "stop_reason": o.stop_reason}
 
-    def chunk(self, index: int, prompt_index: int, o: CompletionOutput, delta: str, start: int, first: bool,
+    def chunk(self, index: int, prompt_index: int, o: CompletionOutput, delta: str, first: bool,
               include_usage: bool) -> dict:
         text = (self._echo(prompt_index) if first else "") + delta
-        lps = completion_logprobs(o, start, 0) if self.logprobs is not None else None
+        lps = completion_logprobs(o, 0) if self.logprobs is not None else None
         choice = {"index": index, "text": text, "logprobs": lps, "finish_reason": o.finish_reason,
                   "stop_reason": o.stop_reason}
         return {**self.envelope(chunk=True), "choices": [choice], **({"usage": None} if include_usage else {})}
@@ -182,14 +184,14 @@ class ChatView(_Base):
         self.top_logprobs = top_logprobs  # None: no logprobs
 
     def choice(self, index: int, prompt_index: int, o: CompletionOutput) -> dict:
-        lps = chat_logprobs(o, 0, self.top_logprobs) if o.logprobs is not None else None
+        lps = chat_logprobs(o, self.top_logprobs) if o.logprobs is not None else None
         return {"index": index, "message": {"role": "assistant", "content": o.text}, "logprobs": lps,
                 "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
 
-    def chunk(self, index: int, prompt_index: int, o: CompletionOutput, delta: str, start: int, first: bool,
+    def chunk(self, index: int, prompt_index: int, o: CompletionOutput, delta: str, first: bool,
               include_usage: bool) -> dict:
         message = {"role": "assistant", "content": delta} if first else {"content": delta}
-        lps = chat_logprobs(o, start, self.top_logprobs) if o.logprobs is not None else None
+        lps = chat_logprobs(o, self.top_logprobs) if o.logprobs is not None else None
         choice = {"index": index, "delta": message, "logprobs": lps, "finish_reason": o.finish_reason,
                   "stop_reason": o.stop_reason}
         return {**self.envelope(chunk=True), "choices": [choice], **({"usage": None} if include_usage else {})}

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import uvicorn
 
+from loraplex.api.cli import engine_args
 from loraplex.api.server import ServerConfig, build_app
 from loraplex.platform.async_engine import AsyncEngine
 from loraplex.platform.config import EngineConfig
@@ -19,14 +20,7 @@ from loraplex.platform.engine import Engine
 
 
 def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
-    return EngineConfig(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
-                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                        kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
-                        enable_prefix_caching=args.enable_prefix_caching,
-                        seed=args.seed, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                        max_cpu_loras=args.max_cpu_loras, lora_memory=args.lora_memory,
-                        lora_cycle_steps=args.lora_cycle_steps, grammar_backend=args.grammar_backend)
+    return EngineConfig(model=model, **engine_args(args))
 
 
 def server_config(args: argparse.Namespace, model: str) -> ServerConfig:

@@ -31,6 +31,7 @@ from loraplex.api.metrics import RequestTimer, ServerMetrics
 from loraplex.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    LoadAdapterRequest, TokenizeRequest, UnloadAdapterRequest, chat_dicts)
 from loraplex.platform.async_engine import AsyncEngine, EngineDeadError, QueueFullError, StepFailedError
+from loraplex.platform.output_processor import accumulate
 from loraplex.platform.request import RequestOutput, SamplingParams
 
 log = logging.getLogger("loraplex.api")
@@ -86,8 +87,8 @@ class _Server:
     def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
-        self.tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
+        self.inputs = engine.inputs
+        self.max_model_len = engine.inputs.limits.max_model_len
         self.metrics = ServerMetrics(lambda: engine.stats)
         self.created = int(time.time())
         self._resolving: dict[str, asyncio.Future] = {}  # adapter name -> its one load in flight
@@ -129,7 +130,7 @@ class _Server:
         if model == base:
             return None
         name = model[len(base) + 1:] if model.startswith(base + ":") else model
-        adapters = self.engine.engine.adapters
+        adapters = self.engine.adapters
         if name and name in {a.name for a in adapters.list()}:
             return name
         path = self._resolvable(name) if self.config.enable_lora_resolver and name else None
@@ -179,69 +180,47 @@ class _Server:
 
     # ---- generation ------------------------------------------------------------------------
 
-    def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    async def call(self, fn, *args, param: str | None = None):
+        """An input-processor call off the event loop (tokenizing a long prompt takes seconds);
+        its ValueError is the request's fault: a 400 naming `param`."""
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
-        except Exception as exc:  # a template's own raise_exception(): the conversation's fault
-            raise APIError(400, f"the chat template refused these messages: {exc}", "messages") from None
-        return self.tokenizer(text, add_special_tokens=False).input_ids
-
-    def detokenize(self, ids: list[int], param: str) -> str:
-        vocab = self.engine.engine.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"{param} must be token ids in [0, {vocab}); got {bad[:3]}", param)
-        return self.tokenizer.decode(ids)
-
-    def default_max_tokens(self, prompt_ids: list[int]) -> int:
-        engine = self.engine.engine
-        capacity = min(self.max_model_len, engine.kv.pool.num_blocks * engine.config.block_size)
-        return max(1, capacity - len(prompt_ids))
+            return await asyncio.to_thread(fn, *args)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param) from None
 
     async def run(self, prompts: list[list[int]], params: list[SamplingParams], adapter: str | None,
                   prefix: str) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, latest output) as any prompt's output grows, until all finish. Leaving
-        early (error, disconnect, timeout) aborts whatever is still running."""
-        updates: asyncio.Queue = asyncio.Queue()
+        """(prompt index, delta output) as any prompt's output grows, until all finish: the
+        engine's one queue for this call, read directly. Leaving early (error, disconnect,
+        timeout) aborts whatever is still running."""
         base_id = f"{prefix}-{uuid.uuid4().hex}"
-
-        async def pump(i: int) -> None:
-            timer = RequestTimer(self.metrics)
+        timers = [RequestTimer(self.metrics) for _ in prompts]
+        generated: list[dict[int, int]] = [{} for _ in prompts]  # tokens so far per choice (deltas)
+        reasons: list[dict[int, str | None]] = [{} for _ in prompts]
+        for _ in prompts:
             self.metrics.lora_requests.labels(adapter or "").inc()
-            try:
-                gen = self.engine.generate({"prompt_token_ids": prompts[i]}, params[i], f"{base_id}-{i}", adapter)
-                last = None
-                async with contextlib.aclosing(gen) as outputs:
-                    async for last in outputs:
-                        timer.tokens(max(len(o.token_ids) for o in last.outputs))
-                        await updates.put((i, last))
-                timer.finish(len(prompts[i]), [o.finish_reason for o in last.outputs] if last else [])
-                await updates.put((i, None))
-            except Exception as exc:
-                await updates.put((i, exc))
-
-        tasks = [asyncio.create_task(pump(i)) for i in range(len(prompts))]
+        outputs = self.engine.generate_many([{"prompt_token_ids": p} for p in prompts], params,
+                                            [f"{base_id}-{i}" for i in range(len(prompts))], adapter)
         deadline = None if self.config.request_timeout_s is None else time.monotonic() + self.config.request_timeout_s
-        try:
-            remaining = len(tasks)
-            while remaining:
+        async with contextlib.aclosing(outputs):
+            while True:
                 timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
-                    i, item = await asyncio.wait_for(updates.get(), timeout)
+                    i, delta = await asyncio.wait_for(anext(outputs), timeout)
+                except StopAsyncIteration:
+                    return
                 except TimeoutError:
                     raise APIError(504, f"the request took longer than {self.config.request_timeout_s:g}s "
                                         f"(request timeout)") from None
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, Exception):
-                    raise _as_api_error(item)
-                else:
-                    yield i, item
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+                except Exception as exc:
+                    raise _as_api_error(exc) from None
+                for o in delta.outputs:
+                    generated[i][o.index] = generated[i].get(o.index, 0) + len(o.token_ids)
+                    reasons[i][o.index] = o.finish_reason
+                timers[i].tokens(max(generated[i].values(), default=0))
+                if delta.finished:
+                    timers[i].finish(len(prompts[i]), list(reasons[i].values()))
+                yield i, delta
 
     async def until_disconnect(self, request: Request, awaitable):
         """Await `awaitable`, cancelling it (and so aborting its requests) if the client leaves."""
@@ -329,6 +308,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app.add_middleware(_BodyLimit, limit=config.max_request_body_bytes)
     user = [Depends(server.require_user)]
     admin = [Depends(server.require_admin)]
+    inputs = engine.inputs
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -365,21 +345,22 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     @app.get("/v1/models", dependencies=user)
     async def models():
         return fmt.model_list(config.served_model_name, config.model_path, server.max_model_len,
-                              server.created, engine.engine.adapters.list())
+                              server.created, engine.adapters.list())
 
     @app.post("/tokenize", dependencies=user)
     async def tokenize(body: TokenizeRequest):
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages")
         if body.messages is not None:
-            ids = server.tokenize_chat(chat_dicts(body.messages), body.add_generation_prompt)
+            ids = await server.call(inputs.chat_token_ids, chat_dicts(body.messages), body.add_generation_prompt,
+                                    param="messages")
         else:
-            ids = server.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+            ids = await server.call(inputs.token_ids, body.prompt, body.add_special_tokens, param="prompt")
         return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids}
 
     @app.post("/detokenize", dependencies=user)
     async def detokenize(body: DetokenizeRequest):
-        return {"prompt": server.detokenize(body.tokens, "tokens")}
+        return {"prompt": await server.call(inputs.detokenize, body.tokens, "tokens", param="tokens")}
 
     @app.post("/v1/completions", dependencies=user)
     async def completions(body: CompletionRequest, request: Request):
@@ -389,10 +370,12 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         if body.echo and body.logprobs is not None:
             raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", "echo")
         prompts = _checked(body.prompts)
-        ids = [server.tokenizer(p).input_ids if isinstance(p, str) else p["prompt_token_ids"] for p in prompts]
-        params = [_checked(body.sampling_params, _given(body.max_tokens, server.default_max_tokens(i)), body.logprobs)
+        ids = [await server.call(inputs.token_ids, p, param="prompt") if isinstance(p, str) else p["prompt_token_ids"]
+               for p in prompts]
+        params = [_checked(body.sampling_params, _given(body.max_tokens, inputs.default_max_tokens(i)), body.logprobs)
                   for i in ids]
-        echo = [p if isinstance(p, str) else server.detokenize(p["prompt_token_ids"], "prompt")
+        echo = [p if isinstance(p, str) else await server.call(inputs.detokenize, p["prompt_token_ids"], "prompt",
+                                                               param="prompt")
                 for p in prompts] if body.echo else None
         view = fmt.CompletionView(body.model, body.n, echo, body.logprobs)
         return await _respond(server, request, body, ids, params, adapter, view)
@@ -400,15 +383,16 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=user)
     async def chat(body: ChatCompletionRequest, request: Request):
         adapter = await server.resolve_model(body.model)
-        ids = server.tokenize_chat(body.chat_messages(), body.add_generation_prompt)
-        max_tokens = _given(body.max_completion_tokens, _given(body.max_tokens, server.default_max_tokens(ids)))
+        ids = await server.call(inputs.chat_token_ids, body.chat_messages(), body.add_generation_prompt,
+                                param="messages")
+        max_tokens = _given(body.max_completion_tokens, _given(body.max_tokens, inputs.default_max_tokens(ids)))
         params = _checked(body.sampling_params, max_tokens, _checked(body.num_logprobs))
         view = fmt.ChatView(body.model, body.n, body.top_logprobs or 0)
         return await _respond(server, request, body, [ids], [params], adapter, view)
 
     @app.post("/v1/load_lora_adapter", dependencies=admin)
     async def load_lora_adapter(body: LoadAdapterRequest):
-        adapters = engine.engine.adapters
+        adapters = engine.adapters
         if body.lora_name in {a.name for a in adapters.list()}:
             raise APIError(400, f"The lora adapter '{body.lora_name}' has already been loaded.", "lora_name")
         path = server.adapter_path(body.lora_path)
@@ -422,7 +406,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/unload_lora_adapter", dependencies=admin)
     async def unload_lora_adapter(body: UnloadAdapterRequest):
         try:
-            engine.engine.adapters.unload(body.lora_name)
+            engine.adapters.unload(body.lora_name)
         except UnknownAdapterError:
             raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", "lora_name") from None
         log.info("unloaded adapter %r", body.lora_name)
@@ -453,7 +437,7 @@ async def _respond(server: _Server, request: Request, body, ids: list[list[int]]
                 final: dict[int, RequestOutput] = {}
                 async with contextlib.aclosing(updates) as it:
                     async for i, out in it:
-                        final[i] = out
+                        final[i] = accumulate(final.get(i), out)
                 return [final[i] for i in range(len(ids))]
 
             return JSONResponse(view.response(await server.until_disconnect(request, collect())))

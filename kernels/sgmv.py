@@ -36,6 +36,7 @@ class LoRABatch:
     max_seg_len: int
     host_starts: list[int]  # the same offsets and slots on the host, for the PyTorch path
     host_slots: list[int]
+    host_ranges: list[tuple[int, int] | None]  # per segment: its rows [lo, hi) when contiguous (prefill)
 
     @staticmethod
     def build(token_slots: list[int] | torch.Tensor, device: torch.device | str = "cpu") -> "LoRABatch":
@@ -45,6 +46,9 @@ class LoRABatch:
         order = keep[perm]
         uniq, counts = torch.unique_consecutive(sorted_slots, return_counts=True)
         starts = [0] + torch.cumsum(counts, 0).tolist()
+        rows = order.tolist()
+        ranges = [(rows[lo], rows[hi - 1] + 1) if rows[hi - 1] - rows[lo] == hi - 1 - lo else None
+                  for lo, hi in zip(starts[:-1], starts[1:])]
         return LoRABatch(
             token_order=order.to(device),
             order_slots=sorted_slots.to(device),
@@ -53,6 +57,7 @@ class LoRABatch:
             max_seg_len=int(counts.max()) if len(counts) else 0,
             host_starts=starts,
             host_slots=uniq.tolist(),
+            host_ranges=ranges,
         )
 
     @property
@@ -192,11 +197,18 @@ def sgmv_lora_table(x: torch.Tensor, table: LoRATable, batch: LoRABatch, y: torc
 
 def sgmv_lora_table_torch(x: torch.Tensor, table: LoRATable, batch: LoRABatch, y: torch.Tensor) -> torch.Tensor:
     """The PyTorch path: shrink and expand fused per segment (one GEMM pair per adapter), in the
-    model's dtype, one `index_add_` per segment."""
+    model's dtype; a segment of contiguous rows (a prefill chunk) adds into y in place, others
+    gather their rows and `index_add_` once."""
     offsets = table.offsets
-    for slot, idx in batch.segments():
+    for (slot, idx), rows in zip(batch.segments(), batch.host_ranges):
         r = table.ranks[slot]
         if r == 0:
+            continue
+        if rows is not None:  # one request's chunk: its rows in place, no gather or scatter
+            lo, hi = rows
+            h = x[lo:hi] @ table.a[slot].T
+            for i, (o_lo, o_hi) in enumerate(zip(offsets[:-1], offsets[1:])):
+                y[lo:hi, o_lo:o_hi].addmm_(h[:, i * r:(i + 1) * r], table.b[slot][:, o_lo:o_hi], alpha=table.scales[slot])
             continue
         h = x.index_select(0, idx) @ table.a[slot].T
         delta = torch.empty(len(idx), y.shape[1], dtype=y.dtype, device=y.device)

@@ -1,18 +1,20 @@
 """The engine on one background thread: submit requests, iterate their outputs, abort by id.
 
-Only the engine thread touches the engine's state; other threads talk to it through a command
-queue. Each request's outputs (cumulative: text and token ids so far) arrive on its own stream,
-readable from threads (`stream`) or from asyncio (`generate`) without tying up a thread per
-waiting request.
+Only the engine thread touches the engine's state; other threads talk to it through a queue
+of typed commands. Each request's outputs are deltas (the text, token ids and logprobs it
+gained; `output_processor.accumulate` adds them up) and arrive on its own stream, readable from
+threads (`stream`) or from asyncio (`generate`) without tying up a thread per waiting request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
 import threading
+from dataclasses import dataclass
 from typing import AsyncIterator, Iterator
 
 from loraplex.platform.engine import Engine, EngineStats
@@ -35,14 +37,40 @@ class QueueFullError(RuntimeError):
     """More requests are waiting than `max_waiting_requests`; the caller should retry later."""
 
 
-class _Stream:
-    """One request's outputs. The engine thread puts; a thread or an event loop reads."""
+@dataclass
+class _Add:
+    request: Request
 
-    def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _FailAll:
+    reason: str
+
+
+@dataclass
+class _Wake:
+    pass
+
+
+class _Stream:
+    """One request's outputs. The engine thread puts; a thread or an event loop reads. The
+    requests of one API call may share one asyncio queue, each item tagged with its prompt."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None, items: asyncio.Queue | None = None,
+                 tag: int | None = None) -> None:
         self.loop = loop
-        self.items: asyncio.Queue | queue.Queue = asyncio.Queue() if loop else queue.Queue()
+        self.items: asyncio.Queue | queue.Queue = items if items is not None else \
+            asyncio.Queue() if loop else queue.Queue()
+        self.tag = tag
 
     def put(self, item) -> None:
+        if self.tag is not None:
+            item = (self.tag, item)
         if self.loop is None:
             self.items.put(item)
             return
@@ -68,6 +96,18 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
         self._thread.start()
 
+    # ---- the narrow facade the API uses (it never reaches into the engine) ----------------------
+
+    @property
+    def inputs(self):
+        """The engine's `InputProcessor`: tokenizing, chat templates, limits; any thread."""
+        return self.engine.inputs
+
+    @property
+    def adapters(self):
+        """The adapter registry: load / unload / list; any thread."""
+        return self.engine.adapters
+
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
@@ -80,12 +120,12 @@ class AsyncEngine:
                adapter: str | None = None) -> str:
         """Validate (raising ValueError here, in the caller's thread) and queue a request."""
         self._check_accepting()
-        request = self.engine.make_request(request_id or f"req-{next(self._ids)}", prompt, params, adapter)
+        request = self.engine.inputs.process(request_id or f"req-{next(self._ids)}", prompt, params, adapter)
         self._enqueue(request, None)
         return request.request_id
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._commands.put(_Abort(request_id))
 
     def stream(self, request_id: str, timeout: float | None = None) -> Iterator[RequestOutput]:
         """Blocking iterator over one request's outputs; the last one has finished=True."""
@@ -103,36 +143,52 @@ class AsyncEngine:
 
     async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
                        adapter: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Async iterator; leaving it early (client gone, task cancelled) aborts the request.
-        Tokenizing, the adapter's disk read and the grammar compile run in a worker thread."""
+        """Async iterator over one request's delta outputs; leaving it early (client gone, task
+        cancelled) aborts the request."""
+        async with contextlib.aclosing(self.generate_many([prompt], [params], [request_id], adapter)) as outputs:
+            async for _, out in outputs:
+                yield out
+
+    async def generate_many(self, prompts: list, params: list[SamplingParams], request_ids: list[str | None],
+                            adapter: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, delta output) for several requests (one API call) through one queue,
+        until all finish. Tokenizing, the adapter's disk read and the grammar compiles run in a
+        worker thread, all before anything is queued (a bad prompt queues none). Leaving early
+        aborts what is still running."""
         self._check_accepting()
-        request_id = request_id or f"req-{next(self._ids)}"
-        request = await asyncio.to_thread(self.engine.make_request, request_id, prompt, params, adapter)
-        stream = self._enqueue(request, asyncio.get_running_loop())
-        finished = False
+        ids = [rid or f"req-{next(self._ids)}" for rid in request_ids]
+        requests = await asyncio.to_thread(
+            lambda: [self.engine.inputs.process(rid, p, sp, adapter) for rid, p, sp in zip(ids, prompts, params)])
+        items: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        remaining: set[int] = set()
         try:
-            while True:
-                item = await stream.items.get()
+            for i, request in enumerate(requests):
+                self._enqueue(request, loop, items, i)
+                remaining.add(i)
+            while remaining:
+                i, item = await items.get()
                 if item is _DONE:
-                    finished = True
-                    return
-                if isinstance(item, BaseException):
-                    finished = True
+                    remaining.discard(i)
+                elif isinstance(item, BaseException):
+                    remaining.discard(i)
                     raise item
-                yield item
+                else:
+                    yield i, item
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+            for i in remaining:
+                self.abort(ids[i])
+            for rid in ids:
+                self._streams.pop(rid, None)
 
     def fail_all(self, reason: str) -> None:
         """Stop taking requests; abort every request in flight, each stream ending with `reason`."""
         self.closing = reason
-        self._commands.put(("fail_all", reason))
+        self._commands.put(_FailAll(reason))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
-        self._commands.put(("wake", None))
+        self._commands.put(_Wake())
         self._thread.join(timeout)
 
     def _check_accepting(self) -> None:
@@ -144,13 +200,14 @@ class AsyncEngine:
         if limit is not None and self._num_queued + self.stats.num_waiting >= limit:
             raise QueueFullError(f"{limit} requests are already waiting (max_waiting_requests); retry later")
 
-    def _enqueue(self, request: Request, loop: asyncio.AbstractEventLoop | None) -> _Stream:
+    def _enqueue(self, request: Request, loop: asyncio.AbstractEventLoop | None, items: asyncio.Queue | None = None,
+                 tag: int | None = None) -> _Stream:
         if request.request_id in self._streams:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        stream = self._streams[request.request_id] = _Stream(loop)
+        stream = self._streams[request.request_id] = _Stream(loop, items, tag)
         with self._lock:
             self._num_queued += 1
-        self._commands.put(("add", request))
+        self._commands.put(_Add(request))
         return stream
 
     # ---- engine thread ---------------------------------------------------------------------
@@ -190,28 +247,27 @@ class AsyncEngine:
         except queue.Empty:
             return
         while True:
-            kind, arg = command
-            if kind == "add":
+            if isinstance(command, _Add):
                 with self._lock:
                     self._num_queued -= 1
                 try:
                     if self.closing is not None:
                         raise EngineDeadError(self.closing)
-                    self.engine.add(arg)
+                    self.engine.add(command.request)
                 except (ValueError, EngineDeadError) as exc:  # an id in use, an adapter unloaded meanwhile
-                    stream = self._streams.get(arg.request_id)
+                    stream = self._streams.get(command.request.request_id)
                     if stream is not None:
                         stream.put(exc)
-            elif kind == "abort":
-                out = self.engine.abort(arg)
+            elif isinstance(command, _Abort):
+                out = self.engine.abort(command.request_id)
                 if out is not None:
                     self._publish(out)
-            elif kind == "fail_all":
-                for request_id in list(self.engine.groups):
+            elif isinstance(command, _FailAll):
+                for request_id in self.engine.unfinished_request_ids():
                     self.engine.abort(request_id)
                     stream = self._streams.get(request_id)
                     if stream is not None:
-                        stream.put(EngineDeadError(arg))
+                        stream.put(EngineDeadError(command.reason))
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -79,28 +79,41 @@ def _as_tuple(value) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list) else (int(value),)
 
 
+def _setting(default, help: str, **cli):
+    """An engine setting: its default, and what `loraplex serve` says of it (the CLI flags are
+    generated from these fields; `cli` may name the vLLM flag, choices, or a size parser)."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int = 1 << 30  # bytes, used when num_kv_blocks is None
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    max_loras: int | None = None  # distinct adapters in one batch; None: as many as lora_memory holds
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None  # adapters kept in CPU memory (LRU); None: as many as lora_memory holds
-    lora_memory: int = 2 << 30  # bytes of adapter weights kept in memory (the LRU; slots point into it)
-    lora_cycle_steps: int = 32  # steps a resident adapter keeps admitting requests while others wait for a slot
-    grammar_backend: str = "xgrammar"
-    grammar_compile_timeout_s: float = 10.0
-    jump_forward: bool = True  # append grammar-forced tokens without a forward pass each
-    pack_weights: bool = True  # CPU: linear weights prepacked for oneDNN (~2x faster decode matmuls)
-    kv_cache_dtype: str = "auto"  # "float16": half the KV bytes (memory, and attention's reads); auto = dtype
+    dtype: str = _setting("auto", "weights and activations; auto: bfloat16 where the CPU multiplies it "
+                                  "natively (AVX512-BF16 / AMX), else float32", choices=["auto", *DTYPES])
+    max_model_len: int | None = _setting(None, "longest prompt + output (default: the model's)")
+    max_num_seqs: int = _setting(64, "sequences in one batch")
+    max_num_batched_tokens: int = _setting(2048, "tokens in one step (the chunked-prefill budget)")
+    block_size: int = _setting(16, "tokens per KV block")
+    num_kv_blocks: int | None = _setting(None, "KV cache size in blocks (overrides --kv-cache-memory)")
+    kv_cache_memory: int = _setting(1 << 30, "KV cache size: bytes, or e.g. 512MiB", size=True)
+    enable_prefix_caching: bool = _setting(True, "reuse the KV of shared prompt prefixes")
+    seed: int = _setting(0, "seed for requests that bring none")
+    max_loras: int | None = _setting(None, "distinct adapters in one batch (default: as many as --lora-memory "
+                                           "holds at --max-lora-rank, at most --max-num-seqs; logged at start)")
+    max_lora_rank: int = _setting(16, "largest adapter rank accepted")
+    max_cpu_loras: int | None = _setting(None, "adapters kept in CPU memory (default: as many as --lora-memory holds)")
+    lora_memory: int = _setting(2 << 30, "memory for adapter weights (the CPU LRU; batches read them in place): "
+                                         "bytes, or e.g. 4GiB", size=True)
+    lora_cycle_steps: int = _setting(32, "steps a resident adapter keeps admitting requests while other "
+                                         "adapters wait for a slot")
+    grammar_backend: str = _setting("xgrammar", "structured-output backend",
+                                    choices=["xgrammar", "outlines", "auto"])
+    grammar_compile_timeout_s: float = _setting(10.0, "seconds a grammar may take to compile (then: 400)",
+                                                flag="--grammar-compile-timeout")
+    jump_forward: bool = _setting(True, "append grammar-forced tokens without a forward pass each")
+    pack_weights: bool = _setting(True, "CPU: linear weights prepacked for oneDNN (~2x faster decode matmuls)")
+    kv_cache_dtype: str = _setting("auto", "float16: twice the KV tokens in the same memory (auto: the model's "
+                                           "dtype)", choices=["auto", "float16"])
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:

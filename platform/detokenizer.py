@@ -22,7 +22,6 @@ class Detokenizer:
         self.text = ""
         self.stop = stop or []
         self.hold_back = max((len(s) for s in self.stop), default=1) - 1
-        self.num_emitted = 0  # characters of `text` already handed to a streaming caller
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -48,7 +47,7 @@ class Detokenizer:
                 return stop
         return None
 
-    def stream_text(self, finished: bool) -> str:
-        """The text that is safe to show now: all of it once finished, else all but the tail
-        that a stop string could still claim."""
-        return self.text if finished or not self.stop else self.text[:max(self.num_emitted, len(self.text) - self.hold_back)]
+    def stream_end(self, finished: bool) -> int:
+        """How much of `text` is safe to show now: all of it once finished, else all but the
+        tail that a stop string could still claim."""
+        return len(self.text) if finished or not self.stop else max(0, len(self.text) - self.hold_back)

@@ -7,6 +7,7 @@ from dataclasses import fields
 
 from loraplex.platform.config import EngineConfig
 from loraplex.platform.engine import Engine
+from loraplex.platform.output_processor import accumulate
 from loraplex.platform.request import RequestOutput, SamplingParams
 
 
@@ -49,13 +50,12 @@ class LLM:
         adapters = adapter if isinstance(adapter, list) else [adapter] * len(prompts)
         if len(adapters) != len(prompts):
             raise ValueError(f"got {len(adapters)} adapters for {len(prompts)} prompts")
-        requests = [self.engine.make_request(f"llm-{next(self._ids)}", p, sp, a)
+        requests = [self.engine.inputs.process(f"llm-{next(self._ids)}", p, sp, a)
                     for p, sp, a in zip(prompts, per_prompt, adapters)]
         for req in requests:
             self.engine.add(req)
-        done: dict[str, RequestOutput] = {}
+        totals: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-        return [done[r.request_id] for r in requests]
+            for out in self.engine.step():  # deltas: added up per request
+                totals[out.request_id] = accumulate(totals.get(out.request_id), out)
+        return [totals[r.request_id] for r in requests]

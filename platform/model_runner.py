@@ -37,9 +37,9 @@ class ModelRunner:
         each scheduled request's adapter to its device slot."""
         for src, dst in sched.block_copies:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
-        self.model.lora_context.batch = self._lora_batch(sched, adapter_slots or {})
+        lora = self._lora_batch(sched, adapter_slots or {})
         input_ids, positions, meta, last_rows, sampled = self._prepare(sched)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, lora)
         if not sampled:
             return hidden.new_empty(0, 0), []
         return self.model.compute_logits(hidden[last_rows]), sampled

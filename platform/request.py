@@ -109,7 +109,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  prompt: str | None = None, index: int = 0, extra_keys: tuple = (),
-                 adapter: str | None = None) -> None:
+                 adapter: str | None = None, adapter_weights=None, compiled_grammar=None) -> None:
         self.request_id = request_id  # the group's id, shared by its n sequences
         self.index = index
         self.prompt = prompt
@@ -117,8 +117,8 @@ class Request:
         self.params = params
         self.extra_keys = extra_keys  # salt for prefix-cache hashes (adapter content hash, grammar)
         self.adapter = adapter  # LoRA adapter name; None: the base model
-        self.adapter_weights = None  # prefetched by make_request, handed to the registry's pin
-        self.compiled_grammar = None  # compiled spec, shared by the n sequences
+        self.adapter_weights = adapter_weights  # prefetched by the input processor, handed to the registry's pin
+        self.compiled_grammar = compiled_grammar  # compiled spec, shared by the n sequences
         self.grammar = None  # this sequence's matcher
         self.output_token_ids: list[int] = []
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None

@@ -18,9 +18,23 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from loraplex.platform.kv_cache_manager import KVCacheManager
-from loraplex.platform.request import Request, RequestStatus
+from loraplex.platform.request import Logprob, Request, RequestStatus
+
+
+@dataclass
+class SeqDelta:
+    """What one step did to one sequence: the core's output, O(new tokens)."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -36,8 +50,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, max_loras: int = 1, lora_cycle_steps: int = 32) -> None:
+                 max_model_len: int, max_loras: int = 1, lora_cycle_steps: int = 32,
+                 eos_token_ids: tuple[int, ...] = (), new_grammar: Callable | None = None) -> None:
         self.kv = kv
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.new_grammar = new_grammar  # compiled grammar -> a fresh matcher, for forked sequences
+        self.groups: dict[str, list[Request]] = {}  # request id -> its sequences (n > 1: forks)
+        self._finished_groups: list[list[Request]] = []
         self.max_loras = max_loras
         self.lora_cycle_steps = lora_cycle_steps
         self._step = 0
@@ -50,6 +69,9 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
+        if request.request_id in self.groups:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.groups[request.request_id] = [request]
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -138,10 +160,107 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
-    def add_running(self, req: Request) -> None:
-        """A forked sequence joins the running set right after its parent."""
-        req.status = RequestStatus.RUNNING
-        self.running.append(req)
+    # ---- after the forward pass ---------------------------------------------------------------
+
+    def sampling_batch(self, out: SchedulerOutput) -> tuple[list[int], list[Request]]:
+        """Count the scheduled tokens as computed; return the sequences to sample and the row of
+        the step's logits each samples from (rows: the requests whose chunk reached their last
+        known token, in scheduled order). A request of n > 1 forks here, at its first token: its
+        children share its prompt blocks (copy-on-write) and sample from its row."""
+        rows, batch = [], []
+        row = 0
+        for req, num_new in out.scheduled:
+            req.num_computed_tokens += num_new
+            if req.num_computed_tokens == req.num_tokens:
+                for seq in [req, *self._fork(req)]:
+                    rows.append(row)
+                    batch.append(seq)
+                row += 1
+        return rows, batch
+
+    def _fork(self, parent: Request) -> list[Request]:
+        if not parent.pending_forks:
+            return []
+        children = []
+        for index in range(1, parent.params.n):
+            child = Request(parent.request_id, parent.prompt_token_ids, parent.params, parent.prompt, index=index,
+                            extra_keys=parent.extra_keys, adapter=parent.adapter,
+                            compiled_grammar=parent.compiled_grammar)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            if parent.compiled_grammar is not None:  # forks happen before any token: a fresh matcher
+                child.grammar = self.new_grammar(parent.compiled_grammar)
+            self.kv.fork(parent, child)
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+            self.groups[parent.request_id].append(child)
+            children.append(child)
+        parent.pending_forks = 0
+        return children
+
+    def update(self, batch: list[Request], token_ids: list[int], logprobs: list[dict[int, Logprob] | None],
+               forced: Callable[[Request], list[int]] | None = None) -> list[SeqDelta]:
+        """Append each sequence's sampled token (and the tokens its grammar forces next, from
+        `forced`), finish what ended (grammar end, EOS, stop token, max_tokens, max_model_len),
+        free finished sequences' blocks. One delta per sequence: only the new tokens."""
+        deltas = []
+        for seq, token, lp in zip(batch, token_ids, logprobs):
+            delta = SeqDelta(seq.request_id, seq.index, [], [] if seq.logprobs is not None else None,
+                             num_cached_tokens=seq.num_cached_tokens)
+            self._append(seq, token, lp, delta)
+            if not seq.status.finished and forced is not None:
+                for extra in forced(seq):
+                    self._append(seq, extra, {extra: Logprob(0.0, 1)} if seq.logprobs is not None else None, delta)
+                    if seq.status.finished:
+                        break
+            delta.finish_reason, delta.stop_reason = seq.finish_reason, seq.stop_reason
+            deltas.append(delta)
+        return deltas
+
+    def _append(self, seq: Request, token: int, logprobs: dict[int, Logprob] | None, delta: SeqDelta) -> None:
+        seq.output_token_ids.append(token)
+        delta.new_token_ids.append(token)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+            delta.new_logprobs.append(logprobs)
+        p = seq.params
+        grammar_done = False
+        if seq.grammar is not None:
+            if not seq.grammar.accept_token(token):  # cannot happen with a sane mask: end this one only
+                seq.stop_reason = f"grammar rejected token {token}"
+                self.finish(seq, RequestStatus.FINISHED_ABORTED)
+                return
+            grammar_done = seq.grammar.is_terminated()
+        if grammar_done or (token in self.eos_token_ids and not p.ignore_eos):
+            self.finish(seq, RequestStatus.FINISHED_STOPPED)
+        elif token in p.stop_token_ids:
+            seq.stop_reason = token
+            self.finish(seq, RequestStatus.FINISHED_STOPPED)
+        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            self.finish(seq, RequestStatus.FINISHED_LENGTH)
+
+    def stop(self, request_id: str, index: int, reason: str) -> None:
+        """A stop string ended sequence `index` (the output processor found it in the text)."""
+        seq = self.groups.get(request_id, [])[index:index + 1]
+        if seq and not seq[0].status.finished:
+            seq[0].stop_reason = reason
+            self.finish(seq[0], RequestStatus.FINISHED_STOPPED)
+
+    def abort(self, request_id: str) -> bool:
+        """End every unfinished sequence of a request; False if it is unknown (or already over)."""
+        seqs = self.groups.get(request_id)
+        if seqs is None:
+            return False
+        seqs[0].pending_forks = 0
+        for seq in seqs:
+            if not seq.status.finished:
+                self.finish(seq, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def pop_finished_groups(self) -> list[list[Request]]:
+        """Requests whose every sequence finished since the last call (their adapter pins go)."""
+        done, self._finished_groups = self._finished_groups, []
+        return done
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
@@ -150,3 +269,6 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.forget(req)
+        seqs = self.groups.get(req.request_id)
+        if seqs is not None and not seqs[0].pending_forks and all(s.status.finished for s in seqs):
+            self._finished_groups.append(self.groups.pop(req.request_id))

@@ -15,7 +15,9 @@ from safetensors import safe_open
 from torch import nn
 
 from loraplex.kernels.paged_attention import PagedAttentionMetadata, paged_attention, write_kv
+from loraplex.kernels.sgmv import LoRABatch
 from loraplex.platform.config import ModelConfig
+from loraplex.platform.models import FUSED_PROJECTIONS
 from loraplex.platform.models.linear import PackedLinear, can_pack
 from loraplex.platform.models.lora_linear import LoRAContext, LoRALinear
 
@@ -134,13 +136,18 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
-                meta: PagedAttentionMetadata) -> torch.Tensor:
-        """Flat batch of tokens -> final hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids)
-        rope = self.rope.at(positions, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, meta)
-        return self.norm(x)
+                meta: PagedAttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
+        """Flat batch of tokens -> final hidden states [T, hidden]. `lora`: each token's adapter
+        slot (None: no token uses one), read by every LoRA layer of this pass."""
+        self.lora_context.batch = lora
+        try:
+            x = self.embed_tokens(input_ids)
+            rope = self.rope.at(positions, x.dtype)
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                x = layer(x, rope, kv_cache, meta)
+            return self.norm(x)
+        finally:
+            self.lora_context.batch = None
 
     def attach_lora(self, slots) -> None:
         """Point each LoRA-capable projection at its slot table (`adapters/slots.py`)."""
@@ -179,14 +186,11 @@ class LlamaForCausalLM(nn.Module):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 put(dst + norm + ".weight", take(src + norm + ".weight"))
-            qkv = [take(f"{src}self_attn.{p}_proj.weight") for p in "qkv"]
-            put(dst + "self_attn.qkv_proj.weight", torch.cat(qkv))
-            if self.config.qkv_bias:
-                put(dst + "self_attn.qkv_proj.bias", torch.cat([take(f"{src}self_attn.{p}_proj.bias") for p in "qkv"]))
-            put(dst + "self_attn.o_proj.weight", take(src + "self_attn.o_proj.weight"))
-            gate_up = [take(f"{src}mlp.{p}_proj.weight") for p in ("gate", "up")]
-            put(dst + "mlp.gate_up_proj.weight", torch.cat(gate_up))
-            put(dst + "mlp.down_proj.weight", take(src + "mlp.down_proj.weight"))
+            for fused, parts in FUSED_PROJECTIONS.items():
+                block = "self_attn." if fused in ("qkv_proj", "o_proj") else "mlp."
+                put(dst + block + fused + ".weight", torch.cat([take(src + block + p + ".weight") for p in parts]))
+                if fused == "qkv_proj" and self.config.qkv_bias:
+                    put(dst + block + fused + ".bias", torch.cat([take(src + block + p + ".bias") for p in parts]))
         tensors.pop("lm_head.weight", None)  # tied checkpoints may still carry a copy
         leftovers = [k for k in tensors if not k.endswith("rotary_emb.inv_freq")]
         if leftovers:

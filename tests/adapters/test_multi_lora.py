@@ -116,12 +116,14 @@ def test_more_adapters_than_memory_holds_match_peft_and_the_engine_thread_never_
     """lora_memory holds two adapters of the eight: every other one is evicted and re-read from
     disk, always in the submitting thread; mixed ranks (8 and 16), two slots, peft's tokens."""
     import threading
+    from functools import reduce
 
     from loraplex.adapters import registry as registry_module
     from loraplex.adapters.peft_format import adapter_bytes
     from loraplex.platform.async_engine import AsyncEngine
     from loraplex.platform.config import EngineConfig, ModelConfig
     from loraplex.platform.engine import Engine
+    from loraplex.platform.output_processor import accumulate
 
     two = 2 * adapter_bytes(ModelConfig.from_folder(tiny_model_dir), 16, torch.float32)
     engine = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=128, lora_memory=two,
@@ -139,7 +141,8 @@ def test_more_adapters_than_memory_holds_match_peft_and_the_engine_thread_never_
     order = [0, 5, 2, 7, 1, 4, 3, 6]
     try:
         ids = [front.submit({"prompt_token_ids": prompts[i]}, GREEDY, adapter=names[i]) for i in order]
-        got = {i: [o for o in front.stream(rid, timeout=60)][-1].outputs[0].token_ids for i, rid in zip(order, ids)}
+        got = {i: reduce(accumulate, front.stream(rid, timeout=60), None).outputs[0].token_ids
+               for i, rid in zip(order, ids)}
     finally:
         front.shutdown()
     assert [got[i] for i in range(8)] == peft_greedy(tiny_model_dir, list(tiny_adapters), prompts, NEW)

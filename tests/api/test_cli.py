@@ -31,3 +31,31 @@ def test_default_model_command_prints_the_folder(default_model_dir):
     out = subprocess.run([sys.executable, "-m", "loraplex.api.cli", "default-model"], capture_output=True,
                          text=True, check=True, timeout=300)
     assert out.stdout.strip() == str(default_model_dir)
+
+
+def test_every_engine_setting_is_a_serve_flag():
+    """The serve flags are generated from EngineConfig: each field (but the model) can be set,
+    and a value that differs from its default arrives in the EngineConfig unchanged."""
+    from dataclasses import fields
+
+    from loraplex.api.cli import build_parser
+    from loraplex.api.serve import engine_config
+    from loraplex.platform.config import EngineConfig
+
+    given = {"dtype": "bfloat16", "max_model_len": 512, "max_num_seqs": 7, "max_num_batched_tokens": 99,
+             "block_size": 32, "num_kv_blocks": 11, "kv_cache_memory": 3 << 20, "enable_prefix_caching": False,
+             "seed": 5, "max_loras": 3, "max_lora_rank": 8, "max_cpu_loras": 9, "lora_memory": 5 << 20,
+             "lora_cycle_steps": 4, "grammar_backend": "outlines", "grammar_compile_timeout_s": 2.5,
+             "jump_forward": False, "pack_weights": False, "kv_cache_dtype": "float16"}
+    settable = {f.name for f in fields(EngineConfig)} - {"model"}
+    assert set(given) == settable, "a new EngineConfig field: add it here with a non-default value"
+    argv = ["serve", "--dtype", "bfloat16", "--max-model-len", "512", "--max-num-seqs", "7",
+            "--max-num-batched-tokens", "99", "--block-size", "32", "--num-kv-blocks", "11",
+            "--kv-cache-memory", "3MiB", "--no-enable-prefix-caching", "--seed", "5", "--max-loras", "3",
+            "--max-lora-rank", "8", "--max-cpu-loras", "9", "--lora-memory", "5MiB", "--lora-cycle-steps", "4",
+            "--grammar-backend", "outlines", "--grammar-compile-timeout", "2.5", "--no-jump-forward",
+            "--no-pack-weights", "--kv-cache-dtype", "float16"]
+    config = engine_config(build_parser().parse_args(argv), "m")
+    assert config == EngineConfig(model="m", **given)
+    defaults = engine_config(build_parser().parse_args(["serve"]), "m")
+    assert defaults == EngineConfig(model="m")

@@ -3,12 +3,14 @@ real schemas sampled at temperature 1."""
 
 import json
 import re
+from functools import reduce
 
 import pytest
 
 from conftest import assert_all_blocks_free
 from loraplex.grammar.backend import GrammarError
 from loraplex.platform import LLM, SamplingParams, StructuredOutputs
+from loraplex.platform.output_processor import accumulate
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "n"],
           "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 6},
@@ -138,11 +140,11 @@ def test_slow_compile_never_stalls_other_requests(tiny_model_dir, monkeypatch):
         assert slow.is_alive()  # the other request finished while the compile was still stuck
         release.set()
         slow.join(30)
-        slow_out = list(front.stream(slow_ids[0], timeout=30))[-1].outputs[0]
+        slow_out = reduce(accumulate, front.stream(slow_ids[0], timeout=30), None).outputs[0]
     finally:
         release.set()
         front.shutdown()
-    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 6
+    assert outs[-1].finished and len(reduce(accumulate, outs, None).outputs[0].token_ids) == 6
     assert slow_out.finish_reason in ("stop", "length") and set(slow_out.text) <= {"x"}
     assert_all_blocks_free(llm.engine)
 
@@ -159,11 +161,13 @@ def test_jump_forward_appends_forced_tokens_and_output_stays_valid(tiny_model_di
         steps = 0
         for i, p in enumerate(prompts):
             llm.engine.add_request(f"r{i}", p, structured(i, max_tokens=80, json=schema))
-        outs = []
+        totals = {}
         while llm.engine.has_unfinished():
-            outs += [o for o in llm.engine.step() if o.finished]
+            for o in llm.engine.step():  # deltas
+                totals[o.request_id] = accumulate(totals.get(o.request_id), o)
             steps += 1
-        for out in outs:
+        assert len(totals) == 4 and all(t.finished for t in totals.values())
+        for out in totals.values():
             jsonschema.validate(json.loads(out.outputs[0].text), schema)
         results[jump] = (steps, llm.engine.num_jump_forward_tokens)
         assert_all_blocks_free(llm.engine)

@@ -134,3 +134,18 @@ def test_forced_backend_restores_the_previous_choice():
         assert dispatch._backend == "torch"
     finally:
         dispatch.set_backend("auto")
+
+
+def test_contiguous_segments_add_in_place_and_match_the_reference():
+    """Prefill chunks: each adapter's rows are one contiguous range, read and written in place."""
+    from lora_case import reference, table_from_stacked
+
+    from loraplex.kernels.sgmv import sgmv_lora_table_torch
+
+    s, ranks, x, a, b, scales, offsets = case(12, 80, 3, 16, 48, [32, 16], torch.float32)
+    s = [0] * 30 + [1] * 20 + [-1] * 5 + [2] * 24 + [0]  # slot 0 also owns the last row: not contiguous
+    batch = LoRABatch.build(s)
+    assert batch.host_ranges == [None, (30, 50), (55, 79)]
+    y0 = torch.randn(80, 48)
+    got = sgmv_lora_table_torch(x, table_from_stacked(a, b, ranks, scales, offsets), batch, y0.clone())
+    torch.testing.assert_close(got, reference(x, a, b, ranks, scales, offsets, s, y0), atol=1e-5, rtol=1e-5)

@@ -40,6 +40,6 @@ def test_streamed_text_holds_back_a_possible_stop_prefix(tok):
     d = Detokenizer(tok, [], stop=["STOP!"])
     for t in tok("abc ST").input_ids:
         d.append(t)
-    shown = d.stream_text(finished=False)
+    shown = d.text[:d.stream_end(finished=False)]
     assert "ST" not in shown and d.text.startswith(shown)
-    assert d.stream_text(finished=True) == d.text
+    assert d.stream_end(finished=True) == len(d.text)

@@ -1,12 +1,15 @@
 """The engine end to end on a tiny random model: scheduling paths give the same tokens, bad
 input is refused, and every block comes back."""
 
+from functools import reduce
+
 import pytest
 import torch
 
 from conftest import assert_all_blocks_free
 from loraplex.platform import LLM, SamplingParams
 from loraplex.platform.async_engine import AsyncEngine
+from loraplex.platform.output_processor import accumulate
 
 PROMPTS = [{"prompt_token_ids": list(range(3 + i, 3 + i + n))} for i, n in enumerate([5, 17, 33, 2, 48, 16])]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -152,15 +155,16 @@ def test_async_engine_streams_and_aborts(tiny_model_dir):
             front.submit({"prompt_token_ids": []}, GREEDY)
         rid = front.submit(PROMPTS[1], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
         outs = list(front.stream(rid, timeout=30))
-        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 6
-        assert [len(o.outputs[0].token_ids) for o in outs] == sorted(len(o.outputs[0].token_ids) for o in outs)
+        whole = reduce(accumulate, outs, None)
+        assert outs[-1].finished and len(whole.outputs[0].token_ids) == 6
+        assert all(len(o.outputs[0].token_ids) == 1 for o in outs)  # deltas: one new token per step
         long = front.submit(PROMPTS[2], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
         stream = front.stream(long, timeout=30)
         next(stream)
         front.abort(long)
-        last = list(stream)[-1]
-        assert last.finished and last.outputs[0].finish_reason == "abort"
-        assert len(last.outputs[0].token_ids) < 400
+        rest = list(stream)
+        assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+        assert len(reduce(accumulate, rest, None).outputs[0].token_ids) < 400
     finally:
         front.shutdown()
     assert_all_blocks_free(llm.engine)
@@ -204,7 +208,7 @@ def test_float16_kv_cache_holds_twice_the_blocks_and_stays_close(tiny_model_dir)
     ids = list(range(5, 45))
     logits = {}
     for kv, engine in engines.items():
-        req = engine.make_request("r", {"prompt_token_ids": ids}, SamplingParams(max_tokens=1))
+        req = engine.inputs.process("r", {"prompt_token_ids": ids}, SamplingParams(max_tokens=1))
         for chunk in (30, 9, 1):  # a prefill chunk, a short chunk (C kernel), a decode-sized one
             assert engine.kv.allocate_slots(req, chunk) is not None
             out, _ = engine.runner.execute(SchedulerOutput([(req, chunk)]))

@@ -24,7 +24,7 @@ VARIANTS = {
 
 def prompt_logits(engine: Engine, ids: list[int], chunk: int) -> torch.Tensor:
     """Logits at every prompt position, computed chunk by chunk through the paged cache."""
-    req = engine.make_request("r", {"prompt_token_ids": ids}, SamplingParams(max_tokens=1))
+    req = engine.inputs.process("r", {"prompt_token_ids": ids}, SamplingParams(max_tokens=1))
     rows = []
     while req.num_computed_tokens < len(ids):
         n = min(chunk, len(ids) - req.num_computed_tokens)

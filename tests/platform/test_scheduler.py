@@ -8,18 +8,15 @@ def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, caching=False):
     return Scheduler(kv, max_num_seqs, budget, max_model_len=1024)
 
 
-def req(rid, n_prompt, max_tokens=4):
-    return Request(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens))
+def req(rid, n_prompt, max_tokens=4, **params):
+    return Request(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens, **params))
 
 
 def advance(sched, out, token=7):
-    """What the engine does after a step: count computed tokens, sample where a chunk completes."""
-    for r, n in out.scheduled:
-        r.num_computed_tokens += n
-        if r.num_computed_tokens == r.num_tokens:
-            r.output_token_ids.append(token)
-            if len(r.output_token_ids) >= r.params.max_tokens:
-                sched.finish(r, RequestStatus.FINISHED_LENGTH)
+    """The engine's update after a step, through the real scheduler: count computed tokens,
+    "sample" `token` where a chunk completes, finish at max_tokens."""
+    rows, batch = sched.sampling_batch(out)
+    return sched.update(batch, [token] * len(batch), [None] * len(batch))
 
 
 def test_budget_chunks_a_long_prompt():
@@ -169,3 +166,39 @@ def test_cycling_waits_until_adapters_are_waiting():
         out = s.schedule()
         assert any(r.request_id == f"a{step}" for r, _ in out.scheduled)  # nobody waits: a never yields
         advance(s, out)
+
+
+def test_update_appends_finishes_and_reports_only_the_new_tokens():
+    kv = KVCacheManager(64, 4, enable_caching=False)
+    s = Scheduler(kv, 8, 64, max_model_len=1024, eos_token_ids=(2,))
+    a, b, c = req("a", 4, max_tokens=3), req("b", 4, max_tokens=9, stop_token_ids=[5]), req("c", 4, max_tokens=9)
+    for r in (a, b, c):
+        s.add(r)
+    deltas = advance(s, s.schedule(), token=7)
+    assert [(d.request_id, d.new_token_ids, d.finish_reason) for d in deltas] == [("a", [7], None), ("b", [7], None),
+                                                                                ("c", [7], None)]
+    out = s.schedule()
+    _, batch = s.sampling_batch(out)
+    deltas = s.update(batch, [7, 5, 2], [None] * 3)  # a: a token, b: its stop token, c: EOS
+    assert [(d.new_token_ids, d.finish_reason, d.stop_reason) for d in deltas] == [
+        ([7], None, None), ([5], "stop", 5), ([2], "stop", None)]
+    assert [r.request_id for r in s.running] == ["a"] and kv.block_ids(b) == [] and kv.block_ids(c) == []
+    assert [g[0].request_id for g in s.pop_finished_groups()] == ["b", "c"]
+    assert advance(s, s.schedule())[0].finish_reason == "length" and not s.has_unfinished()
+    assert [g[0].request_id for g in s.pop_finished_groups()] == ["a"]
+
+
+def test_forks_sample_from_their_parents_row_and_the_group_ends_with_its_last_sequence():
+    kv = KVCacheManager(64, 4, enable_caching=False)
+    s = Scheduler(kv, 8, 64, max_model_len=1024)
+    s.add(req("p", 6, max_tokens=2, n=3))
+    s.add(req("q", 3, max_tokens=2))
+    rows, batch = s.sampling_batch(s.schedule())
+    assert rows == [0, 0, 0, 1] and [(r.request_id, r.index) for r in batch] == [("p", 0), ("p", 1), ("p", 2),
+                                                                              ("q", 0)]
+    assert kv.block_ids(batch[1]) == kv.block_ids(batch[0])  # the prompt's blocks are shared
+    s.update(batch, [7, 8, 9, 7], [None] * 4)
+    assert [r.output_token_ids for r in batch] == [[7], [8], [9], [7]]
+    s.abort("p")
+    assert [g[0].request_id for g in s.pop_finished_groups()] == ["p"] and len(s.groups) == 1
+    assert not s.abort("p") and s.abort("q") and not s.has_unfinished()

@@ -1,0 +1,111 @@
+"""Prompt -> validated `Request`, in the caller's thread (vLLM V1's input processor).
+
+Everything slow or fallible about a request happens here, before the engine sees it: the
+chat template and tokenizing, the default `max_tokens`, the vocabulary and capacity checks,
+reading the adapter's weights from disk (prefetch) and compiling its grammar. A failure is a
+`ValueError` naming the field and the limit. It reads only immutable engine facts, so any
+thread may call it; the server calls it off the event loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loraplex.adapters.registry import AdapterRegistry
+from loraplex.grammar.manager import GrammarManager
+from loraplex.platform.kv_cache_manager import cdiv
+from loraplex.platform.request import Request, SamplingParams
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a request must fit: the engine's sizes, fixed at start-up."""
+
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    block_size: int
+    num_kv_blocks: int
+
+    @property
+    def token_capacity(self) -> int:
+        """Tokens one sequence can hold: the context limit or the whole KV pool, whichever is less."""
+        return min(self.max_model_len, self.num_kv_blocks * self.block_size)
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, limits: Limits, adapters: AdapterRegistry, grammars: GrammarManager) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.adapters = adapters
+        self.grammars = grammars
+
+    # ---- text <-> token ids -------------------------------------------------------------------
+
+    def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # a template's own raise_exception(): the conversation's fault
+            raise ValueError(f"the chat template refused these messages: {exc}") from None
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def token_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+
+    def detokenize(self, ids: list[int], param: str) -> str:
+        self.check_token_ids(ids, param)
+        return self.tokenizer.decode(ids)
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.limits.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{param} must be integers in [0, {vocab}); got {bad[:3]}")
+
+    def default_max_tokens(self, prompt_ids: list[int]) -> int:
+        return max(1, self.limits.token_capacity - len(prompt_ids))
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def process(self, request_id: str, prompt: str | dict | list[int], params: SamplingParams,
+                adapter: str | None = None) -> Request:
+        """Tokenize and validate; raises ValueError naming the field and the limit (an unknown
+        adapter too). The adapter's weights are read here if the LRU dropped them, and the grammar
+        compiled here, never on the engine thread."""
+        weights = self.adapters.prefetch(adapter) if adapter is not None else None
+        text = None
+        if isinstance(prompt, str):
+            text, ids = prompt, self.token_ids(prompt)
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+        elif isinstance(prompt, list):
+            ids = prompt
+        else:
+            raise ValueError("prompt must be a string or {'prompt_token_ids': [...]}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        self._check(ids, params)
+        compiled = self.grammars.compile(params.structured) if params.structured is not None else None
+        return Request(request_id, ids, params, prompt=text, adapter=adapter, adapter_weights=weights,
+                       compiled_grammar=compiled)
+
+    def _check(self, ids: list[int], params: SamplingParams) -> None:
+        lim = self.limits
+        if params.n > lim.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={lim.max_num_seqs}")
+        if len(ids) == 0:
+            raise ValueError("prompt must not be empty (0 tokens)")
+        self.check_token_ids(ids, "prompt_token_ids")
+        if len(ids) > lim.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, longer than max_model_len={lim.max_model_len}")
+        if len(ids) + params.max_tokens > lim.max_model_len:
+            raise ValueError(f"max_tokens={params.max_tokens} plus the prompt's {len(ids)} tokens exceeds "
+                             f"max_model_len={lim.max_model_len}")
+        need = cdiv(len(ids) + params.max_tokens, lim.block_size)
+        if need > lim.num_kv_blocks:
+            raise ValueError(f"prompt + max_tokens needs {need} KV blocks, the cache has "
+                             f"{lim.num_kv_blocks} (num_kv_blocks)")
+        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < lim.vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids must be in [0, {lim.vocab_size}); got {bad_stop[:3]}")

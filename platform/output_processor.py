@@ -1,0 +1,147 @@
+"""Core deltas -> caller outputs (vLLM V1's output processor): request groups, incremental
+detokenizing, stop strings with hold-back, logprob decoding.
+
+Every output is a delta: the text, token ids and logprobs a sequence gained since its last
+output, so a step costs O(new tokens) however long the generation (the offline `LLM` and
+non-streaming callers add the deltas up with `accumulate`). A stop string found in the text
+is reported back, so the core can end that sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loraplex.platform.detokenizer import Detokenizer
+from loraplex.platform.request import CompletionOutput, Logprob, Request, RequestOutput
+from loraplex.platform.scheduler import SeqDelta
+
+
+@dataclass
+class _Seq:
+    detokenizer: Detokenizer
+    num_tokens: int = 0
+    num_sent_chars: int = 0
+    finished: bool = False
+
+
+@dataclass
+class _Group:
+    request: Request  # the first sequence: prompt, params, n
+    seqs: dict[int, _Seq] = field(default_factory=dict)
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.request.params.n and all(s.finished for s in self.seqs.values())
+
+
+@dataclass
+class StopHit:
+    request_id: str
+    index: int
+    stop: str
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.groups: dict[str, _Group] = {}
+
+    def add(self, request: Request) -> None:
+        self.groups[request.request_id] = _Group(request)
+
+    def process(self, deltas: list[SeqDelta]) -> tuple[list[RequestOutput], list[StopHit]]:
+        """One RequestOutput per request touched (holding the touched sequences), and the stop
+        strings found, for the core to end those sequences."""
+        touched: dict[str, list[CompletionOutput]] = {}
+        hits = []
+        for delta in deltas:
+            group = self.groups.get(delta.request_id)
+            if group is None:  # aborted meanwhile
+                continue
+            group.num_cached_tokens = max(group.num_cached_tokens, delta.num_cached_tokens)
+            out, hit = self._advance(group, delta)
+            touched.setdefault(delta.request_id, []).append(out)
+            if hit is not None:
+                hits.append(hit)
+        return [self._output(request_id, outs) for request_id, outs in touched.items()], hits
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """The last output of an aborted request: each unfinished sequence ends with "abort",
+        with whatever text it still held back."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return None
+        outs = []
+        for index in range(group.request.params.n):
+            seq = group.seqs.get(index)
+            if seq is not None and seq.finished:
+                continue
+            text = seq.detokenizer.text[seq.num_sent_chars:] if seq is not None else ""
+            outs.append(CompletionOutput(index, text, [], [] if group.request.logprobs is not None else None, "abort"))
+        req = group.request
+        return RequestOutput(request_id, req.prompt, req.prompt_token_ids, outs, True, group.num_cached_tokens)
+
+    def _detokenizer(self, request: Request) -> Detokenizer:
+        p = request.params
+        return Detokenizer(self.tokenizer, request.prompt_token_ids, p.stop, p.skip_special_tokens)
+
+    def _advance(self, group: _Group, delta: SeqDelta) -> tuple[CompletionOutput, StopHit | None]:
+        seq = group.seqs.get(delta.index)
+        if seq is None:
+            seq = group.seqs[delta.index] = _Seq(self._detokenizer(group.request))
+        params = group.request.params
+        hit = None
+        for token in delta.new_token_ids:
+            seq.num_tokens += 1
+            if hit is None:
+                stop = seq.detokenizer.append(token, check_stop=seq.num_tokens >= params.min_tokens)
+                if stop is not None and delta.finish_reason is None:
+                    hit = StopHit(delta.request_id, delta.index, stop)
+        finish, stop_reason = delta.finish_reason, delta.stop_reason
+        if hit is not None:
+            finish, stop_reason = "stop", hit.stop
+        seq.finished = finish is not None
+        logprobs = delta.new_logprobs
+        if logprobs is not None:
+            for entries in logprobs:
+                for tid, lp in entries.items():
+                    lp.decoded_token = self.tokenizer.decode([tid])
+        detok = seq.detokenizer
+        end = detok.stream_end(seq.finished)
+        text = detok.text[seq.num_sent_chars:end]
+        seq.num_sent_chars = max(seq.num_sent_chars, end)
+        return CompletionOutput(delta.index, text, list(delta.new_token_ids), logprobs, finish, stop_reason), hit
+
+    def _output(self, request_id: str, outs: list[CompletionOutput]) -> RequestOutput:
+        group = self.groups[request_id]
+        finished = group.finished
+        if finished:
+            del self.groups[request_id]
+        req = group.request
+        return RequestOutput(request_id, req.prompt, req.prompt_token_ids, sorted(outs, key=lambda o: o.index),
+                             finished, group.num_cached_tokens)
+
+
+def accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """Add a delta to what came before (for callers that want whole outputs)."""
+    if total is None:
+        total = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, [], False)
+    by_index = {o.index: o for o in total.outputs}
+    for o in delta.outputs:
+        have = by_index.get(o.index)
+        if have is None:
+            by_index[o.index] = CompletionOutput(o.index, o.text, list(o.token_ids),
+                                                 list(o.logprobs) if o.logprobs is not None else None,
+                                                 o.finish_reason, o.stop_reason)
+            continue
+        have.text += o.text
+        have.token_ids.extend(o.token_ids)
+        if o.logprobs is not None and have.logprobs is not None:
+            have.logprobs.extend(o.logprobs)
+        have.finish_reason, have.stop_reason = o.finish_reason or have.finish_reason, \
+            o.stop_reason if o.finish_reason else have.stop_reason
+    total.outputs = [by_index[i] for i in sorted(by_index)]
+    total.finished = delta.finished
+    total.num_cached_tokens = max(total.num_cached_tokens, delta.num_cached_tokens)
+    return total
