@@ -180,19 +180,44 @@ int NAME(                                                                       
             const T *bt = (const T *)(intptr_t)b_ptrs[s];                                          \
             const T *xt = x + t * in_features;                                                     \
             T *yt = y + t * out_total;                                                             \
-            for (int64_t k = 0; k < num_slices * r; ++k) {                                         \
+            /* four rows at a time: x is loaded once for four independent FMA chains */         \
+            int64_t k = 0;                                                                         \
+            for (; k + 4 <= num_slices * r; k += 4) {                                              \
+                const T *r0 = a + k * in_features, *r1 = r0 + in_features;                         \
+                const T *r2 = r1 + in_features, *r3 = r2 + in_features;                            \
+                float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;                                      \
+                for (int64_t d = 0; d < in_features; ++d) {                                        \
+                    const float xv = LOAD(xt, d);                                                  \
+                    d0 += LOAD(r0, d) * xv; d1 += LOAD(r1, d) * xv;                                \
+                    d2 += LOAD(r2, d) * xv; d3 += LOAD(r3, d) * xv;                                \
+                }                                                                                  \
+                h[k] = d0 * scales[s]; h[k + 1] = d1 * scales[s];                                  \
+                h[k + 2] = d2 * scales[s]; h[k + 3] = d3 * scales[s];                              \
+            }                                                                                      \
+            for (; k < num_slices * r; ++k) {                                                      \
                 const T *row = a + k * in_features;                                                \
                 float dot = 0.f;                                                                   \
                 for (int64_t d = 0; d < in_features; ++d) dot += LOAD(row, d) * LOAD(xt, d);       \
                 h[k] = dot * scales[s];                                                            \
             }                                                                                      \
             for (int64_t o = 0; o < out_total; ++o) acc[o] = LOAD(yt, o);                          \
-            for (int64_t i = 0; i < num_slices; ++i)                                               \
-                for (int64_t k = 0; k < r; ++k) {                                                  \
-                    const float hk = h[i * r + k];                                                 \
-                    const T *row = bt + k * out_total;                                             \
-                    for (int64_t o = offsets[i]; o < offsets[i + 1]; ++o) acc[o] += hk * LOAD(row, o); \
+            /* four rank rows of Bt per pass over the output row: a quarter of its loads/stores */ \
+            for (int64_t i = 0; i < num_slices; ++i) {                                             \
+                const float *hi = h + i * r;                                                       \
+                const int64_t lo = offsets[i], hi_o = offsets[i + 1];                              \
+                int64_t j = 0;                                                                     \
+                for (; j + 4 <= r; j += 4) {                                                       \
+                    const T *b0 = bt + j * out_total, *b1 = b0 + out_total;                        \
+                    const T *b2 = b1 + out_total, *b3 = b2 + out_total;                            \
+                    const float h0 = hi[j], h1 = hi[j + 1], h2 = hi[j + 2], h3 = hi[j + 3];        \
+                    for (int64_t o = lo; o < hi_o; ++o)                                            \
+                        acc[o] += h0 * LOAD(b0, o) + h1 * LOAD(b1, o) + h2 * LOAD(b2, o) + h3 * LOAD(b3, o); \
                 }                                                                                  \
+                for (; j < r; ++j) {                                                               \
+                    const T *row = bt + j * out_total;                                             \
+                    for (int64_t o = lo; o < hi_o; ++o) acc[o] += hi[j] * LOAD(row, o);            \
+                }                                                                                  \
+            }                                                                                      \
             for (int64_t o = 0; o < out_total; ++o) STORE(yt, o, acc[o]);                          \
         }                                                                                          \
         free(acc);                                                                                 \

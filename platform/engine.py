@@ -96,13 +96,13 @@ class Engine:
     def add(self, request: Request) -> None:
         if request.request_id in self.scheduler.groups:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        if request.adapter is not None:
+        grammar = self.grammars.new_grammar(request.compiled_grammar) if request.compiled_grammar is not None else None
+        extra_keys = request.extra_keys
+        if request.adapter is not None:  # last: nothing after it may fail and leak the pin
             # pinned until the group ends; the content hash keys its prefix cache, so a reloaded
             # adapter under the same name never sees the old one's KV
-            info = self.adapters.pin(request.adapter, request.adapter_weights)
-            request.extra_keys, request.adapter_weights = ("lora", info.content_hash), None
-        if request.compiled_grammar is not None:
-            request.grammar = self.grammars.new_grammar(request.compiled_grammar)
+            extra_keys = ("lora", self.adapters.pin(request.adapter, request.adapter_weights).content_hash)
+        request.admit(extra_keys, grammar)
         self.scheduler.add(request)
         self.outputs.add(request)
 

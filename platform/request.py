@@ -131,6 +131,11 @@ class Request:
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed + index)
 
+    def admit(self, extra_keys: tuple, grammar) -> None:
+        """The engine took the request: its prefix-cache salt (the adapter's content hash) and
+        its grammar matcher are set; the prefetched weights were handed to the registry."""
+        self.extra_keys, self.grammar, self.adapter_weights = extra_keys, grammar, None
+
     @property
     def seq_id(self) -> str:
         return f"{self.request_id}#{self.index}"

@@ -152,10 +152,9 @@ class LlamaForCausalLM(nn.Module):
     def attach_lora(self, slots) -> None:
         """Point each LoRA-capable projection at its slot table (`adapters/slots.py`)."""
         for layer, projections in zip(self.layers, slots.layers):
-            layer.self_attn.qkv_proj.lora = projections["qkv_proj"]
-            layer.self_attn.o_proj.lora = projections["o_proj"]
-            layer.mlp.gate_up_proj.lora = projections["gate_up_proj"]
-            layer.mlp.down_proj.lora = projections["down_proj"]
+            for fused, table in projections.items():
+                block = layer.self_attn if hasattr(layer.self_attn, fused) else layer.mlp
+                getattr(block, fused).lora = table
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
