@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from loraplex.grammar.backend import StructuredOutputs
+
+
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+MAX_N = 1024  # sequences per request; the engine's max_num_seqs is the real bound, checked at submission
 
 
 @dataclass
@@ -38,25 +44,42 @@ class SamplingParams:
         self._check()
 
     def _check(self) -> None:
+        """Every field in range at submission, so nothing a request carries can raise inside an
+        engine step (where it would fail the whole batch): integers are real ints within int64
+        (bools refused), floats finite."""
         def need(ok: bool, name: str, rule: str) -> None:
             if not ok:
                 raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
 
-        need(isinstance(self.n, int) and self.n >= 1, "n", ">= 1")
-        need(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", ">= 1")
-        need(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
-             "min_tokens", f"in [0, max_tokens={self.max_tokens}]")
-        need(self.temperature >= 0, "temperature", ">= 0")
-        need(0 < self.top_p <= 1, "top_p", "in (0, 1]")
-        need(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "-1, 0 (off) or >= 1")
-        need(0 <= self.min_p <= 1, "min_p", "in [0, 1]")
-        need(-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]")
-        need(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]")
-        need(self.repetition_penalty > 0, "repetition_penalty", "> 0")
+        def integer(name: str, lo: int, hi: int = INT64_MAX) -> None:
+            value = getattr(self, name)
+            need(isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi, name,
+                 f"an integer in [{lo}, {hi}]")
+
+        def real(name: str, ok, rule: str) -> None:
+            value = getattr(self, name)
+            need(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                 and ok(value), name, f"a finite number {rule}")
+
+        integer("n", 1, MAX_N)
+        integer("max_tokens", 1)
+        integer("min_tokens", 0, self.max_tokens)
+        real("temperature", lambda v: v >= 0, ">= 0")
+        real("top_p", lambda v: 0 < v <= 1, "in (0, 1]")
+        integer("top_k", -1, INT32_MAX)  # -1 or 0: off
+        real("min_p", lambda v: 0 <= v <= 1, "in [0, 1]")
+        real("presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]")
+        real("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]")
+        real("repetition_penalty", lambda v: v > 0, "> 0")
+        if self.seed is not None:
+            integer("seed", INT64_MIN)
+        need(all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX for t in self.stop_token_ids),
+             "stop_token_ids", "a list of token ids")
+        need(all(isinstance(s, str) for s in self.stop), "stop", "a string or a list of strings")
         need(self.structured is None or isinstance(self.structured, StructuredOutputs), "structured",
              "a StructuredOutputs")
-        need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-             "logprobs", "None or in [0, 20]")
+        need(self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
+                                       and 0 <= self.logprobs <= 20), "logprobs", "None or in [0, 20]")
 
     @property
     def greedy(self) -> bool:
@@ -128,8 +151,8 @@ class Request:
         self.pending_forks = params.n - 1 if index == 0 else 0
         self.stop_reason: str | int | None = None
         self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed + index)
+        if params.seed is not None:  # any int64 seed, any index: wraps into the generator's uint64 range
+            self.generator = torch.Generator().manual_seed((params.seed + index) % 2**64)
 
     def admit(self, extra_keys: tuple, grammar) -> None:
         """The engine took the request: its prefix-cache salt (the adapter's content hash) and

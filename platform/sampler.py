@@ -101,7 +101,7 @@ def filter_and_softmax(logits: torch.Tensor, requests: list[Request]) -> torch.T
     vocab = logits.shape[1]
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        k = torch.tensor([k if k > 0 else vocab for k in top_k]).clamp(max=vocab)
+        k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k])
         ranks = torch.arange(vocab)[None, :]
         sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
         probs = sorted_logits.softmax(dim=-1)

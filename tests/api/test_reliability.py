@@ -154,6 +154,34 @@ def test_bad_input_is_a_4xx_with_an_openai_error(tiny_model_dir):
         server.stop()
 
 
+def test_hostile_sampling_fields_never_reach_the_batch(tiny_model_dir):
+    """Values that used to pass validation and raise inside the step (failing every request in
+    the batch, and after three, the engine): each is a 400 now, and a concurrent request is fine."""
+    import threading
+
+    server = start_server(tiny_model_dir, config(), num_kv_blocks=64)
+    chat = "/v1/chat/completions"
+    innocent: list = []
+    worker = threading.Thread(target=lambda: innocent.append(http(server, "/v1/completions", {
+        "model": "tiny", "prompt": "Hello", "max_tokens": 40, "ignore_eos": True}, key=None)))
+    try:
+        worker.start()
+        for extra, fragment in [({"top_k": 2**63}, "top_k"), ({"n": 2, "seed": 2**64 - 1}, "seed"),
+                                ({"seed": -2**63 - 1}, "seed"), ({"top_k": 2**40}, "top_k")]:
+            assert_error(http(server, chat, {"model": "tiny", "messages": MSG, **extra}, key=None), 400, fragment)
+        for raw, fragment in [(b'"temperature": 1e999', "temperature"), (b'"repetition_penalty": 1e999', "repetition"),
+                              (b'"top_p": NaN', "")]:
+            body = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], ' + raw + b"}"
+            status, reply = http(server, chat, raw=body, key=None)
+            assert_error((status, reply), 400, fragment)
+        worker.join(60)
+        assert innocent and innocent[0][0] == 200, innocent
+        assert server.front.is_alive and http(server, "/health", key=None)[0] == 200
+        assert_clean(server)
+    finally:
+        server.stop()
+
+
 def test_overload_gets_429_with_retry_after(tiny_model_dir):
     server = start_server(tiny_model_dir, config(), max_waiting_requests=2, num_kv_blocks=64, max_num_seqs=1)
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": 60, "ignore_eos": True}

@@ -111,3 +111,25 @@ def test_callers_logits_are_never_changed(params):
     before = logits.clone()
     Sampler(V, eos_token_ids=(0,))(logits, [req(params, output=(1, 5)), req(params, rid="s")])
     assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", float("inf")), ("temperature", float("nan")), ("repetition_penalty", float("inf")),
+    ("top_p", float("nan")), ("min_p", float("inf")), ("presence_penalty", float("nan")),
+    ("top_k", 2**63), ("top_k", -2), ("n", True), ("max_tokens", 2.5), ("seed", 2**64 - 1), ("seed", -2**63 - 1),
+    ("logprobs", True), ("stop_token_ids", [2**40]), ("stop_token_ids", [True]),
+])
+def test_out_of_range_sampling_fields_are_refused_at_submission(field, value):
+    """Anything that could raise inside a step (and fail the whole batch) is a ValueError here."""
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_extreme_but_valid_fields_sample_without_raising():
+    """The largest seed with n > 1, and top_k far beyond the vocabulary, are served, not errors."""
+    params = SamplingParams(n=2, seed=2**63 - 1, top_k=2**31 - 1, temperature=1e30, max_tokens=3)
+    r0, r1 = Request("r", [1, 2], params), Request("r", [1, 2], params, index=1)
+    assert r0.generator is not None and r1.generator is not None
+    sampler = Sampler(vocab_size=16, eos_token_ids=(0,))
+    out = sampler(torch.randn(2, 16), [r0, r1])
+    assert all(0 <= t < 16 for t in out.token_ids)
