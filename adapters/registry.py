@@ -60,8 +60,9 @@ class AdapterRegistry:
     # ---- registration (any thread) ----------------------------------------------------------
 
     def load(self, name: str, path: str, replace: bool = False) -> AdapterInfo:
-        if not name or not isinstance(name, str) or ":" in name:
-            raise AdapterError(f"adapter name must be a non-empty string without ':', got {name!r}")
+        if not name or not isinstance(name, str) or ":" in name or not name.isprintable() \
+                or name != name.encode("utf-8", "replace").decode("utf-8"):
+            raise AdapterError(f"adapter name must be a non-empty, printable UTF-8 string without ':', got {name!r}")
         with self._lock:
             if name in self._adapters and not replace:
                 raise AdapterError(f"adapter {name!r} is already loaded (from {self._adapters[name].path})")

@@ -5,14 +5,40 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from loraplex.grammar.backend import StructuredOutputs
 from loraplex.platform.request import SamplingParams
 
 
+MAX_PROMPTS = 128  # prompts in one completions request (each is queued as its own request)
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        """JSON can carry lone UTF-16 surrogates ("\\ud800"), which no tokenizer, log or response
+        can encode: refuse them here, naming where."""
+        _no_surrogates(data, "")
+        return data
+
+
+def _no_surrogates(value: Any, where: str) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{where or 'a string'} is not valid Unicode (a lone surrogate)") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _no_surrogates(key, where)
+            _no_surrogates(item, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _no_surrogates(item, f"{where}[{i}]")
 
 
 class StreamOptions(_Body):
@@ -120,6 +146,8 @@ class CompletionRequest(_SamplingFields):
             return [p]
         if not p:
             raise ValueError("prompt must not be empty")
+        if len(p) > MAX_PROMPTS and not all(isinstance(x, int) for x in p):
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(p)}")
         if all(isinstance(x, int) for x in p):
             return [{"prompt_token_ids": p}]
         if all(isinstance(x, str) for x in p):

@@ -79,6 +79,12 @@ def _as_api_error(exc: BaseException) -> APIError:
     return APIError(500, "internal server error; see the server log")
 
 
+def _same_key(given: str, key: str) -> bool:
+    """Constant-time comparison of bytes: a header with non-ASCII characters is just a wrong key
+    (comparing such strings directly raises)."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), key.encode("utf-8", "surrogateescape"))
+
+
 class _ClientGone(Exception):
     pass
 
@@ -105,7 +111,7 @@ class _Server:
         if not self.config.api_key:
             return
         token = self._token(request)
-        if token is None or not any(hmac.compare_digest(token, k) for k in keys):
+        if token is None or not any(_same_key(token, k) for k in keys):
             raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)")
 
     def require_admin(self, request: Request) -> None:
@@ -113,9 +119,9 @@ class _Server:
         if not admin:
             return self.require_user(request)
         token = self._token(request)
-        if token is not None and hmac.compare_digest(token, admin):
+        if token is not None and _same_key(token, admin):
             return
-        if token is not None and self.config.api_key and hmac.compare_digest(token, self.config.api_key):
+        if token is not None and self.config.api_key and _same_key(token, self.config.api_key):
             raise APIError(403, "this endpoint needs the admin API key")
         raise APIError(401, "missing or invalid admin API key (Authorization: Bearer <key>)")
 

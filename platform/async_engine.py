@@ -89,7 +89,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._num_queued = 0  # submitted, not yet handed to the scheduler
+        self._num_queued = 0  # sequences (n per request) submitted, not yet handed to the scheduler
         self.stats: EngineStats = engine.stats()
         self.closing: str | None = None  # why new requests are refused (shutting down)
         self.error: BaseException | None = None
@@ -119,7 +119,7 @@ class AsyncEngine:
     def submit(self, prompt, params: SamplingParams, request_id: str | None = None,
                adapter: str | None = None) -> str:
         """Validate (raising ValueError here, in the caller's thread) and queue a request."""
-        self._check_accepting()
+        self._check_accepting(params.n if isinstance(params, SamplingParams) else 1)
         request = self.engine.inputs.process(request_id or f"req-{next(self._ids)}", prompt, params, adapter)
         self._enqueue(request, None)
         return request.request_id
@@ -155,7 +155,7 @@ class AsyncEngine:
         until all finish. Tokenizing, the adapter's disk read and the grammar compiles run in a
         worker thread, all before anything is queued (a bad prompt queues none). Leaving early
         aborts what is still running."""
-        self._check_accepting()
+        self._check_accepting(sum(sp.n for sp in params))
         ids = [rid or f"req-{next(self._ids)}" for rid in request_ids]
         requests = await asyncio.to_thread(
             lambda: [self.engine.inputs.process(rid, p, sp, adapter) for rid, p, sp in zip(ids, prompts, params)])
@@ -191,13 +191,15 @@ class AsyncEngine:
         self._commands.put(_Wake())
         self._thread.join(timeout)
 
-    def _check_accepting(self) -> None:
+    def _check_accepting(self, incoming: int = 1) -> None:
+        """Refuse when shutting down, dead, or when `incoming` more sequences (every prompt and
+        every n of a call count) would pass max_waiting_requests."""
         if self.closing is not None:
             raise EngineDeadError(self.closing)
         if not self.is_alive:
             raise EngineDeadError("the engine failed; see the server log")
         limit = self.max_waiting_requests
-        if limit is not None and self._num_queued + self.stats.num_waiting >= limit:
+        if limit is not None and self._num_queued + self.stats.num_waiting_seqs + incoming > limit:
             raise QueueFullError(f"{limit} requests are already waiting (max_waiting_requests); retry later")
 
     def _enqueue(self, request: Request, loop: asyncio.AbstractEventLoop | None, items: asyncio.Queue | None = None,
@@ -206,7 +208,7 @@ class AsyncEngine:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         stream = self._streams[request.request_id] = _Stream(loop, items, tag)
         with self._lock:
-            self._num_queued += 1
+            self._num_queued += request.params.n
         self._commands.put(_Add(request))
         return stream
 
@@ -249,7 +251,7 @@ class AsyncEngine:
         while True:
             if isinstance(command, _Add):
                 with self._lock:
-                    self._num_queued -= 1
+                    self._num_queued -= command.request.params.n
                 try:
                     if self.closing is not None:
                         raise EngineDeadError(self.closing)

@@ -31,6 +31,7 @@ class EngineStats:
 
     num_running: int = 0  # sequences
     num_waiting: int = 0
+    num_waiting_seqs: int = 0  # what the waiting requests will run (n each): the queue bound counts these
     kv_usage: float = 0.0  # blocks held by requests / all blocks (cached-free count as free)
     prefix_cache_queries: int = 0  # tokens looked up / found in the prefix cache
     prefix_cache_hits: int = 0
@@ -136,7 +137,8 @@ class Engine:
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(
-            num_running=len(s.running), num_waiting=len(s.waiting), kv_usage=self.kv.pool.usage,
+            num_running=len(s.running), num_waiting=len(s.waiting),
+            num_waiting_seqs=sum(r.pending_forks + 1 for r in s.waiting), kv_usage=self.kv.pool.usage,
             prefix_cache_queries=self.kv.num_queries, prefix_cache_hits=self.kv.num_hits,
             num_preemptions=s.num_preemptions, running_adapters=tuple(sorted(s.running_adapters())),
             waiting_adapters=tuple(sorted({r.adapter for r in s.waiting if r.adapter is not None})),

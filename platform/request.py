@@ -13,7 +13,7 @@ from loraplex.grammar.backend import StructuredOutputs
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
-MAX_N = 1024  # sequences per request; the engine's max_num_seqs is the real bound, checked at submission
+MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS, MAX_STOP_TOKEN_IDS = 64, 1024, 1024  # each step checks them all
 
 
 @dataclass
@@ -61,7 +61,7 @@ class SamplingParams:
             need(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
                  and ok(value), name, f"a finite number {rule}")
 
-        integer("n", 1, MAX_N)
+        integer("n", 1, INT32_MAX)  # the engine's max_num_seqs bounds it at submission
         integer("max_tokens", 1)
         integer("min_tokens", 0, self.max_tokens)
         real("temperature", lambda v: v >= 0, ">= 0")
@@ -76,6 +76,9 @@ class SamplingParams:
         need(all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX for t in self.stop_token_ids),
              "stop_token_ids", "a list of token ids")
         need(all(isinstance(s, str) for s in self.stop), "stop", "a string or a list of strings")
+        need(len(self.stop) <= MAX_STOP_STRINGS and all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop), "stop",
+             f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters")
+        need(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
         need(self.structured is None or isinstance(self.structured, StructuredOutputs), "structured",
              "a StructuredOutputs")
         need(self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)

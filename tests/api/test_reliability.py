@@ -182,6 +182,46 @@ def test_hostile_sampling_fields_never_reach_the_batch(tiny_model_dir):
         server.stop()
 
 
+def test_invalid_unicode_and_oversized_lists_are_4xx(tiny_model_dir, adapter_root):
+    """Lone surrogates anywhere in a body, a non-ASCII bearer token, too many prompts, stop
+    strings or stop token ids: 4xx naming the problem; the server and /v1/models stay fine."""
+    import urllib.request
+
+    server = start_server(tiny_model_dir, config(adapter_root, api_key="k3y"), max_waiting_requests=4,
+                          num_kv_blocks=64)
+    chat, completions = "/v1/chat/completions", "/v1/completions"
+    lone = b'"\\ud800"'  # the JSON escape of a lone surrogate
+    try:
+        for path, raw, fragment in [
+            (completions, b'{"model": "tiny", "prompt": ' + lone + b"}", "prompt"),
+            (chat, b'{"model": "tiny", "messages": [{"role": "user", "content": ' + lone + b"}]}", "messages"),
+            (chat, b'{"model": ' + lone + b', "messages": [{"role": "user", "content": "hi"}]}', "model"),
+            ("/v1/load_lora_adapter", b'{"lora_name": ' + lone + b', "lora_path": "a0"}', "lora_name"),
+            ("/tokenize", b'{"prompt": ' + lone + b"}", "prompt"),
+        ]:
+            assert_error(http(server, path, raw=raw, key="k3y"), 400, fragment)
+        req = urllib.request.Request(server.url + "/v1/models", headers={"Authorization": "Bearer caf\xe9"})
+        try:
+            urllib.request.urlopen(req, timeout=10)
+            raise AssertionError("a wrong key was accepted")
+        except urllib.error.HTTPError as err:
+            assert err.code == 401
+        assert_error(http(server, completions, {"model": "tiny", "prompt": ["x"] * 129}, key="k3y"), 400, "at most 128")
+        assert_error(http(server, chat, {"model": "tiny", "messages": MSG, "stop": ["s"] * 65}, key="k3y"), 400, "stop")
+        assert_error(http(server, chat, {"model": "tiny", "messages": MSG, "stop": ["s" * 2000]}, key="k3y"), 400,
+                     "stop")
+        assert_error(http(server, chat, {"model": "tiny", "messages": MSG, "stop_token_ids": [1] * 1025}, key="k3y"),
+                     400, "stop_token_ids")
+        # five prompts are five requests against max_waiting_requests=4
+        assert_error(http(server, completions, {"model": "tiny", "prompt": ["a", "b", "c", "d", "e"]}, key="k3y"),
+                     429, "max_waiting_requests")
+        assert_error(http(server, chat, {"model": "tiny", "messages": MSG, "n": 5}, key="k3y"), 429, "waiting")
+        assert http(server, "/v1/models", key="k3y")[0] == 200
+        assert_clean(server)
+    finally:
+        server.stop()
+
+
 def test_overload_gets_429_with_retry_after(tiny_model_dir):
     server = start_server(tiny_model_dir, config(), max_waiting_requests=2, num_kv_blocks=64, max_num_seqs=1)
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": 60, "ignore_eos": True}
