@@ -12,7 +12,7 @@ from typing import Protocol
 from loraplex.platform.request import CompletionOutput, Logprob, RequestOutput
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-               404: "NotFoundError", 409: "ConflictError", 413: "RequestTooLargeError",
+               404: "NotFoundError", 408: "RequestTimeoutError", 409: "ConflictError", 413: "RequestTooLargeError",
                422: "UnprocessableEntityError", 429: "RateLimitError", 500: "InternalServerError",
                503: "ServiceUnavailableError", 504: "TimeoutError"}
 

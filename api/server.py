@@ -30,7 +30,8 @@ from loraplex.api import openai_format as fmt
 from loraplex.api.metrics import RequestTimer, ServerMetrics
 from loraplex.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    LoadAdapterRequest, TokenizeRequest, UnloadAdapterRequest, chat_dicts)
-from loraplex.platform.async_engine import AsyncEngine, EngineDeadError, QueueFullError, StepFailedError
+from loraplex.platform.async_engine import (AsyncEngine, ClientTooSlowError, EngineDeadError, QueueFullError,
+                                            StepFailedError)
 from loraplex.platform.output_processor import accumulate
 from loraplex.platform.request import RequestOutput, SamplingParams
 
@@ -73,6 +74,8 @@ def _as_api_error(exc: BaseException) -> APIError:
         return APIError(503, str(exc))
     if isinstance(exc, StepFailedError):
         return APIError(500, str(exc))
+    if isinstance(exc, ClientTooSlowError):
+        return APIError(408, str(exc))
     if isinstance(exc, ValueError):  # also GrammarError and AdapterError: the request's own fault
         return APIError(400, str(exc))
     log.exception("unexpected error", exc_info=exc)

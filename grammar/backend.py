@@ -19,6 +19,26 @@ class GrammarError(ValueError):
     """An invalid or unsupported spec, or a compile that failed or timed out."""
 
 
+# Size caps: a spec is compiled off the engine thread, but a huge one still ties up a compile
+# worker and memory; nesting deeper than this only serves to exhaust recursion.
+MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH = 256 << 10, 64
+MAX_PATTERN_CHARS, MAX_GRAMMAR_CHARS = 16 << 10, 64 << 10
+MAX_CHOICES, MAX_CHOICE_CHARS = 1024, 1024
+
+
+def _depth(value) -> int:
+    """Nesting depth of a JSON value, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if depth > MAX_SCHEMA_DEPTH:
+            break
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
 @dataclass(frozen=True)
 class StructuredOutputs:
     """Exactly one of: a JSON Schema, any JSON object, a regex, a list of choices, an EBNF grammar."""
@@ -37,21 +57,39 @@ class StructuredOutputs:
             raise GrammarError(f"structured outputs need exactly one of json, json_object, regex, choice, "
                                f"grammar; got {given or 'none'}")
         if isinstance(self.json, str):
+            if len(self.json) > MAX_SCHEMA_BYTES:
+                raise GrammarError(f"json schema is larger than {MAX_SCHEMA_BYTES} bytes")
             try:
                 object.__setattr__(self, "json", json.loads(self.json))
             except json.JSONDecodeError as exc:
                 raise GrammarError(f"json schema is not valid JSON: {exc}") from None
-        if self.json is not None and not isinstance(self.json, (dict, bool)):
-            raise GrammarError(f"json schema must be an object, got {type(self.json).__name__}")
+            except RecursionError:
+                raise GrammarError(f"json schema nests deeper than {MAX_SCHEMA_DEPTH} levels") from None
+            if self.json is None:  # "null" is no schema, and never "any object"
+                raise GrammarError("json schema must be an object, got null")
+        if self.json is not None:
+            self._check_schema()
         if self.choice is not None:
             if not isinstance(self.choice, list) or not self.choice:
                 raise GrammarError("choice must be a non-empty list of strings")
             if not all(isinstance(c, str) and c for c in self.choice):
                 raise GrammarError("choice must hold non-empty strings only")
-        for name in ("regex", "grammar"):
+            if len(self.choice) > MAX_CHOICES or any(len(c) > MAX_CHOICE_CHARS for c in self.choice):
+                raise GrammarError(f"choice: at most {MAX_CHOICES} strings of at most {MAX_CHOICE_CHARS} characters")
+        for name, limit in (("regex", MAX_PATTERN_CHARS), ("grammar", MAX_GRAMMAR_CHARS)):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise GrammarError(f"{name} must be a non-empty string")
+            if value is not None and len(value) > limit:
+                raise GrammarError(f"{name} is longer than {limit} characters")
+
+    def _check_schema(self) -> None:
+        if not isinstance(self.json, (dict, bool)):
+            raise GrammarError(f"json schema must be an object, got {type(self.json).__name__}")
+        if _depth(self.json) > MAX_SCHEMA_DEPTH:
+            raise GrammarError(f"json schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        if len(json.dumps(self.json)) > MAX_SCHEMA_BYTES:
+            raise GrammarError(f"json schema is larger than {MAX_SCHEMA_BYTES} bytes")
 
     @property
     def kind(self) -> str:

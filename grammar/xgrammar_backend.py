@@ -75,7 +75,10 @@ class XGrammarBackend:
             if spec.kind == "regex":
                 return self.compiler.compile_regex(spec.regex)
             if spec.kind == "choice":
-                return self.compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
+                # literal UTF-8: json.dumps' default \ud83d\ude00 for an emoji would be read by
+                # the EBNF parser as two lone surrogates that no token can ever match
+                return self.compiler.compile_grammar(
+                    "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice))
             return self.compiler.compile_grammar(spec.grammar)
         except GrammarError:
             raise

@@ -33,6 +33,10 @@ class StepFailedError(RuntimeError):
     """An engine step raised; the requests in its batch were aborted, the engine goes on."""
 
 
+class ClientTooSlowError(RuntimeError):
+    """A reader left more than `max_unread_outputs` outputs unread; its request was aborted."""
+
+
 class QueueFullError(RuntimeError):
     """More requests are waiting than `max_waiting_requests`; the caller should retry later."""
 
@@ -81,9 +85,11 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, max_waiting_requests: int | None = None) -> None:
+    def __init__(self, engine: Engine, max_waiting_requests: int | None = None,
+                 max_unread_outputs: int = 4096) -> None:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
+        self.max_unread_outputs = max_unread_outputs  # per stream (per API call): a reader that stops reading
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
@@ -278,6 +284,12 @@ class AsyncEngine:
     def _publish(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)
         if stream is None:
+            return
+        if not out.finished and stream.items.qsize() >= self.max_unread_outputs:
+            # a client that stopped reading (but did not disconnect) must not grow memory forever
+            self.engine.abort(out.request_id)
+            stream.put(ClientTooSlowError(f"more than {self.max_unread_outputs} outputs were left unread; "
+                                          f"the request was aborted"))
             return
         stream.put(out)
         if out.finished:

@@ -92,3 +92,36 @@ def test_slow_compile_times_out_alone(manager, monkeypatch):
     with pytest.raises(GrammarError, match="longer than 0.2s"):
         slow.compile(StructuredOutputs(regex="y+"))
     assert fast is not None
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"json": "null"}, "got null"),  # was silently "any object"
+    ({"json": "[" * 5000 + "]" * 5000}, "nests deeper"),  # was a RecursionError (500)
+    ({"json": {"type": "object", "properties": {"a": {"items": {"items": {"items": {}}}}}}}, None),
+    ({"regex": "a" * 20000}, "longer than"),
+    ({"choice": ["x"] * 1025}, "at most 1024"),
+])
+def test_hostile_specs_are_refused_by_name(kwargs, message):
+    if message is None:
+        StructuredOutputs(**kwargs)  # ordinary nesting is fine
+        return
+    with pytest.raises(GrammarError, match=message):
+        StructuredOutputs(**kwargs)
+
+
+def test_deeply_nested_schema_objects_are_refused():
+    schema: dict = {}
+    for _ in range(200):
+        schema = {"items": schema}
+    with pytest.raises(GrammarError, match="nests deeper"):
+        StructuredOutputs(json=schema)
+
+
+def test_choices_outside_the_basic_plane_can_be_generated(default_model_dir):
+    """An emoji choice compiles to UTF-8 the tokens can spell (it used to need lone surrogates)."""
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    manager = GrammarManager(tok, vocab_size=len(tok), stop_token_ids=[tok.eos_token_id])
+    grammar = manager.new_grammar(manager.compile(StructuredOutputs(choice=["\U0001F600 yes", "no"])))
+    for token in tok.encode("\U0001F600 yes", add_special_tokens=False):
+        assert grammar.accept_token(token)
+    assert grammar.accept_token(tok.eos_token_id) or grammar.is_terminated()

@@ -222,3 +222,33 @@ def test_bad_kv_cache_dtype_is_refused():
 
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(model="x", kv_cache_dtype="fp8")
+
+
+def test_a_reader_that_stops_reading_is_aborted_not_buffered_forever(tiny_model_dir):
+    import asyncio
+
+    from loraplex.platform.async_engine import ClientTooSlowError
+
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64)
+    front = AsyncEngine(llm.engine, max_unread_outputs=8)
+
+    async def read_one_then_stall():
+        outputs = front.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
+        await anext(outputs)
+        for _ in range(300):  # the client stops reading; the engine goes on generating
+            if not llm.engine.has_unfinished():
+                break
+            await asyncio.sleep(0.02)
+        items = []
+        with pytest.raises(ClientTooSlowError, match="left unread"):
+            async for out in outputs:
+                items.append(out)
+        return items
+
+    try:
+        unread = asyncio.run(read_one_then_stall())
+        assert len(unread) <= 8  # what was buffered before the abort
+        assert sum(len(o.outputs[0].token_ids) for o in unread) < 299
+    finally:
+        front.shutdown()
+    assert_all_blocks_free(llm.engine)
