@@ -6,12 +6,18 @@ adapter and the reason: nothing is ever silently ignored.
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import io
 import json
+import math
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import regex
 import torch
 
 from loraplex.platform.config import ModelConfig
@@ -72,19 +78,27 @@ def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 def read_peft_adapter(name: str, path: str | Path, config: ModelConfig, max_lora_rank: int,
-                      dtype: torch.dtype = torch.float32) -> LoRAWeights:
+                      dtype: torch.dtype = torch.float32, confined: bool = False) -> LoRAWeights:
+    """`confined`: the folder came from a client (an adapter root): `path` must be absolute and
+    free of symbolic links, and it is opened one component at a time without following any, its
+    files as regular, singly linked files (no hard link to elsewhere), all through one
+    directory handle, so a link swapped in after the caller's check cannot redirect the read."""
     folder = Path(path)
     fail = lambda reason: AdapterError(f"adapter {name!r} ({folder}): {reason}")  # noqa: E731
-    if not folder.is_dir():
-        raise fail("not a folder")
-    raw = _read_config(folder, fail)
-    _check_config(raw, max_lora_rank, fail)
+    try:
+        with _Folder(folder, confined) as files:
+            raw = _read_config(files, fail)
+            _check_config(raw, max_lora_rank, fail)
+            tensors = _read_weights(files, fail)
+    except (FileNotFoundError, NotADirectoryError):
+        raise fail("not a folder") from None
+    except OSError as exc:  # a link loop, a name too long, a link where none may be
+        raise fail(f"cannot be read ({exc.strerror or type(exc).__name__})") from None
     rank = int(raw["r"])
     alpha = float(raw.get("lora_alpha", rank))
     scaling = alpha / rank ** 0.5 if raw.get("use_rslora") else alpha / rank
     targets = _target_modules(raw.get("target_modules"), fail)
     layers = _layers(raw, config, fail)
-    tensors = _read_weights(folder, fail)
     weights = _collect(tensors, targets, rank, config, fail)
     stray = sorted({layer for layer, _ in weights} - layers)
     if stray:
@@ -119,14 +133,65 @@ def _fuse(weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], ran
     return out
 
 
-def _read_config(folder: Path, fail) -> dict:
-    cfg = folder / "adapter_config.json"
-    if not cfg.is_file():
+MAX_CONFIG_BYTES, MAX_WEIGHT_BYTES = 1 << 20, 4 << 30
+
+
+class _Folder:
+    """The adapter folder's files, read through one directory handle (see read_peft_adapter)."""
+
+    def __init__(self, folder: Path, confined: bool) -> None:
+        self.folder, self.confined, self.fd = folder, confined, -1
+
+    def __enter__(self) -> "_Folder":
+        flags = os.O_RDONLY | os.O_DIRECTORY
+        if not self.confined:
+            self.fd = os.open(self.folder, flags)
+            return self
+        if not self.folder.is_absolute():
+            raise OSError(errno.EINVAL, "not an absolute path")
+        self.fd = os.open("/", flags)
+        for part in self.folder.parts[1:]:  # O_NOFOLLOW on every component: no link anywhere
+            parent, self.fd = self.fd, -1
+            try:
+                self.fd = os.open(part, flags | os.O_NOFOLLOW, dir_fd=parent)
+            finally:
+                os.close(parent)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+
+    def read(self, name: str, limit: int, fail) -> bytes | None:
+        """The file's bytes; None if it does not exist."""
+        # O_NONBLOCK: opening a FIFO planted in the folder must not wait for a writer forever
+        flags = os.O_RDONLY | os.O_NONBLOCK | (os.O_NOFOLLOW if self.confined else 0)
+        try:
+            fd = os.open(name, flags, dir_fd=self.fd)
+        except FileNotFoundError:
+            return None
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise fail(f"{name} is not a regular file")
+            if self.confined and info.st_nlink != 1:
+                raise fail(f"{name} is hard-linked (it may be a file from outside the adapter root)")
+            if info.st_size > limit:
+                raise fail(f"{name} is larger than {limit} bytes")
+            return f.read(limit + 1)
+
+
+def _read_config(files: _Folder, fail) -> dict:
+    text = files.read("adapter_config.json", MAX_CONFIG_BYTES, fail)
+    if text is None:
         raise fail("adapter_config.json is missing")
     try:
-        raw = json.loads(cfg.read_text())
+        raw = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise fail(f"adapter_config.json is not valid JSON ({exc})") from None
+        raise fail(f"adapter_config.json is not valid JSON ({type(exc).__name__} at position "
+                   f"{getattr(exc, 'pos', getattr(exc, 'start', '?'))})") from None
+    except RecursionError:
+        raise fail("adapter_config.json nests too deeply") from None
     if not isinstance(raw, dict):
         raise fail("adapter_config.json must hold a JSON object")
     return raw
@@ -150,10 +215,13 @@ def _check_config(raw: dict, max_lora_rank: int, fail) -> None:
         if raw.get(key):
             raise fail(f"{key} is not supported")
     rank = raw.get("r")
-    if not isinstance(rank, int) or rank < 1:
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise fail(f"rank r must be a positive integer, got {rank!r}")
     if rank > max_lora_rank:
         raise fail(f"rank {rank} exceeds max_lora_rank={max_lora_rank}")
+    alpha = raw.get("lora_alpha", rank)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise fail(f"lora_alpha must be a finite number, got {alpha!r}")
 
 
 def _layers(raw: dict, config: ModelConfig, fail) -> set[int]:
@@ -169,13 +237,22 @@ def _layers(raw: dict, config: ModelConfig, fail) -> set[int]:
 
 def _target_modules(value, fail) -> set[str]:
     if isinstance(value, str):  # peft: a regex matched against full module names
-        matched = {m for m in TARGETS if re.fullmatch(value, f"model.layers.0.self_attn.{m}")
-                   or re.fullmatch(value, f"model.layers.0.mlp.{m}") or value == m}
+        if len(value) > 1024:
+            raise fail("target_modules regex is longer than 1024 characters")
+        try:  # the `regex` engine, with a time bound: a client's pattern may backtrack forever
+            matched = {m for m in TARGETS if value == m or any(
+                regex.fullmatch(value, f"model.layers.0.{block}.{m}", timeout=0.05) for block in ("self_attn", "mlp"))}
+        except regex.error as exc:
+            raise fail(f"target_modules regex is invalid ({exc})") from None
+        except TimeoutError:
+            raise fail("target_modules regex takes too long to match (catastrophic backtracking)") from None
         if not matched:
             raise fail(f"target_modules regex {value!r} matches none of {sorted(TARGETS)}")
         return matched
     if value in ("all-linear",):
         raise fail("target_modules='all-linear' includes lm_head, which is not supported; list the modules")
+    if value is not None and (not isinstance(value, list) or not all(isinstance(m, str) for m in value)):
+        raise fail(f"target_modules must be a list of module names or a regex, got {type(value).__name__}")
     modules = set(value or [])
     unknown = modules - set(TARGETS)
     if unknown:
@@ -185,18 +262,30 @@ def _target_modules(value, fail) -> set[str]:
     return modules
 
 
-def _read_weights(folder: Path, fail) -> dict[str, torch.Tensor]:
-    st, binary = folder / "adapter_model.safetensors", folder / "adapter_model.bin"
-    try:
-        if st.is_file():
-            from safetensors.torch import load_file
-
-            return load_file(str(st))
-        if binary.is_file():
-            return torch.load(binary, map_location="cpu", weights_only=True)
-    except Exception as exc:  # corrupt or truncated file: any reader error is the adapter's fault
-        raise fail(f"cannot read weights: {type(exc).__name__}: {exc}") from None
+def _read_weights(files: _Folder, fail) -> dict[str, torch.Tensor]:
+    for name, load in (("adapter_model.safetensors", _load_safetensors), ("adapter_model.bin", _load_bin)):
+        data = files.read(name, MAX_WEIGHT_BYTES, fail)
+        if data is None:
+            continue
+        try:
+            tensors = load(data)
+        except Exception as exc:  # corrupt or truncated file: any reader error is the adapter's fault
+            raise fail(f"cannot read weights: {type(exc).__name__}: {str(exc)[:200]}") from None
+        if not isinstance(tensors, dict) or not all(isinstance(k, str) and isinstance(t, torch.Tensor)
+                                                    for k, t in tensors.items()):
+            raise fail(f"{name} must map weight names to tensors")
+        return tensors
     raise fail("adapter_model.safetensors (or .bin) is missing")
+
+
+def _load_safetensors(data: bytes) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+
+    return load(data)
+
+
+def _load_bin(data: bytes):
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
 def _collect(tensors: dict[str, torch.Tensor], targets: set[str], rank: int, config: ModelConfig, fail):

@@ -34,6 +34,7 @@ class AdapterInfo:
     path: str
     rank: int
     content_hash: str
+    confined: bool = False  # from an adapter root: every read follows no link (peft_format)
 
 
 class AdapterRegistry:
@@ -59,15 +60,17 @@ class AdapterRegistry:
 
     # ---- registration (any thread) ----------------------------------------------------------
 
-    def load(self, name: str, path: str, replace: bool = False) -> AdapterInfo:
+    def load(self, name: str, path: str, replace: bool = False, confined: bool = False) -> AdapterInfo:
+        """Read, validate and register a PEFT folder. `confined`: the path came from a client and
+        was checked to lie inside an adapter root; the read then follows no symbolic link."""
         if not name or not isinstance(name, str) or ":" in name or not name.isprintable() \
                 or name != name.encode("utf-8", "replace").decode("utf-8"):
             raise AdapterError(f"adapter name must be a non-empty, printable UTF-8 string without ':', got {name!r}")
         with self._lock:
             if name in self._adapters and not replace:
                 raise AdapterError(f"adapter {name!r} is already loaded (from {self._adapters[name].path})")
-        weights = self._read(name, path)  # slow part, unlocked
-        info = AdapterInfo(name, weights.path, weights.rank, weights.content_hash)
+        weights = self._read(name, path, confined)  # slow part, unlocked
+        info = AdapterInfo(name, weights.path, weights.rank, weights.content_hash, confined)
         with self._lock:
             if name in self._adapters:
                 if not replace:
@@ -136,8 +139,8 @@ class AdapterRegistry:
         with self._lock:
             return len(self._cpu), self._cpu_bytes
 
-    def _read(self, name: str, path: str) -> LoRAWeights:
-        return read_peft_adapter(name, path, self.config, self.max_lora_rank, self.dtype)
+    def _read(self, name: str, path: str, confined: bool) -> LoRAWeights:
+        return read_peft_adapter(name, path, self.config, self.max_lora_rank, self.dtype, confined)
 
     def _cache(self, weights: LoRAWeights) -> None:
         self._drop(weights.name)
@@ -209,7 +212,7 @@ class AdapterRegistry:
             if weights is not None and weights.content_hash == info.content_hash:
                 self._cpu.move_to_end(info.name)
                 return weights
-        weights = self._read(info.name, info.path)
+        weights = self._read(info.name, info.path, info.confined)
         if weights.content_hash != info.content_hash:
             raise AdapterError(f"adapter {info.name!r} changed on disk since it was loaded ({info.path})")
         with self._lock:

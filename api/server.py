@@ -147,7 +147,7 @@ class _Server:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
         load = self._resolving.get(name)
         if load is None:
-            load = asyncio.ensure_future(asyncio.to_thread(adapters.load, name, str(path)))
+            load = asyncio.ensure_future(asyncio.to_thread(adapters.load, name, str(path), False, True))
             self._resolving[name] = load
             load.add_done_callback(lambda _: self._resolving.pop(name, None))
             log.info("resolver: loading adapter %r from %s", name, path)
@@ -163,14 +163,25 @@ class _Server:
         if name in (".", "..") or any(sep in name for sep in "/\\:\0"):
             return None
         for root in (Path(r).resolve() for r in self.config.adapter_roots):
-            path = (root / name).resolve()
-            if path.is_relative_to(root) and (path / "adapter_config.json").is_file() \
-                    and all(f.resolve().is_relative_to(root) for f in path.iterdir()):
-                return path
+            try:
+                path = (root / name).resolve()
+                if path.is_relative_to(root) and (path / "adapter_config.json").is_file() \
+                        and all(f.resolve().is_relative_to(root) for f in path.iterdir()):
+                    return path
+            except (OSError, RuntimeError):  # a link loop, a name too long: not an adapter
+                continue
         return None
 
     def adapter_path(self, lora_path: str) -> Path:
-        """The folder `lora_path` names, after symlinks, inside one of the adapter roots."""
+        """The folder `lora_path` names, after symlinks, inside one of the adapter roots. The
+        registry then reads that resolved path without following any link (a link swapped in
+        after this check makes the read fail, never go outside)."""
+        try:
+            return self._adapter_path(lora_path)
+        except (OSError, RuntimeError) as exc:  # a link loop, a name too long
+            raise APIError(400, f"lora_path cannot be used: {type(exc).__name__}", "lora_path") from None
+
+    def _adapter_path(self, lora_path: str) -> Path:
         roots = [Path(r).resolve() for r in self.config.adapter_roots]
         if not roots:
             raise APIError(400, "runtime adapter loading is off: start the server with --adapter-root DIR",
@@ -406,7 +417,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             raise APIError(400, f"The lora adapter '{body.lora_name}' has already been loaded.", "lora_name")
         path = server.adapter_path(body.lora_path)
         try:
-            await asyncio.to_thread(adapters.load, body.lora_name, str(path))
+            await asyncio.to_thread(adapters.load, body.lora_name, str(path), False, True)
         except ValueError as exc:
             raise APIError(400, str(exc), "lora_path") from None
         log.info("loaded adapter %r from %s", body.lora_name, path)

@@ -1,0 +1,137 @@
+"""Hostile adapter folders: every malformed file is an AdapterError (a 400) naming the problem,
+nothing outside an adapter root is ever read (links swapped in mid-load, hard links), and a
+target_modules regex cannot freeze the server."""
+
+import json
+import os
+import shutil
+import threading
+import time
+
+import pytest
+import torch
+
+from loraplex.adapters.peft_format import AdapterError, read_peft_adapter
+from loraplex.adapters.registry import AdapterRegistry
+from loraplex.platform.config import ModelConfig
+
+
+@pytest.fixture(scope="module")
+def config(tiny_model_dir):
+    return ModelConfig.from_folder(tiny_model_dir)
+
+
+@pytest.fixture
+def folder(tiny_adapters, tmp_path):
+    dst = tmp_path / "root" / "ad"
+    shutil.copytree(tiny_adapters[1], dst)
+    return dst
+
+
+def edit(folder, **changes):
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    cfg.update(changes)
+    (folder / "adapter_config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("changes,reason", [
+    ({"lora_alpha": [1, 2]}, "lora_alpha must be a finite number"),
+    ({"lora_alpha": "16"}, "lora_alpha"),
+    ({"target_modules": 7}, "target_modules must be a list"),
+    ({"target_modules": ["q_proj", 3]}, "target_modules must be a list"),
+    ({"r": True}, "rank r must be a positive integer"),
+    ({"target_modules": "(q_proj"}, "regex is invalid"),
+])
+def test_malformed_config_fields(config, folder, changes, reason):
+    edit(folder, **changes)
+    with pytest.raises(AdapterError, match=reason):
+        read_peft_adapter("x", folder, config, 16)
+
+
+def test_malformed_files(config, folder):
+    good = (folder / "adapter_config.json").read_text()
+    (folder / "adapter_config.json").write_text("[" * 100000 + "]" * 100000)
+    with pytest.raises(AdapterError, match="nests too deeply|not valid JSON"):
+        read_peft_adapter("x", folder, config, 16)
+    (folder / "adapter_config.json").write_text(good)
+    (folder / "adapter_model.safetensors").unlink()
+    torch.save([1, 2, 3], folder / "adapter_model.bin")  # a list, not a state dict
+    with pytest.raises(AdapterError, match="must map weight names to tensors"):
+        read_peft_adapter("x", folder, config, 16)
+
+
+def test_link_loops_long_names_and_fifos(config, tmp_path):
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    with pytest.raises(AdapterError, match="cannot be read|not a folder"):
+        read_peft_adapter("x", loop, config, 16)
+    with pytest.raises(AdapterError):
+        read_peft_adapter("x", tmp_path / ("n" * 300), config, 16)
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    os.mkfifo(odd / "adapter_config.json")  # reading it would block forever
+    with pytest.raises(AdapterError, match="not a regular file"):
+        read_peft_adapter("x", odd, config, 16, confined=True)
+
+
+def test_confined_reads_refuse_links_and_hard_links(config, folder, tiny_adapters, tmp_path):
+    assert read_peft_adapter("x", folder, config, 16, confined=True).rank == 8
+    outside = tiny_adapters[3] / "adapter_model.safetensors"
+    (folder / "adapter_model.safetensors").unlink()
+    os.link(outside, folder / "adapter_model.safetensors")  # a hard link to a file elsewhere
+    with pytest.raises(AdapterError, match="hard-linked"):
+        read_peft_adapter("x", folder, config, 16, confined=True)
+    (folder / "adapter_model.safetensors").unlink()
+    (folder / "adapter_model.safetensors").symlink_to(outside)
+    with pytest.raises(AdapterError, match="cannot be read"):
+        read_peft_adapter("x", folder, config, 16, confined=True)
+    linked_parent = tmp_path / "via"
+    linked_parent.symlink_to(folder.parent)  # a link among the folder's parents
+    with pytest.raises(AdapterError, match="cannot be read|not a folder"):
+        read_peft_adapter("x", linked_parent / "ad", config, 16, confined=True)
+    assert read_peft_adapter("x", linked_parent / "ad", config, 16).rank == 8  # offline loads may use links
+
+
+def test_a_catastrophic_target_modules_regex_is_refused_quickly(config, folder):
+    edit(folder, target_modules=r"(.|\.|[a-z])*\d\d\d$")  # exponential backtracking on module names
+    start = time.perf_counter()
+    with pytest.raises(AdapterError, match="too long to match"):
+        read_peft_adapter("x", folder, config, 16)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_a_link_swapped_in_while_loads_run_never_reads_outside(config, tiny_adapters, tmp_path):
+    """The server checks the folder, then the registry reads it; a thread keeps swapping the
+    weights file between the real one and a link to another adapter's file meanwhile."""
+    inside = tmp_path / "root" / "inner"
+    shutil.copytree(tiny_adapters[0], inside)  # rank 16, like tiny_adapters[2] outside
+    outside_hash = read_peft_adapter("o", tiny_adapters[2], config, 16).content_hash
+    inside_hash = read_peft_adapter("i", inside, config, 16).content_hash
+    weights = inside / "adapter_model.safetensors"
+    real = weights.read_bytes()
+    stop = threading.Event()
+
+    def swap():
+        while not stop.is_set():
+            tmp = inside / ".tmp-link"
+            tmp.symlink_to(tiny_adapters[2] / "adapter_model.safetensors")
+            os.replace(tmp, weights)
+            tmp = inside / ".tmp-file"
+            tmp.write_bytes(real)
+            os.replace(tmp, weights)
+
+    registry = AdapterRegistry(config, 2, 16, None, torch.float32)
+    swapper = threading.Thread(target=swap)
+    swapper.start()
+    hashes, refused = [], 0
+    try:
+        for i in range(150):
+            try:
+                hashes.append(registry.load(f"t{i}", str(inside.resolve()), confined=True).content_hash)
+            except AdapterError:
+                refused += 1
+    finally:
+        stop.set()
+        swapper.join()
+    assert outside_hash not in hashes
+    assert set(hashes) <= {inside_hash} and hashes and refused  # both outcomes happened; never the outside file
