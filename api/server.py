@@ -82,6 +82,14 @@ def _as_api_error(exc: BaseException) -> APIError:
     return APIError(500, "internal server error; see the server log")
 
 
+def _tokens_json(count: int, max_model_len: int, ids: list[int]) -> str:
+    """/tokenize's body, encoded in a worker thread and in chunks: a megabyte prompt's ids are
+    megabytes of JSON, and one C call encoding them all would hold the GIL (and so the event
+    loop: /health, every stream) for its whole run."""
+    chunks = [",".join(map(str, ids[i:i + 65536])) for i in range(0, len(ids), 65536)]
+    return f'{{"count": {count}, "max_model_len": {max_model_len}, "tokens": [{",".join(chunks)}]}}'
+
+
 def _same_key(given: str, key: str) -> bool:
     """Constant-time comparison of bytes: a header with non-ASCII characters is just a wrong key
     (comparing such strings directly raises)."""
@@ -376,7 +384,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                                     param="messages")
         else:
             ids = await server.call(inputs.token_ids, body.prompt, body.add_special_tokens, param="prompt")
-        return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids}
+        body = await asyncio.to_thread(_tokens_json, len(ids), server.max_model_len, ids)
+        return Response(body, media_type="application/json")
 
     @app.post("/detokenize", dependencies=user)
     async def detokenize(body: DetokenizeRequest):

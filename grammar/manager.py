@@ -1,8 +1,11 @@
 r"""Compiles specs off the engine thread, with a timeout, and builds the step's bitmask.
 
-`compile` runs in the caller's thread against a small pool (so the engine never waits for a
-grammar, and a slow compile fails only its own request); each backend keeps compiled grammars
-in a bounded cache keyed by the spec.
+`compile` waits in the caller's thread for a compile running on a thread of its own (so the
+engine never waits for a grammar, and a slow compile fails only its own request). A compile
+past its timeout is abandoned, not joined: it finishes in the background without holding up
+the next spec (a shared pool would stay wedged by it), and at most `max_compiles` may run at
+once, abandoned ones included, so slow specs cannot pile up threads. Each backend keeps
+compiled grammars in a bounded cache keyed by the spec.
 
 Backends: "xgrammar" (default), "outlines", or "auto": xgrammar first; a spec xgrammar cannot
 compile (a regex with Unicode classes like `\p{Lu}` or inline flags like `(?i)`) goes to
@@ -25,7 +28,7 @@ BACKENDS = ("xgrammar", "outlines", "auto")
 
 class GrammarManager:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], backend: str = "xgrammar",
-                 timeout_s: float = 10.0, threads: int = 2) -> None:
+                 timeout_s: float = 10.0, max_compiles: int = 8) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"grammar_backend must be one of {BACKENDS}, got {backend!r}")
         self._args = (tokenizer, vocab_size, stop_token_ids)
@@ -33,7 +36,8 @@ class GrammarManager:
         self.timeout_s = timeout_s
         self._backends: dict[str, GrammarBackend] = {}
         self._lock = threading.Lock()
-        self._pool = cf.ThreadPoolExecutor(threads, thread_name_prefix="loraplex-grammar")
+        self.max_compiles = max_compiles
+        self._running = threading.BoundedSemaphore(max_compiles)
 
     @property
     def backend(self) -> GrammarBackend:
@@ -52,7 +56,19 @@ class GrammarManager:
 
     def compile(self, spec: StructuredOutputs) -> tuple[StructuredOutputs, str, object]:
         """(spec, backend name, compiled grammar); GrammarError naming the problem otherwise."""
-        future = self._pool.submit(self._compile, spec)
+        if not self._running.acquire(blocking=False):
+            raise GrammarError(f"{self.max_compiles} grammar compiles are already running (slow specs); retry later")
+        future: cf.Future = cf.Future()
+
+        def work() -> None:
+            try:
+                future.set_result(self._compile(spec))
+            except BaseException as exc:  # handed to the waiting caller
+                future.set_exception(exc)
+            finally:
+                self._running.release()
+
+        threading.Thread(target=work, name="loraplex-grammar", daemon=True).start()
         try:
             return future.result(timeout=self.timeout_s)
         except cf.TimeoutError:

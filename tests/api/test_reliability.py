@@ -333,3 +333,34 @@ def test_grammar_compile_timeout_is_a_400(tiny_model_dir):
         assert_clean(server)
     finally:
         server.stop()
+
+
+def test_health_answers_while_a_huge_prompt_is_tokenized(tiny_model_dir):
+    """Chat templating and tokenizing run in worker threads: a multi-megabyte prompt does not
+    stall /health (or anyone's stream) on the event loop."""
+    import threading
+    import urllib.request
+
+    server = start_server(tiny_model_dir, config(max_request_body_bytes=16 << 20), num_kv_blocks=64)
+    big = "hello world " * 350_000  # ~4 MB
+    results: list = []
+    workers = [threading.Thread(target=lambda p=path, b=body: results.append(http(server, p, b, key=None)))
+               for path, body in (("/tokenize", {"prompt": big}),
+                                  ("/v1/completions", {"model": "tiny", "prompt": big, "max_tokens": 1}))]
+    try:
+        for w in workers:
+            w.start()
+        slowest = 0.0
+        while any(w.is_alive() for w in workers):
+            start = time.perf_counter()
+            with urllib.request.urlopen(server.url + "/health", timeout=5) as resp:
+                assert resp.status == 200
+            slowest = max(slowest, time.perf_counter() - start)
+            time.sleep(0.05)
+        for w in workers:
+            w.join()
+        assert slowest < 0.5, slowest
+        assert sorted(status for status, _ in results) == [200, 400]  # tokenized; too long for the model
+        assert_clean(server)
+    finally:
+        server.stop()

@@ -125,3 +125,39 @@ def test_choices_outside_the_basic_plane_can_be_generated(default_model_dir):
     for token in tok.encode("\U0001F600 yes", add_special_tokens=False):
         assert grammar.accept_token(token)
     assert grammar.accept_token(tok.eos_token_id) or grammar.is_terminated()
+
+
+def test_a_compile_past_its_timeout_frees_its_worker(tiny_model_dir, monkeypatch):
+    """Slow specs time out and go on compiling in the background; a trivial spec right after
+    compiles at once (a shared two-thread pool stayed wedged), and the number of compiles
+    running at once is bounded."""
+    import threading
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    manager = GrammarManager(tok, vocab_size=448, stop_token_ids=[tok.eos_token_id], timeout_s=0.3, max_compiles=4)
+    backend = manager.backend
+    real = backend.compile
+    release = threading.Event()
+    monkeypatch.setattr(backend, "compile",
+                        lambda spec: (release.wait(30), real(spec))[1] if spec.kind == "regex" else real(spec))
+    try:
+        for i in range(3):
+            with pytest.raises(GrammarError, match="took longer than"):
+                manager.compile(StructuredOutputs(regex=f"slow{i}"))
+        start = time.perf_counter()
+        manager.compile(StructuredOutputs(choice=["yes", "no"]))
+        assert time.perf_counter() - start < 1.0
+        with pytest.raises(GrammarError, match="took longer"):
+            manager.compile(StructuredOutputs(regex="slow3"))
+        with pytest.raises(GrammarError, match="already running"):  # 4 abandoned compiles: the bound
+            manager.compile(StructuredOutputs(choice=["a"]))
+    finally:
+        release.set()
+    for _ in range(100):  # the abandoned compiles finish and give their places back
+        try:
+            manager.compile(StructuredOutputs(choice=["later"]))
+            break
+        except GrammarError:
+            time.sleep(0.05)
+    else:
+        raise AssertionError("the abandoned compiles never gave their places back")
