@@ -342,7 +342,7 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(tiny_model_dir):
     import urllib.request
 
     server = start_server(tiny_model_dir, config(max_request_body_bytes=16 << 20), num_kv_blocks=64)
-    big = "hello world " * 350_000  # ~4 MB
+    big = "hello world " * 175_000  # ~2 MB: 175,000 words, 350,000 tokens
     results: list = []
     workers = [threading.Thread(target=lambda p=path, b=body: results.append(http(server, p, b, key=None)))
                for path, body in (("/tokenize", {"prompt": big}),
