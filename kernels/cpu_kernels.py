@@ -146,10 +146,11 @@ def sgmv_lora_table_c(x: torch.Tensor, table, tokens: torch.Tensor, token_slots:
     kernel = library().sgmv_lora_table_bf16 if x.dtype == torch.bfloat16 else library().sgmv_lora_table_f32
     if tokens.dtype != torch.int64 or token_slots.dtype != torch.int64:
         tokens, token_slots = tokens.to(torch.int64), token_slots.to(torch.int64)
+    tokens, token_slots = tokens.contiguous(), token_slots.contiguous()
     status = kernel(x.data_ptr(), table.a_ptrs.ctypes.data, table.b_ptrs.ctypes.data, table.ranks_arr.ctypes.data,
-                    table.scales_arr.ctypes.data, tokens.contiguous().data_ptr(), token_slots.contiguous().data_ptr(), table.offsets_arr.ctypes.data,
-                    len(tokens),
-                    x.shape[1], table.num_slices, max(table.ranks), y.data_ptr())
+                    table.scales_arr.ctypes.data, tokens.data_ptr(), token_slots.data_ptr(),
+                    table.offsets_arr.ctypes.data, len(tokens), x.shape[1], table.num_slices,
+                    int(table.ranks_arr.max()), y.data_ptr())
     if status != 0:
         raise MemoryError("C SGMV could not allocate its row buffer")
     return y

@@ -139,8 +139,8 @@ def accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutp
         have.token_ids.extend(o.token_ids)
         if o.logprobs is not None and have.logprobs is not None:
             have.logprobs.extend(o.logprobs)
-        have.finish_reason, have.stop_reason = o.finish_reason or have.finish_reason, \
-            o.stop_reason if o.finish_reason else have.stop_reason
+        if o.finish_reason is not None:
+            have.finish_reason, have.stop_reason = o.finish_reason, o.stop_reason
     total.outputs = [by_index[i] for i in sorted(by_index)]
     total.finished = delta.finished
     total.num_cached_tokens = max(total.num_cached_tokens, delta.num_cached_tokens)

@@ -3,7 +3,9 @@ tests, and the default model for end-to-end ones."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -145,6 +147,29 @@ def peft_greedy(base_dir, adapter_dirs, prompts, new_tokens: int) -> list[list[i
             g = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)
         out.append(g[0, len(ids):].tolist())
     return out
+
+
+@contextlib.contextmanager
+def swapping_in_a_link(file: Path, target: Path):
+    """While the block runs, a thread keeps replacing `file` (atomically) by a symbolic link to
+    `target` and back by its own bytes: the race a confined adapter read must survive."""
+    real, stop = file.read_bytes(), threading.Event()
+
+    def swap() -> None:
+        while not stop.is_set():
+            for tmp, make in ((file.with_name(".swap-link"), lambda t: t.symlink_to(target)),
+                              (file.with_name(".swap-file"), lambda t: t.write_bytes(real))):
+                make(tmp)
+                os.replace(tmp, file)
+            stop.wait(0.002)  # the real file stays a moment too, so some loads can succeed
+
+    swapper = threading.Thread(target=swap)
+    swapper.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        swapper.join()
 
 
 @pytest.fixture(scope="session")

@@ -5,12 +5,12 @@ target_modules regex cannot freeze the server."""
 import json
 import os
 import shutil
-import threading
 import time
 
 import pytest
 import torch
 
+from conftest import swapping_in_a_link
 from loraplex.adapters.peft_format import AdapterError, read_peft_adapter
 from loraplex.adapters.registry import AdapterRegistry
 from loraplex.platform.config import ModelConfig
@@ -107,31 +107,13 @@ def test_a_link_swapped_in_while_loads_run_never_reads_outside(config, tiny_adap
     shutil.copytree(tiny_adapters[0], inside)  # rank 16, like tiny_adapters[2] outside
     outside_hash = read_peft_adapter("o", tiny_adapters[2], config, 16).content_hash
     inside_hash = read_peft_adapter("i", inside, config, 16).content_hash
-    weights = inside / "adapter_model.safetensors"
-    real = weights.read_bytes()
-    stop = threading.Event()
-
-    def swap():
-        while not stop.is_set():
-            tmp = inside / ".tmp-link"
-            tmp.symlink_to(tiny_adapters[2] / "adapter_model.safetensors")
-            os.replace(tmp, weights)
-            tmp = inside / ".tmp-file"
-            tmp.write_bytes(real)
-            os.replace(tmp, weights)
-
     registry = AdapterRegistry(config, 2, 16, None, torch.float32)
-    swapper = threading.Thread(target=swap)
-    swapper.start()
     hashes, refused = [], 0
-    try:
+    with swapping_in_a_link(inside / "adapter_model.safetensors", tiny_adapters[2] / "adapter_model.safetensors"):
         for i in range(150):
             try:
                 hashes.append(registry.load(f"t{i}", str(inside.resolve()), confined=True).content_hash)
             except AdapterError:
                 refused += 1
-    finally:
-        stop.set()
-        swapper.join()
     assert outside_hash not in hashes
     assert set(hashes) <= {inside_hash} and hashes and refused  # both outcomes happened; never the outside file

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import threading
 import time
 
 import pytest
 
+from conftest import swapping_in_a_link
 from live_server import assert_error, http, start_server
 from loraplex.adapters.peft_format import read_peft_adapter
 from loraplex.api.server import ServerConfig
@@ -75,29 +75,11 @@ def test_a_link_swapped_in_during_admin_loads_never_loads_outside(server, tiny_m
     inside = server.root / "inner"
     shutil.copytree(tiny_adapters[0], inside)
     outside_hash = read_peft_adapter("o", tiny_adapters[2], config, 16).content_hash
-    weights = inside / "adapter_model.safetensors"
-    real = weights.read_bytes()
-    stop = threading.Event()
-
-    def swap():
-        while not stop.is_set():
-            tmp = inside / ".link"
-            tmp.symlink_to(tiny_adapters[2] / "adapter_model.safetensors")
-            os.replace(tmp, weights)
-            tmp = inside / ".file"
-            tmp.write_bytes(real)
-            os.replace(tmp, weights)
-
-    swapper = threading.Thread(target=swap)
-    swapper.start()
     loaded = 0
-    try:
+    with swapping_in_a_link(inside / "adapter_model.safetensors", tiny_adapters[2] / "adapter_model.safetensors"):
         for i in range(80):
             status, _ = load(server, f"t{i}", "inner")
             assert status in (200, 400, 404)
             loaded += status == 200
-    finally:
-        stop.set()
-        swapper.join()
     hashes = {a.content_hash for a in server.engine.adapters.list()}
     assert loaded and outside_hash not in hashes
