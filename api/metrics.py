@@ -36,6 +36,14 @@ class _EngineCollector:
                                   s.prefix_cache_hits)
         yield CounterMetricFamily(P + "num_preemptions", "Sequences preempted (recomputed later).",
                                   s.num_preemptions)
+        yield CounterMetricFamily(P + "structured_output_checked", "Finished JSON outputs checked against their "
+                                  "schema with the jsonschema validator.", s.structured_checked)
+        violations = CounterMetricFamily(P + "structured_output_violations", "Finished JSON outputs that break their "
+                                         "schema (strict=true: a bug; false: a keyword the request let drop).",
+                                         labels=["strict"])
+        violations.add_metric(["true"], s.schema_violations_strict)
+        violations.add_metric(["false"], s.schema_violations_lenient)
+        yield violations
         info = GaugeMetricFamily(P + "lora_requests_info", "Running and waiting LoRA adapters (value: time).",
                                  labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
         info.add_metric([",".join(s.running_adapters), ",".join(s.waiting_adapters), str(s.max_loras)], time.time())

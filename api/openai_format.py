@@ -94,6 +94,11 @@ class View(Protocol):
     def stream(self, include_usage: bool) -> "_Stream": ...
 
 
+def unenforced(outputs: list[RequestOutput]) -> list[str]:
+    """What a non-strict schema's grammar did not enforce (the same for every prompt of a call)."""
+    return list(dict.fromkeys(k for out in outputs for k in out.unenforced))
+
+
 class _Stream:
     """Per-choice progress of one streamed response. The engine's outputs are deltas, so each
     becomes a chunk as it is; this only tracks which choices started and finished, and counts."""
@@ -116,7 +121,10 @@ class _Stream:
             self.completion_tokens[choice] = self.completion_tokens.get(choice, 0) + len(o.token_ids)
             first = choice not in self.started
             if o.text or first or o.finish_reason or o.token_ids:
-                chunks.append(self.view.chunk(choice, prompt_index, o, o.text, first, self.include_usage))
+                chunk = self.view.chunk(choice, prompt_index, o, o.text, first, self.include_usage)
+                if first and out.unenforced:
+                    chunk["unenforced_keywords"] = list(out.unenforced)
+                chunks.append(chunk)
             self.started.add(choice)
             if o.finish_reason is not None:
                 self.finished.add(choice)
@@ -145,7 +153,9 @@ class _Base:
         choices = [self.choice(i * self.n + o.index, i, o) for i, out in enumerate(outputs) for o in out.outputs]
         usage = _usage(sum(len(out.prompt_token_ids) for out in outputs),
                        sum(len(o.token_ids) for out in outputs for o in out.outputs))
-        return {**self.envelope(), "choices": choices, "usage": usage}
+        dropped = unenforced(outputs)
+        return {**self.envelope(), "choices": choices, "usage": usage,
+                **({"unenforced_keywords": dropped} if dropped else {})}
 
     def stream(self, include_usage: bool) -> _Stream:
         return _Stream(self, include_usage)

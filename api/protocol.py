@@ -64,6 +64,7 @@ class StructuredOutputsBody(_Body):
     choice: list[str] | None = None
     grammar: str | None = None
     any_whitespace: bool = False
+    strict: bool = True  # json: refuse what cannot be enforced exactly (false: drop it, and list it)
 
 
 class _SamplingFields(_Body):
@@ -115,12 +116,12 @@ class _SamplingFields(_Body):
                 fmt = self.response_format.json_schema
                 if fmt is None or fmt.schema_ is None:
                     raise ValueError("response_format json_schema needs json_schema.schema")
-                specs.append(StructuredOutputs(json=fmt.schema_))
+                specs.append(StructuredOutputs(json=fmt.schema_, strict=fmt.strict is not False))
         if self.structured_outputs is not None:
             body = self.structured_outputs
             specs.append(StructuredOutputs(json=body.json_, json_object=bool(body.json_object), regex=body.regex,
                                            choice=body.choice, grammar=body.grammar,
-                                           any_whitespace=body.any_whitespace))
+                                           any_whitespace=body.any_whitespace, strict=body.strict))
         legacy = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
                   "grammar": self.guided_grammar}
         specs += [StructuredOutputs(**{k: v}) for k, v in legacy.items() if v is not None]

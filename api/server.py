@@ -56,6 +56,9 @@ class APIError(Exception):
         self.status, self.message, self.param = status, message, param
 
 
+UNENFORCED_HEADER = "x-loraplex-unenforced-keywords"
+
+
 def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(fmt.error_body(status, message, param), status_code=status, headers=headers)
 
@@ -275,9 +278,9 @@ class _SSEResponse(StreamingResponse):
     """Streams until done or until the client leaves; either way the body iterator is closed at
     once, which aborts the requests behind it."""
 
-    def __init__(self, chunks: AsyncIterator[str]) -> None:
+    def __init__(self, chunks: AsyncIterator[str], headers: dict[str, str]) -> None:
         super().__init__(chunks, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
 
     async def __call__(self, scope, receive, send) -> None:
         async with anyio.create_task_group() as tg:
@@ -469,7 +472,8 @@ async def _respond(server: _Server, request: Request, body, ids: list[list[int]]
                         final[i] = accumulate(final.get(i), out)
                 return [final[i] for i in range(len(ids))]
 
-            return JSONResponse(view.response(await server.until_disconnect(request, collect())))
+            outputs = await server.until_disconnect(request, collect())
+            return JSONResponse(view.response(outputs), headers=_unenforced_header(outputs))
         # errors before the first output (validation, unknown adapter, bad schema) are plain HTTP
         first = await server.until_disconnect(request, anext(updates))
     except _ClientGone:
@@ -477,7 +481,14 @@ async def _respond(server: _Server, request: Request, body, ids: list[list[int]]
     except Exception:
         await updates.aclose()
         raise
-    return _SSEResponse(_sse(updates, first, view, body.include_usage))
+    return _SSEResponse(_sse(updates, first, view, body.include_usage), _unenforced_header([first[1]]))
+
+
+def _unenforced_header(outputs: list[RequestOutput]) -> dict[str, str]:
+    """strict: false: the schema keywords its grammar dropped, also in the body's
+    `unenforced_keywords`."""
+    unenforced = fmt.unenforced(outputs)
+    return {UNENFORCED_HEADER: "; ".join(unenforced)} if unenforced else {}
 
 
 async def _sse(updates: AsyncIterator[tuple[int, RequestOutput]], first: tuple[int, RequestOutput],

@@ -49,6 +49,7 @@ class StructuredOutputs:
     choice: list[str] | None = None
     grammar: str | None = None
     any_whitespace: bool = False  # JSON: allow free whitespace (bounded otherwise)
+    strict: bool = True  # JSON Schema: refuse what cannot be enforced exactly (else drop it, and say so)
 
     def __post_init__(self) -> None:
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
@@ -100,7 +101,8 @@ class StructuredOutputs:
 
     @property
     def key(self) -> str:
-        payload = {"kind": self.kind, "spec": getattr(self, self.kind), "ws": self.any_whitespace}
+        payload = {"kind": self.kind, "spec": getattr(self, self.kind), "ws": self.any_whitespace,
+                   "strict": self.strict}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
@@ -117,5 +119,3 @@ class GrammarBackend(Protocol):
 
     def compile(self, spec: StructuredOutputs) -> Any: ...
     def new_grammar(self, compiled: Any, json_like: bool = False) -> Grammar: ...
-    def allocate_bitmask(self, rows: int) -> torch.Tensor: ...
-    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None: ...

@@ -1,61 +1,264 @@
-"""Refuse JSON Schema keywords that the grammar would not enforce, naming them, instead of
-silently generating output that ignores them."""
+"""JSON Schema before a backend sees it: exact rewrites (`normalize`), and the rules that refuse,
+by name, what a backend would not enforce (`check_schema`), instead of silently generating
+output that ignores it. The rules are checked against the JSON-Schema-Test-Suite
+(`grammar/oracle.py`, tests/grammar/test_oracle.py): a backend that compiles a schema accepts
+exactly its valid instances.
+"""
 
 from __future__ import annotations
 
+import copy
+import json
+from dataclasses import dataclass, field
+
 from loraplex.grammar.backend import GrammarError
 
-# Keywords xgrammar does not enforce (or that we have not verified it enforces): refused.
-UNENFORCED = {
-    "not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
-    "uniqueItems", "multipleOf", "patternProperties", "propertyNames", "contains", "minContains",
-    "maxContains", "unevaluatedProperties", "unevaluatedItems", "minProperties", "maxProperties",
-    "$dynamicRef", "$recursiveRef",
-}
 # Keywords whose value is a schema, or a map / list of schemas, to walk into.
 SUBSCHEMA = {"items", "additionalProperties", "additionalItems", "not", "if", "then", "else", "contains",
              "propertyNames", "unevaluatedItems", "unevaluatedProperties"}
 SUBSCHEMA_MAPS = {"properties", "$defs", "definitions", "patternProperties", "dependentSchemas"}
 SUBSCHEMA_LISTS = {"anyOf", "oneOf", "allOf", "prefixItems"}
+# Keywords that constrain nothing: they may sit beside anything.
+ANNOTATIONS = {"$schema", "$id", "$comment", "title", "description", "default", "examples", "$defs", "definitions",
+               "deprecated", "readOnly", "writeOnly", "contentMediaType", "contentEncoding", "contentSchema"}
+# Keywords that apply to one kind of value only (a JSON Schema ignores them for other kinds).
+KIND_KEYWORDS = {
+    "string": {"minLength", "maxLength", "pattern", "format"},
+    "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
+    "array": {"items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems", "contains",
+              "minContains", "maxContains", "unevaluatedItems"},
+    "object": {"properties", "required", "additionalProperties", "patternProperties", "minProperties",
+               "maxProperties", "propertyNames", "dependentRequired", "dependentSchemas", "dependencies",
+               "unevaluatedProperties"},
+}
+COMBINATORS = ("anyOf", "oneOf", "allOf")
+OLD_DIALECTS = ("draft-03", "draft-04", "draft-06", "draft-07")
 
 
 class UnsupportedKeywordError(GrammarError):
-    """A valid schema with a keyword the backend would not enforce."""
+    """A valid schema with a keyword the backend would not enforce: which, and where."""
+
+    def __init__(self, message: str, keyword: str, path: str) -> None:
+        super().__init__(message)
+        self.keyword, self.path = keyword, path
+
+
+@dataclass(frozen=True)
+class SchemaRules:
+    """What a regex / grammar-converting backend (xgrammar, outlines) enforces exactly."""
+
+    backend: str
+    unenforced: frozenset[str]  # keywords it accepts and ignores (or approximates)
+    lenient_formats: frozenset[str] = field(default_factory=frozenset)  # formats it loosens
+
+
+# Found by the oracle: xgrammar 0.2.9 and outlines-core 0.2 ignore these, or enforce them as
+# something looser (oneOf as anyOf, allOf with several schemas only approximately).
+BASE_UNENFORCED = frozenset({
+    "not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies", "uniqueItems",
+    "multipleOf", "patternProperties", "propertyNames", "contains", "minContains", "maxContains",
+    "unevaluatedProperties", "unevaluatedItems", "minProperties", "maxProperties", "$dynamicRef",
+    "$dynamicAnchor", "$recursiveRef", "$recursiveAnchor", "$anchor"})
 
 
 def _refuse(keyword: str, path: str, why: str = "it would be ignored", backend: str = "xgrammar") -> GrammarError:
     return UnsupportedKeywordError(f"json schema keyword {keyword!r} at {path} is not supported by the {backend} "
-                                   f"grammar backend ({why}, so the request is refused)")
+                                   f"grammar backend ({why}, so the request is refused)", keyword, path)
 
 
-def check_schema(schema, path: str = "#", extra_unenforced: frozenset[str] | set[str] = frozenset(),
-                 backend: str = "xgrammar", lenient_formats: frozenset[str] | set[str] = frozenset()) -> None:
-    """Raise UnsupportedKeywordError for the first keyword (or `format` value) `backend` would
-    not enforce."""
+def subschemas(schema, path: str = "#"):
+    """(subschema, path) for each schema directly inside `schema`."""
+    if not isinstance(schema, dict):
+        return
+    for key, value in schema.items():
+        if key in SUBSCHEMA and isinstance(value, (dict, bool)):
+            yield value, f"{path}/{key}"
+        elif key in SUBSCHEMA and isinstance(value, list):  # draft-4 tuple items
+            yield from ((sub, f"{path}/{key}/{i}") for i, sub in enumerate(value))
+        elif key in SUBSCHEMA_MAPS and isinstance(value, dict):
+            yield from ((sub, f"{path}/{key}/{name}") for name, sub in value.items())
+        elif key in SUBSCHEMA_LISTS and isinstance(value, list):
+            yield from ((sub, f"{path}/{key}/{i}") for i, sub in enumerate(value))
+
+
+def find_keyword(schema, keyword: str, path: str = "#") -> str | None:
+    """The path of the first schema that uses `keyword`, without recursion."""
+    stack = [(schema, path)]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, dict) and keyword in node:
+            return where
+        stack.extend(reversed(list(subschemas(node, where))))
+    return None
+
+
+def relaxed(schema, keyword: str, path: str):
+    """`schema` without `keyword` at `path` (a `oneOf` becomes an `anyOf`, which it implies),
+    for non-strict requests; None when there is nothing there to drop."""
+    schema = copy.deepcopy(schema)
+    stack = [(schema, "#")]
+    while stack:
+        node, where = stack.pop()
+        if where == path and isinstance(node, dict):
+            names = {"minLength/maxLength": ("minLength", "maxLength")}.get(keyword, (keyword.split(":")[0],))
+            if not any(name in node for name in names):
+                return None
+            if names == ("oneOf",) and "anyOf" not in node:
+                node["anyOf"] = node.pop("oneOf")
+            for name in names:
+                node.pop(name, None)
+            return schema
+        stack.extend(subschemas(node, where))
+    return None
+
+
+def _kind(keyword: str) -> str | None:
+    return next((kind for kind, words in KIND_KEYWORDS.items() if keyword in words), None)
+
+
+def check_schema(schema, rules: SchemaRules, path: str = "#") -> None:
+    """Raise UnsupportedKeywordError for the first keyword (or `format` value) the backend
+    would not enforce exactly."""
     if isinstance(schema, bool):
         return
     if not isinstance(schema, dict):
         raise GrammarError(f"json schema at {path} must be an object or a boolean")
-    # combinations xgrammar 0.2.9 accepts but only approximates (it says so in a log warning)
-    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
-        raise _refuse("allOf", path, "with several schemas it is not enforced exactly", backend)
-    if isinstance(schema.get("oneOf"), list) and len(schema["oneOf"]) > 1:
-        raise _refuse("oneOf", path, "it is enforced as anyOf", backend)
+    refuse = lambda keyword, why="it would be ignored": _refuse(keyword, path, why, rules.backend)  # noqa: E731
+    for key in schema:
+        if key in rules.unenforced:
+            raise refuse(key)
+    if "$id" in schema and path != "#":
+        raise refuse("$id", "a nested base URI is not resolved")
+    ref = schema.get("$ref")
+    if ref is not None and not (isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))):
+        raise refuse("$ref", f"only local JSON pointers ('#/...') are resolved, not {str(ref)[:80]!r}")
+    constraining = [k for k in schema if k not in ANNOTATIONS]
+    if ref is not None and len(constraining) > 1:
+        raise refuse("$ref", f"its sibling keywords {sorted(set(constraining) - {'$ref'})} would be dropped")
+    combinators = [k for k in COMBINATORS if k in schema]
+    if combinators and len(constraining) > 1:
+        raise refuse(combinators[0], f"its sibling keywords {sorted(set(constraining) - {combinators[0]})} "
+                                     f"would be dropped")
+    if "allOf" in schema and len(schema["allOf"]) > 1:
+        raise refuse("allOf", "with several schemas it is not enforced exactly")
+    if "oneOf" in schema and len(schema["oneOf"]) > 1:
+        raise refuse("oneOf", "it is enforced as anyOf")
     if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
-        raise _refuse("minLength/maxLength", path, "beside a pattern they would be ignored", backend)
-    if schema.get("format") in lenient_formats:
-        raise _refuse(f"format: {schema['format']}", path, "it would accept values the format forbids", backend)
-    for key, value in schema.items():
-        if key in UNENFORCED or key in extra_unenforced:
-            raise _refuse(key, path, backend=backend)
-        if key in SUBSCHEMA and isinstance(value, (dict, bool)):
-            check_schema(value, f"{path}/{key}", extra_unenforced, backend, lenient_formats)
-        elif key in SUBSCHEMA and isinstance(value, list):  # draft-4 tuple items
-            for i, sub in enumerate(value):
-                check_schema(sub, f"{path}/{key}/{i}", extra_unenforced, backend, lenient_formats)
-        elif key in SUBSCHEMA_MAPS and isinstance(value, dict):
-            for name, sub in value.items():
-                check_schema(sub, f"{path}/{key}/{name}", extra_unenforced, backend, lenient_formats)
-        elif key in SUBSCHEMA_LISTS and isinstance(value, list):
-            for i, sub in enumerate(value):
-                check_schema(sub, f"{path}/{key}/{i}", extra_unenforced, backend, lenient_formats)
+        raise refuse("minLength/maxLength", "beside a pattern they would be ignored")
+    if isinstance(schema.get("prefixItems"), list) and schema.get("minItems", 0) < len(schema["prefixItems"]):
+        raise refuse("prefixItems", "shorter arrays would be refused: give minItems >= the number of prefixItems")
+    if schema.get("format") in rules.lenient_formats:
+        raise refuse(f"format: {schema['format']}", "it would accept values the format forbids")
+    declared = schema.get("type")
+    for key in schema:
+        kind = _kind(key)
+        if kind is not None and not (declared == kind or (kind == "number" and declared == "integer")):
+            raise refuse(key, f"it is enforced only with \"type\": \"{kind}\" beside it (a JSON Schema applies "
+                              f"it to {kind}s alone and lets other values through)")
+    for sub, where in subschemas(schema, path):
+        check_schema(sub, rules, where)
+
+
+def normalize(schema):
+    """Exact rewrites before compiling: under draft 7 and older, `$ref` replaces its siblings;
+    a `oneOf` whose branches no value can satisfy twice is an `anyOf`."""
+    if not isinstance(schema, dict):
+        return schema
+    old = any(d in str(schema.get("$schema", "")) for d in OLD_DIALECTS)
+    schema = copy.deepcopy(schema)
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        if old and "$ref" in node:
+            for key in [k for k in node if k not in ("$ref", "$defs", "definitions")]:
+                del node[key]
+        if isinstance(node.get("oneOf"), list) and "anyOf" not in node and disjoint(node["oneOf"]):
+            node["anyOf"] = node.pop("oneOf")
+        stack.extend(sub for sub, _ in subschemas(node))
+    return schema
+
+
+JSON_TYPES = ("null", "boolean", "object", "array", "number", "string")
+
+
+def _types(branch) -> set[str] | None:
+    """The JSON types a branch admits, when it says (None: any)."""
+    if not isinstance(branch, dict):
+        return None if branch is True else set()
+    if "const" in branch:
+        return {_type_of(branch["const"])}
+    if isinstance(branch.get("enum"), list):
+        return {_type_of(v) for v in branch["enum"]}
+    declared = branch.get("type")
+    if declared is None:
+        return None
+    names = {declared} if isinstance(declared, str) else set(declared)
+    return {"number" if name == "integer" else name for name in names}
+
+
+def _type_of(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}[type(value)]
+
+
+def _values(branch, key: str):
+    """The values a branch allows for property `key` (a const / enum that it requires), else None."""
+    if not isinstance(branch, dict) or key not in branch.get("required", []):
+        return None
+    prop = branch.get("properties", {}).get(key)
+    if isinstance(prop, dict) and "const" in prop:
+        return [prop["const"]]
+    if isinstance(prop, dict) and isinstance(prop.get("enum"), list):
+        return prop["enum"]
+    return None
+
+
+def _closed_keys(branch) -> tuple[set[str], set[str]] | None:
+    """(required, allowed) property names of a closed object branch, else None."""
+    if not isinstance(branch, dict) or branch.get("additionalProperties") is not False or "patternProperties" in branch:
+        return None
+    return set(branch.get("required", [])), set(branch.get("properties", {}))
+
+
+def disjoint(branches: list) -> bool:
+    """Can no JSON value satisfy two of these branches? Proved by different types, by a
+    required property whose const / enum values differ, or by closed objects each requiring a
+    key the other does not allow. False when unsure."""
+    if len(branches) < 2 or not all(isinstance(b, dict) for b in branches):
+        return len(branches) < 2
+    for i, a in enumerate(branches):
+        for b in branches[i + 1:]:
+            if not _pair_disjoint(a, b):
+                return False
+    return True
+
+
+def _pair_disjoint(a: dict, b: dict) -> bool:
+    ta, tb = _types(a), _types(b)
+    if ta is not None and tb is not None and not ta & tb:
+        return True
+    objects = (ta is None or ta == {"object"}) and (tb is None or tb == {"object"})
+    if not objects or ta is None and tb is None:
+        return False
+    for key in set(a.get("required", [])) & set(b.get("required", [])):
+        va, vb = _values(a, key), _values(b, key)
+        if va is not None and vb is not None and not _any_equal(va, vb):
+            return True
+    ka, kb = _closed_keys(a), _closed_keys(b)
+    if ka is not None and kb is not None:
+        (required_a, allowed_a), (required_b, allowed_b) = ka, kb
+        return bool(required_a - allowed_b) or bool(required_b - allowed_a)
+    return False
+
+
+def _any_equal(xs: list, ys: list) -> bool:
+    canon = lambda v: json.dumps(v, sort_keys=True)  # noqa: E731  1 and 1.0 aside, JSON equality
+    return bool({canon(x) for x in xs} & {canon(y) for y in ys}) or any(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and x == y for x in xs for y in ys)

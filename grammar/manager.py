@@ -16,14 +16,60 @@ auto: outlines enforces none that xgrammar does not. Both write the same packed 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
+import json
 import threading
+from dataclasses import dataclass, field
+
+import jsonschema
 
 import torch
+import xgrammar as xgr
 
 from loraplex.grammar.backend import Grammar, GrammarBackend, GrammarError, StructuredOutputs
-from loraplex.grammar.json_schema import UnsupportedKeywordError
+from loraplex.grammar.json_schema import UnsupportedKeywordError, normalize, relaxed
 
-BACKENDS = ("xgrammar", "outlines", "auto")
+BACKENDS = ("xgrammar", "llguidance", "outlines", "auto")
+AUTO_ORDER = ("llguidance", "xgrammar", "outlines")
+KINDS = {"llguidance": {"json", "json_object", "regex", "choice", "grammar"},
+         "xgrammar": {"json", "json_object", "regex", "choice", "grammar"},
+         "outlines": {"json", "regex", "choice"}}
+
+
+MAX_RELAXED = 64  # keywords a non-strict schema may drop
+
+
+@dataclass
+class Compiled:
+    """A spec as compiled by one backend; `unenforced` lists what a non-strict schema dropped."""
+
+    spec: StructuredOutputs  # after exact rewrites and what was dropped
+    backend: str
+    grammar: object
+    unenforced: tuple[str, ...] = ()
+    original: object = None  # the schema as the request gave it, for the output check
+    _validator: object = field(default=None, repr=False)
+
+    def violation(self, text: str) -> str | None:
+        """Why a finished JSON output breaks the request's schema, or None: the backstop run
+        on every structured output before it is returned."""
+        if self.spec.kind not in ("json", "json_object"):
+            return None
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            return f"not JSON: {exc}"
+        if self.spec.kind == "json_object":
+            return None if isinstance(value, dict) else f"not a JSON object: {type(value).__name__}"
+        try:
+            if self._validator is None:
+                schema = self.original if self.original is not None else self.spec.json
+                cls = jsonschema.validators.validator_for(schema)
+                self._validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
+            error = jsonschema.exceptions.best_match(self._validator.iter_errors(value))
+        except Exception:  # a schema the validator itself cannot run (a regex it cannot read): unchecked
+            return None
+        return None if error is None else f"{error.message} at {error.json_path}"
 
 
 class GrammarManager:
@@ -39,23 +85,21 @@ class GrammarManager:
         self.max_compiles = max_compiles
         self._running = threading.BoundedSemaphore(max_compiles)
 
-    @property
-    def backend(self) -> GrammarBackend:
-        """The primary backend: it allocates and applies the step's bitmask."""
-        return self._get("outlines" if self.backend_name == "outlines" else "xgrammar")
 
     def _get(self, name: str) -> GrammarBackend:
         with self._lock:  # built on first use: the tokenizer scan costs a moment
             if name not in self._backends:
                 if name == "xgrammar":
                     from loraplex.grammar.xgrammar_backend import XGrammarBackend as cls
+                elif name == "llguidance":
+                    from loraplex.grammar.llguidance_backend import LLGuidanceBackend as cls
                 else:
                     from loraplex.grammar.outlines_backend import OutlinesBackend as cls
                 self._backends[name] = cls(*self._args)
             return self._backends[name]
 
-    def compile(self, spec: StructuredOutputs) -> tuple[StructuredOutputs, str, object]:
-        """(spec, backend name, compiled grammar); GrammarError naming the problem otherwise."""
+    def compile(self, spec: StructuredOutputs) -> Compiled:
+        """The compiled spec; GrammarError naming the problem otherwise."""
         if not self._running.acquire(blocking=False):
             raise GrammarError(f"{self.max_compiles} grammar compiles are already running (slow specs); retry later")
         future: cf.Future = cf.Future()
@@ -74,30 +118,62 @@ class GrammarManager:
         except cf.TimeoutError:
             raise GrammarError(f"{spec.kind} took longer than {self.timeout_s:g}s to compile") from None
 
-    def _compile(self, spec: StructuredOutputs) -> tuple[StructuredOutputs, str, object]:
-        primary = self.backend
-        try:
-            return spec, primary.name, primary.compile(spec)
-        except UnsupportedKeywordError:
-            raise
-        except GrammarError as first:
-            if self.backend_name != "auto" or spec.kind not in ("regex", "choice", "json"):
-                raise
-            try:
-                return spec, "outlines", self._get("outlines").compile(spec)
-            except GrammarError:
-                raise first from None
+    def order(self, spec: StructuredOutputs) -> tuple[str, ...]:
+        """The backends tried for `spec`, in turn: one, or under auto every backend that may
+        take its kind, best first."""
+        if self.backend_name != "auto":
+            return (self.backend_name,)
+        return tuple(name for name in AUTO_ORDER if spec.kind in KINDS[name])
 
-    def new_grammar(self, compiled: tuple[StructuredOutputs, str, object]) -> Grammar:
-        spec, name, grammar = compiled
-        return self._get(name).new_grammar(grammar, json_like=spec.kind in ("json", "json_object"))
+    def _compile(self, spec: StructuredOutputs) -> Compiled:
+        original = spec.json
+        if spec.kind == "json":
+            spec = dataclasses.replace(spec, json=normalize(spec.json))
+        order = self.order(spec)
+        try:
+            compiled = self._first_that_compiles(spec, order)
+        except UnsupportedKeywordError as refused:
+            if spec.strict:
+                raise
+            compiled = self._relax(spec, order[0], refused)
+        compiled.original = original
+        return compiled
+
+    def _first_that_compiles(self, spec: StructuredOutputs, order: tuple[str, ...], unenforced=()) -> Compiled:
+        first: GrammarError | None = None
+        for name in order:
+            try:
+                return Compiled(spec, name, self._get(name).compile(spec), tuple(unenforced))
+            except GrammarError as exc:  # refused or failed: the next backend may enforce it exactly
+                first = first or exc
+        raise first
+
+    def _relax(self, spec: StructuredOutputs, backend: str, refused: UnsupportedKeywordError) -> Compiled:
+        """strict: false: drop what `backend` refuses, one keyword at a time, and list it."""
+        unenforced = []
+        for _ in range(MAX_RELAXED):
+            schema = relaxed(spec.json, refused.keyword, refused.path)
+            if schema is None:
+                break
+            unenforced.append(f"{refused.keyword} at {refused.path}")
+            spec = dataclasses.replace(spec, json=schema)
+            try:
+                return self._first_that_compiles(spec, (backend,), unenforced)
+            except UnsupportedKeywordError as exc:
+                refused = exc
+        raise refused
+
+    def new_grammar(self, compiled: Compiled) -> Grammar:
+        return self._get(compiled.backend).new_grammar(compiled.grammar, json_like=compiled.spec.kind in
+                                                       ("json", "json_object"))
 
     def apply(self, logits: torch.Tensor, grammars: list[Grammar | None]) -> None:
         """Mask each constrained row of `logits` in place to the tokens its grammar allows."""
         rows = [i for i, g in enumerate(grammars) if g is not None]
         if not rows:
             return
-        bitmask = self.backend.allocate_bitmask(logits.shape[0])
-        for i in rows:
+        vocab_size = self._args[1]
+        bitmask = torch.full((logits.shape[0], -(-vocab_size // 32)), -1, dtype=torch.int32)
+        for i in rows:  # every backend writes the same packed rows: bit k of word j allows token 32*j + k
             grammars[i].fill_bitmask(bitmask, i)
-        self.backend.apply_bitmask(logits, bitmask, rows)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows)

@@ -4,8 +4,8 @@ token 32*j + i), so both backends fill rows of one mask.
 
 What it takes, exactly: `regex` (Rust regex syntax: also Unicode classes such as `\\p{Lu}` and
 inline flags such as `(?i)`, which xgrammar refuses), `choice`, and `json` for schemas whose
-every keyword outlines enforces (`OUTLINES_UNENFORCED` and `LENIENT_FORMATS` list what it would
-silently drop or loosen, which is refused by name). Not `json_object` or EBNF `grammar` (no recursion in a regex), and no
+every keyword outlines enforces (`RULES` lists what it would silently drop or loosen, which
+is refused by name). Not `json_object` or EBNF `grammar` (no recursion in a regex), and no
 jump-forward.
 """
 
@@ -19,11 +19,11 @@ import outlines_core as oc
 import torch
 
 from loraplex.grammar.backend import GrammarError, StructuredOutputs
-from loraplex.grammar.json_schema import UnsupportedKeywordError, check_schema
+from loraplex.grammar.json_schema import BASE_UNENFORCED, SchemaRules, UnsupportedKeywordError, check_schema, subschemas
 
 # what outlines-core 0.2 accepts in a schema but does not enforce (checked against its regexes)
-OUTLINES_UNENFORCED = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}
-LENIENT_FORMATS = {"date-time", "time"}  # its regexes make the UTC offset optional
+RULES = SchemaRules("outlines", BASE_UNENFORCED | {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
+                    lenient_formats=frozenset({"date-time", "time"}))  # its regexes make the UTC offset optional
 WHITESPACE = r"[ ]?"  # bounded: at most one space between JSON tokens
 MAX_CACHED = 64
 
@@ -101,8 +101,13 @@ class OutlinesBackend:
             return "|".join(re.escape(c) for c in spec.choice)
         if spec.kind == "regex":
             return spec.regex
-        check_schema(spec.json, extra_unenforced=OUTLINES_UNENFORCED, backend="outlines",
-                     lenient_formats=LENIENT_FORMATS)
+        check_schema(spec.json, RULES)
+        fraction = _fraction(spec.json)
+        if fraction is not None:
+            raise UnsupportedKeywordError(
+                f"json schema keyword 'type: number' at {fraction} is not supported by the outlines grammar backend "
+                f"(its token index never takes the '.' of a fraction, so valid numbers would be refused)",
+                "type: number", fraction)
         try:
             return oc.json_schema.build_regex_from_schema(
                 json.dumps(spec.json), whitespace_pattern=r"[\n\t ]*" if spec.any_whitespace else WHITESPACE)
@@ -112,13 +117,23 @@ class OutlinesBackend:
     def new_grammar(self, compiled: oc.Index, json_like: bool = False) -> OutlinesGrammar:
         return OutlinesGrammar(compiled, self.eos_token_id)
 
-    def allocate_bitmask(self, rows: int) -> torch.Tensor:
-        return torch.full((rows, -(-self.vocab_size // 32)), -1, dtype=torch.int32)
 
-    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        bits = (bitmask[rows].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
-        allowed = bits.bool().view(len(rows), -1)[:, :logits.shape[-1]]
-        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+def _fraction(schema) -> str | None:
+    """Where a schema admits a number with a fraction (found by the oracle: outlines-core 0.2's
+    index rejects "1.1" here), or None."""
+    stack = [(schema, "#")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, dict):
+            types = node.get("type")
+            values = node.get("enum", []) + ([node["const"]] if "const" in node else []) \
+                if isinstance(node.get("enum", []), list) else []
+            if types == "number" or (isinstance(types, list) and "number" in types) or any(
+                    isinstance(v, float) for v in values):
+                return path
+        stack.extend(subschemas(node, path))
+    return None
 
 
 def token_bytes(tokenizer, vocab_size: int) -> list[bytes]:

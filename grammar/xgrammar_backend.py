@@ -10,9 +10,10 @@ import torch
 import xgrammar as xgr
 
 from loraplex.grammar.backend import GrammarError, StructuredOutputs
-from loraplex.grammar.json_schema import check_schema
+from loraplex.grammar.json_schema import BASE_UNENFORCED, SchemaRules, check_schema
 
 MAX_WHITESPACE = 2  # JSON separators without any_whitespace: no runaway spaces or newlines
+RULES = SchemaRules("xgrammar", BASE_UNENFORCED)
 
 
 class XGrammarGrammar:
@@ -64,9 +65,9 @@ class XGrammarBackend:
     def compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
         try:
             if spec.kind == "json":
-                check_schema(spec.json)
+                check_schema(spec.json, RULES)
                 return self.compiler.compile_json_schema(
-                    json.dumps(spec.json), any_whitespace=spec.any_whitespace, strict_mode=True,
+                    json.dumps(spec.json), any_whitespace=spec.any_whitespace, strict_mode=False,
                     max_whitespace_cnt=None if spec.any_whitespace else MAX_WHITESPACE)
             if spec.kind == "json_object":  # any object (the builtin JSON grammar admits any value)
                 return self.compiler.compile_json_schema(
@@ -88,11 +89,6 @@ class XGrammarBackend:
     def new_grammar(self, compiled: xgr.CompiledGrammar, json_like: bool = False) -> XGrammarGrammar:
         return XGrammarGrammar(compiled, self.json_allowed if json_like else None)
 
-    def allocate_bitmask(self, rows: int) -> torch.Tensor:
-        return xgr.allocate_token_bitmask(rows, self.vocab_size)
-
-    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
 
 
 def _clean(message: str) -> str:

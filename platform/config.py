@@ -106,8 +106,9 @@ class EngineConfig:
                                          "bytes, or e.g. 4GiB", size=True)
     lora_cycle_steps: int = _setting(32, "steps a resident adapter keeps admitting requests while other "
                                          "adapters wait for a slot")
-    grammar_backend: str = _setting("xgrammar", "structured-output backend",
-                                    choices=["xgrammar", "outlines", "auto"])
+    grammar_backend: str = _setting("auto", "structured-output backend (auto: per spec, the first of llguidance, "
+                                    "xgrammar, outlines that enforces it exactly)",
+                                    choices=["auto", "llguidance", "xgrammar", "outlines"])
     grammar_compile_timeout_s: float = _setting(10.0, "seconds a grammar may take to compile (then: 400)",
                                                 flag="--grammar-compile-timeout")
     jump_forward: bool = _setting(True, "append grammar-forced tokens without a forward pass each")

@@ -39,6 +39,9 @@ class EngineStats:
     running_adapters: tuple[str, ...] = ()
     waiting_adapters: tuple[str, ...] = ()
     max_loras: int = 0
+    structured_checked: int = 0  # finished JSON outputs checked against their schema
+    schema_violations_strict: int = 0  # ... and found breaking it (strict: a bug; not strict: dropped keywords)
+    schema_violations_lenient: int = 0
 
 
 class Engine:
@@ -142,7 +145,9 @@ class Engine:
             prefix_cache_queries=self.kv.num_queries, prefix_cache_hits=self.kv.num_hits,
             num_preemptions=s.num_preemptions, running_adapters=tuple(sorted(s.running_adapters())),
             waiting_adapters=tuple(sorted({r.adapter for r in s.waiting if r.adapter is not None})),
-            max_loras=self.max_loras)
+            max_loras=self.max_loras, structured_checked=self.outputs.num_structured_checked,
+            schema_violations_strict=self.outputs.num_schema_violations[True],
+            schema_violations_lenient=self.outputs.num_schema_violations[False])
 
     # ---- one step --------------------------------------------------------------------------
 

@@ -9,11 +9,14 @@ is reported back, so the core can end that sequence.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from loraplex.platform.detokenizer import Detokenizer
 from loraplex.platform.request import CompletionOutput, Logprob, Request, RequestOutput
 from loraplex.platform.scheduler import SeqDelta
+
+log = logging.getLogger("loraplex.outputs")
 
 
 @dataclass
@@ -46,6 +49,8 @@ class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.groups: dict[str, _Group] = {}
+        self.num_structured_checked = 0
+        self.num_schema_violations = {True: 0, False: 0}  # by strict
 
     def add(self, request: Request) -> None:
         self.groups[request.request_id] = _Group(request)
@@ -111,7 +116,25 @@ class OutputProcessor:
         end = detok.stream_end(seq.finished)
         text = detok.text[seq.num_sent_chars:end]
         seq.num_sent_chars = max(seq.num_sent_chars, end)
-        return CompletionOutput(delta.index, text, list(delta.new_token_ids), logprobs, finish, stop_reason), hit
+        violation = self._check(group.request, delta.index, detok.text) if finish == "stop" and stop_reason is None \
+            else None
+        return CompletionOutput(delta.index, text, list(delta.new_token_ids), logprobs, finish, stop_reason,
+                                violation), hit
+
+    def _check(self, request: Request, index: int, text: str) -> str | None:
+        """The backstop: a structured output that its grammar ended is checked against its
+        schema before it is returned; a violation is counted and logged (with strict, a bug)."""
+        compiled = request.compiled_grammar
+        if compiled is None:
+            return None
+        violation = compiled.violation(text)
+        self.num_structured_checked += compiled.spec.kind in ("json", "json_object")
+        if violation is not None:
+            strict = compiled.spec.strict
+            self.num_schema_violations[strict] += 1
+            log.log(logging.ERROR if strict else logging.INFO, "request %s/%d: structured output breaks its schema "
+                    "(%s): %s", request.request_id, index, "strict" if strict else "not strict", violation)
+        return violation
 
     def _output(self, request_id: str, outs: list[CompletionOutput]) -> RequestOutput:
         group = self.groups[request_id]
@@ -119,21 +142,23 @@ class OutputProcessor:
         if finished:
             del self.groups[request_id]
         req = group.request
+        unenforced = req.compiled_grammar.unenforced if req.compiled_grammar is not None else ()
         return RequestOutput(request_id, req.prompt, req.prompt_token_ids, sorted(outs, key=lambda o: o.index),
-                             finished, group.num_cached_tokens)
+                             finished, group.num_cached_tokens, unenforced)
 
 
 def accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
     """Add a delta to what came before (for callers that want whole outputs)."""
     if total is None:
-        total = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, [], False)
+        total = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, [], False,
+                              unenforced=delta.unenforced)
     by_index = {o.index: o for o in total.outputs}
     for o in delta.outputs:
         have = by_index.get(o.index)
         if have is None:
             by_index[o.index] = CompletionOutput(o.index, o.text, list(o.token_ids),
                                                  list(o.logprobs) if o.logprobs is not None else None,
-                                                 o.finish_reason, o.stop_reason)
+                                                 o.finish_reason, o.stop_reason, o.schema_violation)
             continue
         have.text += o.text
         have.token_ids.extend(o.token_ids)
@@ -141,6 +166,7 @@ def accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutp
             have.logprobs.extend(o.logprobs)
         if o.finish_reason is not None:
             have.finish_reason, have.stop_reason = o.finish_reason, o.stop_reason
+            have.schema_violation = o.schema_violation
     total.outputs = [by_index[i] for i in sorted(by_index)]
     total.finished = delta.finished
     total.num_cached_tokens = max(total.num_cached_tokens, delta.num_cached_tokens)

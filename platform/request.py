@@ -117,6 +117,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None
     stop_reason: str | int | None = None
+    schema_violation: str | None = None  # a finished structured output its schema rejects (the backstop)
 
 
 @dataclass
@@ -127,6 +128,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    unenforced: tuple[str, ...] = ()  # schema keywords a non-strict request's grammar dropped
 
 
 class Request:

@@ -86,9 +86,10 @@ def test_random_walks_end_in_valid_output(manager, seed):
 def test_slow_compile_times_out_alone(manager, monkeypatch):
     mgr, _ = manager
     fast = mgr.compile(StructuredOutputs(regex="x+"))
-    slow = GrammarManager(*mgr._args, timeout_s=0.2)
-    real = slow.backend.compile
-    monkeypatch.setattr(slow.backend, "compile", lambda spec: (time.sleep(1.0), real(spec))[1])
+    slow = GrammarManager(*mgr._args, backend="xgrammar", timeout_s=0.2)
+    backend = slow._get("xgrammar")
+    real = backend.compile
+    monkeypatch.setattr(backend, "compile", lambda spec: (time.sleep(1.0), real(spec))[1])
     with pytest.raises(GrammarError, match="longer than 0.2s"):
         slow.compile(StructuredOutputs(regex="y+"))
     assert fast is not None
@@ -134,8 +135,9 @@ def test_a_compile_past_its_timeout_frees_its_worker(tiny_model_dir, monkeypatch
     import threading
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    manager = GrammarManager(tok, vocab_size=448, stop_token_ids=[tok.eos_token_id], timeout_s=0.3, max_compiles=4)
-    backend = manager.backend
+    manager = GrammarManager(tok, vocab_size=448, stop_token_ids=[tok.eos_token_id], backend="xgrammar",
+                             timeout_s=0.3, max_compiles=4)
+    backend = manager._get("xgrammar")
     real = backend.compile
     release = threading.Event()
     monkeypatch.setattr(backend, "compile",

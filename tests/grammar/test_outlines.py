@@ -62,19 +62,27 @@ def test_rollback_and_termination(tok):
     assert not g.is_terminated() and g.accept_token(b)
 
 
-def test_auto_routes_what_only_outlines_compiles(tok):
+def test_auto_routes_each_spec_to_the_first_backend_that_enforces_it(tok, monkeypatch):
     auto = manager(tok, "auto")
     for regex in (r"\p{Lu}[a-z]{1,3}", r"(?i)ab"):
         with pytest.raises(GrammarError):
             manager(tok, "xgrammar").compile(StructuredOutputs(regex=regex))
-        compiled = auto.compile(StructuredOutputs(regex=regex))
-        assert compiled[1] == "outlines"
+        assert auto.compile(StructuredOutputs(regex=regex)).backend == "llguidance"
         assert re.fullmatch(regex.replace(r"\p{Lu}", "[A-Z]"), walk(auto, tok, StructuredOutputs(regex=regex), 0))
-    assert auto.compile(StructuredOutputs(regex="x+"))[1] == "xgrammar"
-    with pytest.raises(GrammarError, match="'multipleOf'.*xgrammar"):  # refused keywords stay refused
-        auto.compile(StructuredOutputs(json={"type": "integer", "multipleOf": 3}))
-    with pytest.raises(GrammarError, match="Lookahead"):  # neither compiles it: xgrammar's message
-        auto.compile(StructuredOutputs(regex="a(?=b)"))
+    # multipleOf: xgrammar would ignore it (refused), llguidance enforces it (the oracle says so)
+    with pytest.raises(GrammarError, match="'multipleOf'.*xgrammar"):
+        manager(tok, "xgrammar").compile(StructuredOutputs(json={"type": "integer", "multipleOf": 3}))
+    assert auto.compile(StructuredOutputs(json={"type": "integer", "multipleOf": 3})).backend == "llguidance"
+    with pytest.raises(GrammarError, match="'not'.*llguidance"):  # refused by all: the first one's reason
+        auto.compile(StructuredOutputs(json={"type": "object", "properties": {"a": {"not": {"type": "string"}}}}))
+    # a spec the first backend fails goes on to the next, down to outlines
+    llguidance, xgrammar = auto._get("llguidance"), auto._get("xgrammar")
+    monkeypatch.setattr(llguidance, "compile", lambda spec: (_ for _ in ()).throw(GrammarError("no")))
+    assert auto.compile(StructuredOutputs(regex="x+")).backend == "xgrammar"
+    monkeypatch.setattr(xgrammar, "compile", lambda spec: (_ for _ in ()).throw(GrammarError("no")))
+    regex = r"\p{Lu}[a-z]{1,3}"
+    assert auto.compile(StructuredOutputs(regex=regex)).backend == "outlines"
+    assert re.fullmatch("[A-Z][a-z]{1,3}", walk(auto, tok, StructuredOutputs(regex=regex), 0))
 
 
 def test_engine_with_both_backends_in_one_batch(tiny_model_dir):

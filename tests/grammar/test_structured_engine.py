@@ -93,7 +93,7 @@ def test_default_model_samples_validate(default_model_dir):
     for (name, _), out in zip(cases, outs):
         c = out.outputs[0]
         if name == "ref-recursive" and c.finish_reason == "length":
-            assert c.text.startswith('{"id": ')  # recursion has no depth bound: the model may nest on
+            assert re.match(r'\{"id": ?', c.text)  # recursion has no depth bound: the model may nest on
             continue
         assert c.finish_reason == "stop", (name, c.text)  # bounded schemas end well inside max_tokens
         jsonschema.validate(json.loads(c.text), E2E_SCHEMAS[name], format_checker=jsonschema.FormatChecker())
@@ -124,8 +124,8 @@ def test_slow_compile_never_stalls_other_requests(tiny_model_dir, monkeypatch):
 
     from loraplex.platform.async_engine import AsyncEngine
 
-    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64)
-    backend = llm.engine.grammars.backend
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, grammar_backend="xgrammar")
+    backend = llm.engine.grammars._get("xgrammar")
     real = backend.compile
     release = threading.Event()
     monkeypatch.setattr(backend, "compile", lambda spec: (release.wait(30), real(spec))[1])

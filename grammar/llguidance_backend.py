@@ -1,0 +1,140 @@
+"""llguidance: JSON Schema, json_object, regex, choice and Lark / EBNF grammars, one LLMatcher
+per sequence, writing the same packed bitmask as xgrammar.
+
+llguidance says what it cannot enforce instead of ignoring it ("Unimplemented keys", a `oneOf`
+whose branches it cannot prove disjoint, an unknown `format`): those become a refusal naming the
+keyword. Its JSON has no whitespace between tokens unless `any_whitespace` asks for it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+
+from loraplex.grammar.backend import GrammarError, StructuredOutputs
+from loraplex.grammar.json_schema import UnsupportedKeywordError, find_keyword
+
+MAX_CACHED = 256
+
+
+class LLGuidanceGrammar:
+    def __init__(self, matcher: llguidance.LLMatcher, stop_token_ids: frozenset[int]) -> None:
+        self.matcher = matcher
+        self.stop_token_ids = stop_token_ids
+        self.terminated = False  # a stop token accepted where the grammar may end
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+
+    def accept_token(self, token_id: int) -> bool:
+        if self.terminated or not self.matcher.consume_token(token_id):
+            return False
+        self.terminated = token_id in self.stop_token_ids
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.terminated = False
+            self.matcher.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return self.terminated
+
+    def jump_forward_string(self) -> str:
+        """The text the grammar forces next, cut before a character split across its end."""
+        forced = self.matcher.compute_ff_bytes()
+        for cut in range(4):
+            try:
+                return forced[:len(forced) - cut].decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+        return ""
+
+
+class LLGuidanceBackend:
+    name = "llguidance"
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+        self.vocab_size = vocab_size
+        stops = list(stop_token_ids) or [tokenizer.eos_token_id]
+        self.stop_token_ids = frozenset(stops)
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stops)
+        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+
+    def compile(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
+        """A validated matcher in its start state; each sequence gets a copy."""
+        cached = self._cache.get(spec.key)
+        if cached is not None:
+            self._cache.move_to_end(spec.key)
+            return cached
+        grammar = self._grammar(spec)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        if is_error or messages:  # a warning is something it would not enforce: refused as well
+            raise _error(spec, messages[0] if messages else "compile failed")
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise _error(spec, matcher.get_error())
+        self._cache[spec.key] = matcher
+        if len(self._cache) > MAX_CACHED:
+            self._cache.popitem(last=False)
+        return matcher
+
+    def _grammar(self, spec: StructuredOutputs) -> str:
+        options = {"whitespace_flexible": spec.any_whitespace, "coerce_one_of": False}
+        try:
+            if spec.kind == "json":
+                return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(spec.json), defaults=options)
+            if spec.kind == "json_object":
+                return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=options)
+            if spec.kind == "regex":
+                return llguidance.LLMatcher.grammar_from_regex(spec.regex)
+            if spec.kind == "choice":
+                return llguidance.LLMatcher.grammar_from_lark(
+                    "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice))
+            return llguidance.LLMatcher.grammar_from_lark(lark_grammar(spec.grammar))
+        except (ValueError, TypeError) as exc:
+            raise GrammarError(f"invalid {spec.kind}: {exc}") from None
+
+    def new_grammar(self, compiled: llguidance.LLMatcher, json_like: bool = False) -> LLGuidanceGrammar:
+        return LLGuidanceGrammar(compiled.deep_copy(), self.stop_token_ids)
+
+
+def lark_grammar(text: str) -> str:
+    """Our `grammar` is EBNF in xgrammar's / GBNF's dialect (`root ::= ...`); llguidance reads
+    Lark, and takes a Lark grammar as it is."""
+    if "::=" not in text:
+        return text
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    try:
+        return gbnf_to_lark(text)
+    except Exception as exc:  # its converter raises whatever its parser hits
+        raise GrammarError(f"invalid grammar: {exc}") from None
+
+
+def _error(spec: StructuredOutputs, message: str) -> GrammarError:
+    message = message.strip().splitlines()[0] if message.strip() else "compile failed"
+    if spec.kind != "json":
+        return GrammarError(f"invalid {spec.kind}: {message}")
+    unimplemented = re.match(r"Unimplemented keys: \[(.*)\]", message)
+    if unimplemented:
+        keys = json.loads(f"[{unimplemented.group(1)}]")
+        return _refused(spec, keys[0], "it does not implement it")
+    if message.startswith("oneOf constraints are not supported"):
+        return _refused(spec, "oneOf", "its branches are not provably disjoint, so it would be enforced as anyOf")
+    unknown_format = re.match(r"Unknown format: (.*)", message)
+    if unknown_format:
+        return _refused(spec, f"format: {unknown_format.group(1)}", "it has no grammar for this format", "format")
+    return GrammarError(f"invalid json: {message}")
+
+
+def _refused(spec: StructuredOutputs, keyword: str, why: str, key: str | None = None) -> UnsupportedKeywordError:
+    path = find_keyword(spec.json, key or keyword) or "#"
+    return UnsupportedKeywordError(f"json schema keyword {keyword!r} at {path} is not supported by the llguidance "
+                                   f"grammar backend ({why}, so the request is refused)", keyword, path)
