@@ -35,12 +35,13 @@ def adapter_folders() -> list[Path]:
     return folders + [ensure_example_adapter()]
 
 
-def start_server(port: int, num_adapters: int, max_loras: int | None) -> subprocess.Popen:
-    folders = adapter_folders()
+def start_server(port: int, num_adapters: int, max_loras: int | None, extra: tuple[str, ...] = (),
+                 max_model_len: int = 2048) -> subprocess.Popen:
+    folders = adapter_folders() if num_adapters else []
     modules = [f"ad{i}={folders[i % len(folders)]}" for i in range(num_adapters)]
     cmd = [sys.executable, "-m", "loraplex.api.cli", "serve", str(default_model_dir()), "--port", str(port),
-           "--max-model-len", "2048", *(["--max-loras", str(max_loras)] if max_loras else []),
-           "--lora-modules", *modules]
+           "--max-model-len", str(max_model_len), *(["--max-loras", str(max_loras)] if max_loras else []),
+           *(["--lora-modules", *modules] if modules else []), *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(240):
         try:

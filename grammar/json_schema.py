@@ -8,10 +8,10 @@ exactly its valid instances.
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass, field
 
 from loraplex.grammar.backend import GrammarError
+from loraplex.grammar.rewrite import rewrite
 
 # Keywords whose value is a schema, or a map / list of schemas, to walk into.
 SUBSCHEMA = {"items", "additionalProperties", "additionalItems", "not", "if", "then", "else", "contains",
@@ -159,106 +159,24 @@ def check_schema(schema, rules: SchemaRules, path: str = "#") -> None:
         check_schema(sub, rules, where)
 
 
-def normalize(schema):
+def normalize(schema, deep: bool = True):
     """Exact rewrites before compiling: under draft 7 and older, `$ref` replaces its siblings;
-    a `oneOf` whose branches no value can satisfy twice is an `anyOf`."""
+    `not`, `oneOf`, conditionals and dependencies become keywords backends enforce
+    (grammar/rewrite.py; not `deep`: only a provably disjoint `oneOf` becomes an `anyOf`)."""
     if not isinstance(schema, dict):
         return schema
     old = any(d in str(schema.get("$schema", "")) for d in OLD_DIALECTS)
     schema = copy.deepcopy(schema)
+    if old:
+        _drop_ref_siblings(schema)
+    return rewrite(schema, deep=deep)
+
+
+def _drop_ref_siblings(schema) -> None:
     stack = [schema]
     while stack:
         node = stack.pop()
-        if not isinstance(node, dict):
-            continue
-        if old and "$ref" in node:
+        if isinstance(node, dict) and "$ref" in node:
             for key in [k for k in node if k not in ("$ref", "$defs", "definitions")]:
                 del node[key]
-        if isinstance(node.get("oneOf"), list) and "anyOf" not in node and disjoint(node["oneOf"]):
-            node["anyOf"] = node.pop("oneOf")
         stack.extend(sub for sub, _ in subschemas(node))
-    return schema
-
-
-JSON_TYPES = ("null", "boolean", "object", "array", "number", "string")
-
-
-def _types(branch) -> set[str] | None:
-    """The JSON types a branch admits, when it says (None: any)."""
-    if not isinstance(branch, dict):
-        return None if branch is True else set()
-    if "const" in branch:
-        return {_type_of(branch["const"])}
-    if isinstance(branch.get("enum"), list):
-        return {_type_of(v) for v in branch["enum"]}
-    declared = branch.get("type")
-    if declared is None:
-        return None
-    names = {declared} if isinstance(declared, str) else set(declared)
-    return {"number" if name == "integer" else name for name in names}
-
-
-def _type_of(value) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return "number"
-    return {str: "string", list: "array", dict: "object"}[type(value)]
-
-
-def _values(branch, key: str):
-    """The values a branch allows for property `key` (a const / enum that it requires), else None."""
-    if not isinstance(branch, dict) or key not in branch.get("required", []):
-        return None
-    prop = branch.get("properties", {}).get(key)
-    if isinstance(prop, dict) and "const" in prop:
-        return [prop["const"]]
-    if isinstance(prop, dict) and isinstance(prop.get("enum"), list):
-        return prop["enum"]
-    return None
-
-
-def _closed_keys(branch) -> tuple[set[str], set[str]] | None:
-    """(required, allowed) property names of a closed object branch, else None."""
-    if not isinstance(branch, dict) or branch.get("additionalProperties") is not False or "patternProperties" in branch:
-        return None
-    return set(branch.get("required", [])), set(branch.get("properties", {}))
-
-
-def disjoint(branches: list) -> bool:
-    """Can no JSON value satisfy two of these branches? Proved by different types, by a
-    required property whose const / enum values differ, or by closed objects each requiring a
-    key the other does not allow. False when unsure."""
-    if len(branches) < 2 or not all(isinstance(b, dict) for b in branches):
-        return len(branches) < 2
-    for i, a in enumerate(branches):
-        for b in branches[i + 1:]:
-            if not _pair_disjoint(a, b):
-                return False
-    return True
-
-
-def _pair_disjoint(a: dict, b: dict) -> bool:
-    ta, tb = _types(a), _types(b)
-    if ta is not None and tb is not None and not ta & tb:
-        return True
-    objects = (ta is None or ta == {"object"}) and (tb is None or tb == {"object"})
-    if not objects or ta is None and tb is None:
-        return False
-    for key in set(a.get("required", [])) & set(b.get("required", [])):
-        va, vb = _values(a, key), _values(b, key)
-        if va is not None and vb is not None and not _any_equal(va, vb):
-            return True
-    ka, kb = _closed_keys(a), _closed_keys(b)
-    if ka is not None and kb is not None:
-        (required_a, allowed_a), (required_b, allowed_b) = ka, kb
-        return bool(required_a - allowed_b) or bool(required_b - allowed_a)
-    return False
-
-
-def _any_equal(xs: list, ys: list) -> bool:
-    canon = lambda v: json.dumps(v, sort_keys=True)  # noqa: E731  1 and 1.0 aside, JSON equality
-    return bool({canon(x) for x in xs} & {canon(y) for y in ys}) or any(
-        isinstance(x, (int, float)) and not isinstance(x, bool) and x == y for x in xs for y in ys)

@@ -33,14 +33,22 @@ class LLGuidanceGrammar:
         llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
 
     def accept_token(self, token_id: int) -> bool:
-        if self.terminated or not self.matcher.consume_token(token_id):
+        # checked first: a refused token would leave the matcher in an error state for good,
+        # and a jump-forward dry run or a caller must be able to go on after a refusal
+        if self.terminated:
             return False
-        self.terminated = token_id in self.stop_token_ids
+        stop = token_id in self.stop_token_ids
+        if not (self.matcher.is_accepting() if stop else self.matcher.validate_tokens([token_id]) == 1):
+            return False
+        if not self.matcher.consume_token(token_id):
+            return False
+        self.terminated = stop
         return True
 
     def rollback(self, num_tokens: int) -> None:
+        if num_tokens and self.terminated:  # llguidance keeps no history entry for the stop token
+            self.terminated, num_tokens = False, num_tokens - 1
         if num_tokens:
-            self.terminated = False
             self.matcher.rollback(num_tokens)
 
     def is_terminated(self) -> bool:

@@ -7,10 +7,13 @@ the next spec (a shared pool would stay wedged by it), and at most `max_compiles
 once, abandoned ones included, so slow specs cannot pile up threads. Each backend keeps
 compiled grammars in a bounded cache keyed by the spec.
 
-Backends: "xgrammar" (default), "outlines", or "auto": xgrammar first; a spec xgrammar cannot
-compile (a regex with Unicode classes like `\p{Lu}` or inline flags like `(?i)`) goes to
-outlines when outlines can. A schema keyword xgrammar would not enforce stays refused under
-auto: outlines enforces none that xgrammar does not. Both write the same packed bitmask.
+Backends: "llguidance", "xgrammar", "outlines", or "auto" (the default): per spec, the first
+of llguidance, xgrammar, outlines that compiles it, a refusal included (each backend refuses by
+name what it would not enforce exactly, checked by the oracle in tests/grammar/test_oracle.py,
+so passing a refused spec on is sound). All write the same packed bitmask. Before any backend,
+a JSON Schema is rewritten exactly (grammar/json_schema.py `normalize`); with `strict: false`
+a keyword the first backend refuses is dropped and listed (`Compiled.unenforced`), one at a
+time. Every finished JSON output is checked against the schema as given (`Compiled.violation`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import threading
 from dataclasses import dataclass, field
 
 import jsonschema
-
 import torch
 import xgrammar as xgr
 
@@ -37,6 +39,14 @@ KINDS = {"llguidance": {"json", "json_object", "regex", "choice", "grammar"},
 
 
 MAX_RELAXED = 64  # keywords a non-strict schema may drop
+
+
+def _normalized(spec: StructuredOutputs, backend: str) -> StructuredOutputs:
+    """A JSON Schema after the exact rewrites `backend` can use (the deep ones introduce
+    `allOf` beside other keywords, which only llguidance enforces)."""
+    if spec.kind != "json":
+        return spec
+    return dataclasses.replace(spec, json=normalize(spec.json, deep=backend == "llguidance"))
 
 
 @dataclass
@@ -126,9 +136,6 @@ class GrammarManager:
         return tuple(name for name in AUTO_ORDER if spec.kind in KINDS[name])
 
     def _compile(self, spec: StructuredOutputs) -> Compiled:
-        original = spec.json
-        if spec.kind == "json":
-            spec = dataclasses.replace(spec, json=normalize(spec.json))
         order = self.order(spec)
         try:
             compiled = self._first_that_compiles(spec, order)
@@ -136,20 +143,22 @@ class GrammarManager:
             if spec.strict:
                 raise
             compiled = self._relax(spec, order[0], refused)
-        compiled.original = original
+        compiled.original = spec.json
         return compiled
 
     def _first_that_compiles(self, spec: StructuredOutputs, order: tuple[str, ...], unenforced=()) -> Compiled:
         first: GrammarError | None = None
         for name in order:
             try:
-                return Compiled(spec, name, self._get(name).compile(spec), tuple(unenforced))
+                exact = _normalized(spec, name)
+                return Compiled(exact, name, self._get(name).compile(exact), tuple(unenforced))
             except GrammarError as exc:  # refused or failed: the next backend may enforce it exactly
                 first = first or exc
         raise first
 
     def _relax(self, spec: StructuredOutputs, backend: str, refused: UnsupportedKeywordError) -> Compiled:
         """strict: false: drop what `backend` refuses, one keyword at a time, and list it."""
+        spec = _normalized(spec, backend)
         unenforced = []
         for _ in range(MAX_RELAXED):
             schema = relaxed(spec.json, refused.keyword, refused.path)

@@ -1,11 +1,12 @@
 """The soundness oracle: does a compiled grammar accept exactly the valid instances of a schema?
 
 Cases come from the official JSON-Schema-Test-Suite (a schema and instances marked valid or
-invalid) or from a corpus of real-world schemas with instances. An instance is written the way
-the bounded-whitespace grammars emit JSON (UTF-8, an integral float as an integer: `1.0` and
-`1` are the same JSON Schema number; see `instance_texts` for key order and separators),
-tokenized, fed token by token, then a stop token: accepted if for one of those layouts every
-token is and the grammar may end there; rejected only if no layout is accepted. Used by the tests (every
+invalid) or from a corpus of real-world schemas with instances. An instance is written into a fresh
+matcher the way the bounded-whitespace grammars emit JSON (UTF-8, an integral float as an
+integer: `1.0` and `1` are the same JSON Schema number), compact or with xgrammar's spaces,
+piece by piece with a backtracking search over each object's key order (JSON objects have
+none; grammars fix one), then a stop token: accepted if some order takes it all and the
+grammar may end there; rejected only if none does. Used by the tests (every
 case, every backend) and by `benchmarks/schema_coverage.py`.
 """
 
@@ -79,41 +80,63 @@ def corpus_cases(root: Path) -> list[Case]:
     return cases
 
 
-def instance_texts(data, schema) -> list[str]:
-    """The instance as written and with its keys in the order the schema first names them
-    (grammars emit properties in declaration order; JSON objects have none), each compact and
-    with one space after separators (xgrammar's fixed layout)."""
-    data = _integral(data)
-    order: dict[str, int] = {}
-    for text in _strings(schema):
-        order.setdefault(text, len(order))
-    texts = [json.dumps(value, separators=separators, ensure_ascii=False)
-             for value in (data, _reordered(data, order)) for separators in ((",", ":"), (", ", ": "))]
-    return list(dict.fromkeys(texts))
+SEPARATORS = ((",", ":"), (", ", ": "))  # compact, and xgrammar's fixed layout
+MAX_TRIES = 4000  # fragments tried per instance while searching key orders
 
 
-def _strings(value):
-    """Every key and string in a JSON value, in document order."""
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            yield item
-        elif isinstance(item, dict):
-            for key, child in reversed(list(item.items())):
-                stack.extend((child, key))
-        elif isinstance(item, list):
-            stack.extend(reversed(item))
+class _Writer:
+    """Writes a JSON value into a grammar fragment by fragment, searching the order of each
+    object's keys with backtracking: JSON objects have no order, grammars emit one."""
 
+    def __init__(self, new_grammar, tokenizer, separators: tuple[str, str]) -> None:
+        self.new_grammar, self.tokenizer = new_grammar, tokenizer
+        self.item_sep, self.key_sep = separators
+        self.grammar = new_grammar()
+        self.fed: list[int] = []
+        self.tries = 0
 
-def _reordered(data, order: dict[str, int]):
-    if isinstance(data, dict):
-        keys = sorted(data, key=lambda k: order.get(k, len(order)))
-        return {k: _reordered(data[k], order) for k in keys}
-    if isinstance(data, list):
-        return [_reordered(x, order) for x in data]
-    return data
+    def rewind(self, mark: int) -> None:
+        """Back to `mark` tokens: a fresh matcher replays them (backends bound rollback)."""
+        if len(self.fed) != mark:
+            self.grammar, self.fed = self.new_grammar(), self.fed[:mark]
+            for token in self.fed:
+                self.grammar.accept_token(token)
 
+    def text(self, text: str) -> bool:
+        self.tries += 1
+        mark = len(self.fed)
+        for token in self.tokenizer.encode(text, add_special_tokens=False):
+            if not self.grammar.accept_token(token):
+                self.rewind(mark)
+                return False
+            self.fed.append(token)
+        return True
+
+    def value(self, value) -> bool:
+        mark = len(self.fed)
+        if isinstance(value, dict):
+            ok = self.text("{") and self.members(list(value.items()), first=True)
+        elif isinstance(value, list):
+            ok = self.text("[") and all((i == 0 or self.text(self.item_sep)) and self.value(item)
+                                        for i, item in enumerate(value)) and self.text("]")
+        else:
+            ok = self.text(json.dumps(value, ensure_ascii=False))
+        if not ok:
+            self.rewind(mark)
+        return ok
+
+    def members(self, items: list, first: bool) -> bool:
+        if not items:
+            return self.text("}")
+        for i, (key, value) in enumerate(items):
+            if self.tries > MAX_TRIES:
+                return False
+            mark = len(self.fed)
+            head = ("" if first else self.item_sep) + json.dumps(key, ensure_ascii=False) + self.key_sep
+            if self.text(head) and self.value(value) and self.members(items[:i] + items[i + 1:], first=False):
+                return True
+            self.rewind(mark)
+        return False
 
 def _integral(data):
     if isinstance(data, float) and math.isfinite(data) and data.is_integer() and abs(data) < 2 ** 63:
@@ -125,13 +148,15 @@ def _integral(data):
     return data
 
 
-def accepts(manager, compiled, tokenizer, text: str, stop_token_id: int) -> bool:
-    """Does a fresh matcher take `text`'s tokens and then a stop token?"""
-    grammar = manager.new_grammar(compiled)
-    for token in tokenizer.encode(text, add_special_tokens=False):
-        if not grammar.accept_token(token):
-            return False
-    return grammar.accept_token(stop_token_id) and grammar.is_terminated()
+def accepts(manager, compiled, tokenizer, data, stop_token_id: int) -> bool:
+    """Does a fresh matcher take the value `data`, in some key order and separator layout, then
+    a stop token?"""
+    data = _integral(data)
+    for separators in SEPARATORS:
+        writer = _Writer(lambda: manager.new_grammar(compiled), tokenizer, separators)
+        if writer.value(data) and writer.grammar.accept_token(stop_token_id) and writer.grammar.is_terminated():
+            return True
+    return False
 
 
 def check(manager, tokenizer, case: Case, stop_token_id: int) -> Outcome:
@@ -146,10 +171,8 @@ def check(manager, tokenizer, case: Case, stop_token_id: int) -> Outcome:
         return Outcome(case, "error", str(exc))
     outcome = Outcome(case, "compiled", compile_s=time.perf_counter() - start)
     for data, valid, description in case.instances:
-        texts = instance_texts(data, case.schema)
-        accepted = [accepts(manager, compiled, tokenizer, text, stop_token_id) for text in texts]
-        text = texts[accepted.index(True)] if any(accepted) else texts[-1]
-        ok = any(accepted) == valid
+        text = json.dumps(data, ensure_ascii=False)
+        ok = accepts(manager, compiled, tokenizer, data, stop_token_id) == valid
         if valid:
             outcome.valid_total += 1
             outcome.valid_accepted += ok

@@ -300,3 +300,57 @@ def test_metrics_expose_vllm_names(client, live):
                  'loraplex:lora_requests_total{lora_name="a0"}', "loraplex:lora_requests_info{",
                  'max_lora="2"', 'loraplex:request_success_total{finished_reason="length"}'):
         assert name in text, name
+
+
+LOOSE = {"type": "object", "additionalProperties": False, "required": ["tags"],
+         "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3, "uniqueItems": True}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_strict_false_lists_unenforced_keywords_in_a_header_and_the_body(client, live, stream):
+    loose = {"type": "json_schema", "json_schema": {"name": "x", "schema": LOOSE, "strict": False}}
+    body = {"model": "tiny", "messages": MSG, "max_tokens": 40, "seed": 2, "response_format": loose, "stream": stream}
+    response = client.chat.completions.with_raw_response.create(**body)
+    assert response.headers["x-loraplex-unenforced-keywords"] == "uniqueItems at #/properties/tags"
+    parsed = response.parse()
+    if stream:
+        chunks = list(parsed)
+        assert chunks[0].model_extra["unenforced_keywords"] == ["uniqueItems at #/properties/tags"]
+    else:
+        assert parsed.model_extra["unenforced_keywords"] == ["uniqueItems at #/properties/tags"]
+    # strict (the default, and strict: true) refuses it by name
+    for strict in (None, True):
+        fmt = {"name": "x", "schema": LOOSE, **({"strict": strict} if strict is not None else {})}
+        assert_error(http(live, "/v1/chat/completions", {"model": "tiny", "messages": MSG,
+                     "response_format": {"type": "json_schema", "json_schema": fmt}}), 400, "'uniqueItems'")
+    exact = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=MSG, max_tokens=40, response_format={"type": "json_schema", "json_schema": {
+            "name": "x", "schema": SCHEMA, "strict": False}})
+    assert "x-loraplex-unenforced-keywords" not in exact.headers
+    assert "unenforced_keywords" not in (exact.parse().model_extra or {})
+    assert_clean(live)
+
+
+def test_every_structured_output_is_checked_and_violations_are_counted(client, live, monkeypatch, caplog):
+    from loraplex.grammar.manager import Compiled
+
+    def metric(text: str, name: str) -> float:
+        line = next(line for line in text.splitlines() if line.startswith(name))
+        return float(line.rsplit(" ", 1)[1])
+
+    _, before = http(live, "/metrics", key=None)
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
+    out = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=60, seed=1, response_format=fmt)
+    assert out.choices[0].finish_reason == "stop"
+    _, after = http(live, "/metrics", key=None)
+    assert metric(after, "loraplex:structured_output_checked_total") == \
+        metric(before, "loraplex:structured_output_checked_total") + 1
+    violations = 'loraplex:structured_output_violations_total{strict="true"}'
+    assert metric(after, violations) == metric(before, violations)
+    # a grammar that let a violation through: counted and logged as the bug it is
+    monkeypatch.setattr(Compiled, "violation", lambda self, text: "'n' is a required property at $")
+    with caplog.at_level("ERROR", logger="loraplex.outputs"):
+        client.chat.completions.create(model="tiny", messages=MSG, max_tokens=60, seed=1, response_format=fmt)
+    _, last = http(live, "/metrics", key=None)
+    assert metric(last, violations) == metric(after, violations) + 1
+    assert "breaks its schema (strict)" in caplog.text

@@ -22,8 +22,9 @@ EBNF = 'root ::= expr\nexpr ::= num | "(" expr op expr ")"\nop ::= "+" | "*"\nnu
 
 @pytest.fixture(scope="module")
 def manager(tiny_model_dir):
+    """xgrammar's (tests/grammar/test_llguidance.py has llguidance's, test_oracle.py all)."""
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    return GrammarManager(tok, vocab_size=448, stop_token_ids=[tok.eos_token_id]), tok
+    return GrammarManager(tok, vocab_size=448, stop_token_ids=[tok.eos_token_id], backend="xgrammar"), tok
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -16,7 +16,8 @@ from transformers import AutoTokenizer
 
 from loraplex.grammar import oracle
 from loraplex.grammar.backend import GrammarError, StructuredOutputs
-from loraplex.grammar.json_schema import UnsupportedKeywordError, disjoint, normalize
+from loraplex.grammar.json_schema import UnsupportedKeywordError, normalize
+from loraplex.grammar.rewrite import disjoint
 from loraplex.grammar.manager import GrammarManager
 
 SUITE = Path(__file__).resolve().parents[3] / "shared" / "data" / "json-schema-test-suite"
@@ -103,9 +104,9 @@ def test_combinators_beside_properties_keep_their_siblings(by_backend, tok, comb
         outcome = oracle.check(by_backend[name], tok, case, tok.eos_token_id)
         assert outcome.status in ("compiled", "refused"), (name, outcome.message)
         assert not outcome.wrong, (name, outcome.wrong)
-    # oneOf: {"a": 1, "b": "x"} meets both branches, so it cannot be an anyOf: refused, by name
-    expected = "refused" if combinator == "oneOf" else "compiled"
-    assert oracle.check(by_backend["auto"], tok, case, tok.eos_token_id).status == expected
+    # oneOf: {"a": 1, "b": "x"} meets both branches, so it is not an anyOf: each branch is
+    # enforced with the negation of the other (exact), not coerced
+    assert oracle.check(by_backend["auto"], tok, case, tok.eos_token_id).status == "compiled"
 
 
 @pytest.mark.parametrize("sibling", [{"$ref": "#/$defs/n"}, {"anyOf": [{"minimum": 1}]}])
@@ -155,7 +156,7 @@ def test_pattern_with_length_is_enforced_by_intersection_on_llguidance(by_backen
 
 UNENFORCEABLE = {"type": "object", "additionalProperties": False, "required": ["tags", "n"],
                  "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
-                                "n": {"type": "integer", "not": {"const": 3}}}}
+                                "n": {"type": "integer", "not": {"multipleOf": 3}}}}
 
 
 @pytest.mark.parametrize("backend", ["auto", "xgrammar"])
@@ -168,8 +169,25 @@ def test_strict_refuses_and_non_strict_lists_what_it_dropped(by_backend, backend
     assert "uniqueItems" not in json.dumps(compiled.spec.json) and "not" not in compiled.spec.json["properties"]["n"]
     # the dropped keywords are still checked after the fact, against the schema as given
     assert compiled.violation('{"tags":["a","a"],"n":1}') is not None
-    assert compiled.violation('{"tags":["a","b"],"n":3}') is not None
+    assert compiled.violation('{"tags":["a","b"],"n":6}') is not None
     assert compiled.violation('{"tags":["a","b"],"n":1}') is None
+
+
+def test_not_and_conditionals_are_rewritten_exactly(by_backend, tok):
+    schema = {"type": "object", "additionalProperties": False, "required": ["kind", "n"],
+              "properties": {"kind": {"enum": ["a", "b"]}, "n": {"type": "integer", "not": {"const": 3}},
+                             "s": {"type": "string", "not": {"enum": ["x", "xy"]}}},
+              "if": {"properties": {"kind": {"const": "a"}}}, "then": {"required": ["s"]},
+              "dependentRequired": {"s": ["kind"]}}
+    instances = [({"kind": "a", "n": 1, "s": "y"}, True), ({"kind": "b", "n": 1}, True), ({"kind": "a", "n": 1}, False),
+                 ({"kind": "b", "n": 3}, False), ({"kind": "b", "n": 1, "s": "xy"}, False),
+                 ({"kind": "b", "n": 1, "s": "x1"}, True), ({"kind": "b", "n": 1, "s": ""}, True)]
+    case = oracle.Case("rewrite", "not / if / dependentRequired", schema, [(d, v, "") for d, v in instances])
+    outcome = oracle.check(by_backend["llguidance"], tok, case, tok.eos_token_id)
+    assert outcome.status == "compiled" and not outcome.wrong, (outcome.message, outcome.wrong)
+    # xgrammar gets only the light rewrites: the user's own keyword is named
+    with pytest.raises(UnsupportedKeywordError, match="'if' at #"):
+        by_backend["xgrammar"].compile(StructuredOutputs(json=schema))
 
 
 def test_the_backstop_names_what_an_output_breaks(by_backend):

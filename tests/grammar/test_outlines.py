@@ -74,7 +74,7 @@ def test_auto_routes_each_spec_to_the_first_backend_that_enforces_it(tok, monkey
         manager(tok, "xgrammar").compile(StructuredOutputs(json={"type": "integer", "multipleOf": 3}))
     assert auto.compile(StructuredOutputs(json={"type": "integer", "multipleOf": 3})).backend == "llguidance"
     with pytest.raises(GrammarError, match="'not'.*llguidance"):  # refused by all: the first one's reason
-        auto.compile(StructuredOutputs(json={"type": "object", "properties": {"a": {"not": {"type": "string"}}}}))
+        auto.compile(StructuredOutputs(json={"type": "object", "properties": {"a": {"not": {"pattern": "^x"}}}}))
     # a spec the first backend fails goes on to the next, down to outlines
     llguidance, xgrammar = auto._get("llguidance"), auto._get("xgrammar")
     monkeypatch.setattr(llguidance, "compile", lambda spec: (_ for _ in ()).throw(GrammarError("no")))

@@ -46,7 +46,7 @@ def test_truncation_is_reported_as_length(tiny_model_dir):
 
 
 @pytest.mark.parametrize("spec,message", [
-    (dict(json={"type": "object", "properties": {"a": {"not": {}}}}), "'not'"),
+    (dict(json={"type": "object", "properties": {"a": {"not": {"pattern": "^x"}}}}), "'not'"),
     (dict(regex="(unclosed"), "invalid regex"),
     (dict(grammar="root ::= missing_rule"), "invalid grammar"),
 ])
