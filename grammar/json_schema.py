@@ -164,7 +164,7 @@ def normalize(schema, deep: bool = True):
     `not`, `oneOf`, conditionals and dependencies become keywords backends enforce
     (grammar/rewrite.py; not `deep`: only a provably disjoint `oneOf` becomes an `anyOf`)."""
     if not isinstance(schema, dict):
-        return schema
+        return rewrite(schema, deep=deep)
     old = any(d in str(schema.get("$schema", "")) for d in OLD_DIALECTS)
     schema = copy.deepcopy(schema)
     if old:

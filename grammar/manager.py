@@ -41,12 +41,12 @@ KINDS = {"llguidance": {"json", "json_object", "regex", "choice", "grammar"},
 MAX_RELAXED = 64  # keywords a non-strict schema may drop
 
 
-def _normalized(spec: StructuredOutputs, backend: str) -> StructuredOutputs:
-    """A JSON Schema after the exact rewrites `backend` can use (the deep ones introduce
-    `allOf` beside other keywords, which only llguidance enforces)."""
+def _normalized(spec: StructuredOutputs, deep: bool) -> StructuredOutputs:
+    """A JSON Schema after the exact rewrites (the deep ones put `allOf` beside other keywords,
+    which only llguidance enforces everywhere)."""
     if spec.kind != "json":
         return spec
-    return dataclasses.replace(spec, json=normalize(spec.json, deep=backend == "llguidance"))
+    return dataclasses.replace(spec, json=normalize(spec.json, deep=deep))
 
 
 @dataclass
@@ -94,6 +94,7 @@ class GrammarManager:
         self._lock = threading.Lock()
         self.max_compiles = max_compiles
         self._running = threading.BoundedSemaphore(max_compiles)
+        self.closing_tokens = _closing_tokens(tokenizer, stop_token_ids)
 
 
     def _get(self, name: str) -> GrammarBackend:
@@ -149,16 +150,19 @@ class GrammarManager:
     def _first_that_compiles(self, spec: StructuredOutputs, order: tuple[str, ...], unenforced=()) -> Compiled:
         first: GrammarError | None = None
         for name in order:
-            try:
-                exact = _normalized(spec, name)
-                return Compiled(exact, name, self._get(name).compile(exact), tuple(unenforced))
-            except GrammarError as exc:  # refused or failed: the next backend may enforce it exactly
-                first = first or exc
+            error = None
+            for deep in (True, False) if spec.kind == "json" and name != "llguidance" else (True,):
+                try:
+                    exact = _normalized(spec, deep)
+                    return Compiled(exact, name, self._get(name).compile(exact), tuple(unenforced))
+                except GrammarError as exc:  # refused or failed: the next backend may enforce it exactly
+                    error = exc  # the light rewrite's refusal names the request's own keyword
+            first = first or error
         raise first
 
     def _relax(self, spec: StructuredOutputs, backend: str, refused: UnsupportedKeywordError) -> Compiled:
         """strict: false: drop what `backend` refuses, one keyword at a time, and list it."""
-        spec = _normalized(spec, backend)
+        spec = _normalized(spec, deep=backend == "llguidance")
         unenforced = []
         for _ in range(MAX_RELAXED):
             schema = relaxed(spec.json, refused.keyword, refused.path)
@@ -176,8 +180,10 @@ class GrammarManager:
         return self._get(compiled.backend).new_grammar(compiled.grammar, json_like=compiled.spec.kind in
                                                        ("json", "json_object"))
 
-    def apply(self, logits: torch.Tensor, grammars: list[Grammar | None]) -> None:
-        """Mask each constrained row of `logits` in place to the tokens its grammar allows."""
+    def apply(self, logits: torch.Tensor, grammars: list[Grammar | None], closing: list[bool] | None = None) -> None:
+        """Mask each constrained row of `logits` in place to the tokens its grammar allows; a
+        `closing` row further to its closing tokens, when the grammar allows any (a subset of
+        what it allows: sound)."""
         rows = [i for i, g in enumerate(grammars) if g is not None]
         if not rows:
             return
@@ -186,3 +192,16 @@ class GrammarManager:
         for i in rows:  # every backend writes the same packed rows: bit k of word j allows token 32*j + k
             grammars[i].fill_bitmask(bitmask, i)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows)
+        for i in [i for i in rows if closing is not None and closing[i]]:
+            closers = self.closing_tokens[self.closing_tokens < logits.shape[1]]
+            if bool(torch.isfinite(logits[i, closers]).any()):
+                kept = logits[i, closers].clone()
+                logits[i] = float("-inf")
+                logits[i, closers] = kept
+
+
+def _closing_tokens(tokenizer, stop_token_ids: list[int]) -> torch.Tensor:
+    """Tokens made only of JSON closers (`"`, `]`, `}`), and the stop tokens."""
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    ids = [i for i, text in enumerate(texts) if text.strip() and set(text.strip()) <= set('"]}')]
+    return torch.tensor(sorted(set(ids) | set(stop_token_ids)), dtype=torch.long)

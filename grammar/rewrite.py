@@ -18,6 +18,8 @@ TYPES = ("null", "boolean", "object", "array", "number", "string")
 ANNOTATIONS = {"$schema", "$id", "$comment", "title", "description", "default", "examples", "$defs", "definitions",
                "deprecated", "readOnly", "writeOnly", "contentMediaType", "contentEncoding", "contentSchema"}
 MAX_REF_DEPTH = 16
+COUNTS = {"minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties", "minContains",
+          "maxContains"}
 
 
 class _Inexpressible(Exception):
@@ -28,6 +30,8 @@ def rewrite(schema, root=None, depth: int = 0, deep: bool = True):
     """`schema` with `not`, `oneOf`, conditionals and dependencies rewritten where that is
     exact (a new object; the input is left alone). Not `deep`: only a provably disjoint `oneOf`
     becomes an `anyOf` (for backends that refuse `allOf` beside other keywords anyway)."""
+    if schema is True and root is None:
+        return {}  # the schema `true`: any JSON value
     root = schema if root is None else root
     if isinstance(schema, list):
         return [rewrite(s, root, depth, deep) for s in schema]
@@ -35,7 +39,9 @@ def rewrite(schema, root=None, depth: int = 0, deep: bool = True):
         return schema
     out = {}
     for key, value in schema.items():
-        if key in ("const", "enum", "default", "examples") or not isinstance(value, (dict, list)):
+        if key in COUNTS and isinstance(value, float) and value.is_integer():
+            out[key] = int(value)  # 2.0 is the count 2; some backends want an integer
+        elif key in ("const", "enum", "default", "examples") or not isinstance(value, (dict, list)):
             out[key] = value
         elif key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
             out[key] = {k: rewrite(v, root, depth, deep) for k, v in value.items()} if isinstance(value, dict) \

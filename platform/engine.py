@@ -70,7 +70,8 @@ class Engine:
         print(f"[loraplex] adapters: max_loras={self.max_loras} per batch ({why}); CPU cache bounded by "
               f"lora_memory={config.lora_memory / 2**20:.0f} MiB", file=sys.stderr)
         self.runner = ModelRunner(self.model, self.model_config, self.kv, config.torch_kv_dtype)
-        self.sampler = Sampler(self.model_config.vocab_size, self.eos_token_ids, config.seed, self.grammars)
+        self.sampler = Sampler(self.model_config.vocab_size, self.eos_token_ids, config.seed, self.grammars,
+                               config.json_close_window)
         self.inputs = InputProcessor(self.tokenizer, Limits(self.model_config.vocab_size, self.max_model_len,
                                                             config.max_num_seqs, config.block_size, num_blocks),
                                      self.adapters, self.grammars)

@@ -21,9 +21,11 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], seed: int = 0, grammars=None) -> None:
+    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], seed: int = 0, grammars=None,
+                 json_close_window: int = 0) -> None:
         self.vocab_size = vocab_size
         self.grammars = grammars  # a GrammarManager: fills and applies the structured rows' bitmask
+        self.json_close_window = json_close_window
         self.eos_token_ids = list(eos_token_ids)
         self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed
 
@@ -36,7 +38,8 @@ class Sampler:
         if structured or any(_edits_logits(r.params, len(r.output_token_ids)) for r in requests):
             logits = logits.clone()  # the transforms below write in place; the caller's logits stay
         if structured:
-            self.grammars.apply(logits, [r.grammar for r in requests])  # before any other transform
+            self.grammars.apply(logits, [r.grammar for r in requests],  # before any other transform
+                                [self._closing(r) for r in requests])
         self._block_early_stop(logits, requests)
         self._apply_penalties(logits, requests)
         token_ids = self._sample(logits, requests)
@@ -45,6 +48,13 @@ class Sampler:
             for i, r in enumerate(requests)
         ]
         return SamplerOutput(token_ids, logprobs)
+
+    def _closing(self, r: Request) -> bool:
+        """A JSON output in the last `json_close_window` tokens of its budget: steer it to close
+        rather than be cut off (an endless string or array is valid until max_tokens)."""
+        compiled = r.compiled_grammar
+        return (r.grammar is not None and compiled is not None and compiled.spec.kind in ("json", "json_object")
+                and r.params.max_tokens - len(r.output_token_ids) <= self.json_close_window)
 
     def _block_early_stop(self, logits: torch.Tensor, requests: list[Request]) -> None:
         """min_tokens: no EOS or stop token before the request has that many tokens, unless a

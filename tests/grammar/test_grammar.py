@@ -44,7 +44,7 @@ def test_bad_specs(kwargs, message):
 @pytest.mark.parametrize("spec,message", [
     (StructuredOutputs(regex="a(b"), "invalid regex"),
     (StructuredOutputs(grammar="root ::= "), "invalid grammar"),
-    (StructuredOutputs(json={"type": "object", "properties": {"x": {"not": {"type": "string"}}}}), "'not' at #/properties/x"),
+    (StructuredOutputs(json={"type": "object", "properties": {"x": {"not": {"pattern": "^a"}}}}), "'not' at #/properties/x"),
     (StructuredOutputs(json={"type": "array", "uniqueItems": True}), "'uniqueItems'"),
     (StructuredOutputs(json={"type": "integer", "multipleOf": 3}), "'multipleOf'"),
 ])
