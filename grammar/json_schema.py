@@ -11,7 +11,7 @@ import copy
 from dataclasses import dataclass, field
 
 from loraplex.grammar.backend import GrammarError
-from loraplex.grammar.rewrite import rewrite
+from loraplex.grammar.rewrite import hoist_refs, rewrite
 
 # Keywords whose value is a schema, or a map / list of schemas, to walk into.
 SUBSCHEMA = {"items", "additionalProperties", "additionalItems", "not", "if", "then", "else", "contains",
@@ -169,6 +169,7 @@ def normalize(schema, deep: bool = True):
     schema = copy.deepcopy(schema)
     if old:
         _drop_ref_siblings(schema)
+    hoist_refs(schema)
     return rewrite(schema, deep=deep)
 
 

@@ -20,6 +20,7 @@ import torch
 
 from loraplex.grammar.backend import GrammarError, StructuredOutputs
 from loraplex.grammar.json_schema import BASE_UNENFORCED, SchemaRules, UnsupportedKeywordError, check_schema, subschemas
+from loraplex.grammar.rewrite import resolve_pointer
 
 # what outlines-core 0.2 accepts in a schema but does not enforce (checked against its regexes)
 RULES = SchemaRules("outlines", BASE_UNENFORCED | {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
@@ -102,12 +103,23 @@ class OutlinesBackend:
         if spec.kind == "regex":
             return spec.regex
         check_schema(spec.json, RULES)
-        fraction = _fraction(spec.json)
+        fraction = _first(spec.json, _admits_fraction)
         if fraction is not None:
             raise UnsupportedKeywordError(
                 f"json schema keyword 'type: number' at {fraction} is not supported by the outlines grammar backend "
                 f"(its token index never takes the '.' of a fraction, so valid numbers would be refused)",
                 "type: number", fraction)
+        cycle = _recursive_ref(spec.json)
+        if cycle is not None:
+            raise UnsupportedKeywordError(
+                f"json schema keyword '$ref' (to {cycle}) is not supported by the outlines grammar backend (it "
+                f"recurses, and a regex only unrolls it to a fixed depth)", "$ref", cycle)
+        open_object = _first(spec.json, _open_object)
+        if open_object is not None:
+            raise UnsupportedKeywordError(
+                f"json schema keyword 'additionalProperties' at {open_object} is not supported by the outlines "
+                f"grammar backend (it emits only the listed properties: give additionalProperties: false, or use "
+                f"another backend)", "additionalProperties", open_object)
         try:
             return oc.json_schema.build_regex_from_schema(
                 json.dumps(spec.json), whitespace_pattern=r"[\n\t ]*" if spec.any_whitespace else WHITESPACE)
@@ -119,21 +131,61 @@ class OutlinesBackend:
 
 
 
-def _fraction(schema) -> str | None:
-    """Where a schema admits a number with a fraction (found by the oracle: outlines-core 0.2's
-    index rejects "1.1" here), or None."""
+def _first(schema, test) -> str | None:
+    """The path of the first schema node that passes `test`, or None."""
     stack = [(schema, "#")]
     while stack:
         node, path = stack.pop()
-        if isinstance(node, dict):
-            types = node.get("type")
-            values = node.get("enum", []) + ([node["const"]] if "const" in node else []) \
-                if isinstance(node.get("enum", []), list) else []
-            if types == "number" or (isinstance(types, list) and "number" in types) or any(
-                    isinstance(v, float) for v in values):
-                return path
+        if isinstance(node, dict) and test(node):
+            return path
         stack.extend(subschemas(node, path))
     return None
+
+
+def _refs(node) -> set[str]:
+    found, stack = set(), [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if isinstance(item.get("$ref"), str):
+                found.add(item["$ref"])
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return found
+
+
+def _recursive_ref(schema) -> str | None:
+    """A local `$ref` that can reach itself, or None."""
+    for start in sorted(_refs(schema)):
+        seen, todo = set(), [start]
+        while todo:
+            try:
+                target = resolve_pointer(todo.pop(), schema)
+            except LookupError:
+                continue
+            for ref in _refs(target) - seen:
+                if ref == start:
+                    return start
+                seen.add(ref)
+                todo.append(ref)
+    return None
+
+
+def _admits_fraction(node: dict) -> bool:
+    """Found by the oracle: outlines-core 0.2's index rejects "1.1" here."""
+    types = node.get("type")
+    values = node.get("enum", []) if isinstance(node.get("enum", []), list) else []
+    values = values + ([node["const"]] if "const" in node else [])
+    return types == "number" or (isinstance(types, list) and "number" in types) or any(
+        isinstance(v, float) for v in values)
+
+
+def _open_object(node: dict) -> bool:
+    """Found by the oracle: outlines-core 0.2 writes objects with the listed properties only."""
+    types = node.get("type")
+    is_object = types == "object" or (isinstance(types, list) and "object" in types) or "properties" in node
+    return is_object and node.get("additionalProperties", True) is not False
 
 
 def token_bytes(tokenizer, vocab_size: int) -> list[bytes]:

@@ -11,6 +11,7 @@ Keywords that apply to one kind of value negate within that kind: a string satis
 
 from __future__ import annotations
 
+import copy
 import json
 from urllib.parse import unquote
 
@@ -276,18 +277,62 @@ def _all(parts: list):
 
 
 def _resolve(ref, root, depth: int):
-    if depth >= MAX_REF_DEPTH or root is None or not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+    if depth >= MAX_REF_DEPTH or root is None:
         raise _Inexpressible
+    try:
+        return resolve_pointer(ref, root)
+    except LookupError:
+        raise _Inexpressible from None
+
+
+def pointer_parts(ref: str) -> list[str]:
+    return [unquote(p).replace("~1", "/").replace("~0", "~") for p in ref[2:].split("/")] if ref != "#" else []
+
+
+def resolve_pointer(ref, root):
+    """The schema a local `$ref` ("#" or "#/a/b") names; LookupError if none."""
+    if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+        raise LookupError(ref)
     node = root
-    for part in ref[2:].split("/") if ref != "#" else []:
-        part = unquote(part).replace("~1", "/").replace("~0", "~")
+    for part in pointer_parts(ref):
         if isinstance(node, dict) and part in node:
             node = node[part]
         elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
             node = node[int(part)]
         else:
-            raise _Inexpressible
+            raise LookupError(ref)
     return node
+
+
+MOVED = {"not", "oneOf", "if", "then", "else", "dependencies", "dependentSchemas"}  # what rewrite() restructures
+
+
+def hoist_refs(schema: dict) -> None:
+    """In place: a `$ref` into a part that rewrite() restructures points at a copy of its
+    target under `$defs` instead (the pointer would not survive the rewrite)."""
+    names: dict[str, str] = {}
+    work = [schema]
+    while work:
+        node = work.pop()
+        if isinstance(node, list):
+            work.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/") and MOVED & set(pointer_parts(ref)):
+            if ref not in names:
+                try:
+                    target = copy.deepcopy(resolve_pointer(ref, schema))
+                except LookupError:
+                    target = None
+                if target is not None:
+                    names[ref] = f"loraplex_ref{len(names)}"
+                    schema.setdefault("$defs", {})[names[ref]] = target
+                    work.append(target)
+            if ref in names:
+                node["$ref"] = f"#/$defs/{names[ref]}"
+        work.extend(v for k, v in node.items() if k not in ("const", "enum", "default", "examples"))
 
 
 def _complement(strings: list[str]) -> str:

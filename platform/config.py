@@ -112,9 +112,9 @@ class EngineConfig:
     grammar_compile_timeout_s: float = _setting(10.0, "seconds a grammar may take to compile (then: 400)",
                                                 flag="--grammar-compile-timeout")
     jump_forward: bool = _setting(True, "append grammar-forced tokens without a forward pass each")
-    json_close_window: int = _setting(64, "JSON outputs: in the last N tokens of max_tokens, pick a closing "
-                                          "token (quote, bracket, brace, end) whenever the grammar allows one "
-                                          "(0: off)")
+    json_close_window: int = _setting(64, "JSON outputs: in the last max(N, max_tokens/4) tokens of max_tokens, "
+                                          "pick a closing token (quote, bracket, brace, end) whenever the grammar "
+                                          "allows one (0: off)")
     pack_weights: bool = _setting(True, "CPU: linear weights prepacked for oneDNN (~2x faster decode matmuls)")
     kv_cache_dtype: str = _setting("auto", "float16: twice the KV tokens in the same memory (auto: the model's "
                                            "dtype)", choices=["auto", "float16"])

@@ -50,11 +50,15 @@ class Sampler:
         return SamplerOutput(token_ids, logprobs)
 
     def _closing(self, r: Request) -> bool:
-        """A JSON output in the last `json_close_window` tokens of its budget: steer it to close
-        rather than be cut off (an endless string or array is valid until max_tokens)."""
+        """A JSON output in the last max(json_close_window, max_tokens / 4) tokens of its budget:
+        steer it to close rather than be cut off (an endless string, array or nesting is valid
+        until max_tokens; closing a deep nesting takes a token per level or two)."""
         compiled = r.compiled_grammar
-        return (r.grammar is not None and compiled is not None and compiled.spec.kind in ("json", "json_object")
-                and r.params.max_tokens - len(r.output_token_ids) <= self.json_close_window)
+        if not self.json_close_window or r.grammar is None or compiled is None or \
+                compiled.spec.kind not in ("json", "json_object"):
+            return False
+        window = max(self.json_close_window, r.params.max_tokens // 4)
+        return r.params.max_tokens - len(r.output_token_ids) <= window
 
     def _block_early_stop(self, logits: torch.Tensor, requests: list[Request]) -> None:
         """min_tokens: no EOS or stop token before the request has that many tokens, unless a

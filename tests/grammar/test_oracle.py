@@ -203,3 +203,12 @@ def test_the_backstop_names_what_an_output_breaks(by_backend):
 def test_non_strict_without_anything_to_drop_is_refused_with_the_reason(by_backend):
     with pytest.raises(GrammarError, match="Default retriever does not fetch|only local JSON pointers"):
         by_backend["auto"].compile(StructuredOutputs(json={"$ref": "http://example.com/x.json"}, strict=False))
+
+
+def test_refs_into_rewritten_parts_still_resolve(by_backend, tok):
+    schema = {"type": "object", "additionalProperties": False,
+              "properties": {"a": {"not": {"type": "string"}}, "b": {"$ref": "#/properties/a/not"}}}
+    case = oracle.Case("ref", "into a rewritten not", schema,
+                       [({"a": 1, "b": "x"}, True, ""), ({"a": "x"}, False, ""), ({"b": 1}, False, ""), ({}, True, "")])
+    outcome = oracle.check(by_backend["llguidance"], tok, case, tok.eos_token_id)
+    assert outcome.status == "compiled" and not outcome.wrong, (outcome.message, outcome.wrong)
