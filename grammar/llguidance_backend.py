@@ -23,7 +23,18 @@ from loraplex.grammar.json_schema import UnsupportedKeywordError, find_keyword
 MAX_CACHED = 256
 
 
+_EXECUTOR: llguidance.LLExecutor | None = None  # Rust threads that fill many rows at once
+
+
 class LLGuidanceGrammar:
+    @staticmethod
+    def fill_many(rows: list[tuple["LLGuidanceGrammar", int]], bitmask: torch.Tensor) -> None:
+        """Fill several sequences' rows at once, in parallel without the GIL."""
+        global _EXECUTOR
+        if _EXECUTOR is None:
+            _EXECUTOR = llguidance.LLExecutor()
+        llguidance.torch.fill_next_token_bitmask_par(_EXECUTOR, [(g.matcher, row) for g, row in rows], bitmask)
+
     def __init__(self, matcher: llguidance.LLMatcher, stop_token_ids: frozenset[int]) -> None:
         self.matcher = matcher
         self.stop_token_ids = stop_token_ids

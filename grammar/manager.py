@@ -189,8 +189,15 @@ class GrammarManager:
             return
         vocab_size = self._args[1]
         bitmask = torch.full((logits.shape[0], -(-vocab_size // 32)), -1, dtype=torch.int32)
+        by_kind: dict[type, list[tuple[Grammar, int]]] = {}
         for i in rows:  # every backend writes the same packed rows: bit k of word j allows token 32*j + k
-            grammars[i].fill_bitmask(bitmask, i)
+            by_kind.setdefault(type(grammars[i]), []).append((grammars[i], i))
+        for kind, items in by_kind.items():
+            if hasattr(kind, "fill_many") and len(items) > 1:  # a backend that fills rows in parallel
+                kind.fill_many(items, bitmask)
+            else:
+                for grammar, i in items:
+                    grammar.fill_bitmask(bitmask, i)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows)
         for i in [i for i in rows if closing is not None and closing[i]]:
             closers = self.closing_tokens[self.closing_tokens < logits.shape[1]]

@@ -112,7 +112,7 @@ class EngineConfig:
     grammar_compile_timeout_s: float = _setting(10.0, "seconds a grammar may take to compile (then: 400)",
                                                 flag="--grammar-compile-timeout")
     jump_forward: bool = _setting(True, "append grammar-forced tokens without a forward pass each")
-    json_close_window: int = _setting(64, "JSON outputs: in the last max(N, max_tokens/4) tokens of max_tokens, "
+    json_close_window: int = _setting(64, "JSON outputs: in the last max(N, max_tokens/4) tokens of max_tokens (at most half), "
                                           "pick a closing token (quote, bracket, brace, end) whenever the grammar "
                                           "allows one (0: off)")
     pack_weights: bool = _setting(True, "CPU: linear weights prepacked for oneDNN (~2x faster decode matmuls)")

@@ -50,14 +50,15 @@ class Sampler:
         return SamplerOutput(token_ids, logprobs)
 
     def _closing(self, r: Request) -> bool:
-        """A JSON output in the last max(json_close_window, max_tokens / 4) tokens of its budget:
-        steer it to close rather than be cut off (an endless string, array or nesting is valid
-        until max_tokens; closing a deep nesting takes a token per level or two)."""
+        """A JSON output in the last max(json_close_window, max_tokens / 4) tokens of its budget
+        (at most its second half): steer it to close rather than be cut off (an endless string,
+        array or nesting is valid until max_tokens; closing a deep nesting takes a token per
+        level or two)."""
         compiled = r.compiled_grammar
         if not self.json_close_window or r.grammar is None or compiled is None or \
                 compiled.spec.kind not in ("json", "json_object"):
             return False
-        window = max(self.json_close_window, r.params.max_tokens // 4)
+        window = min(max(self.json_close_window, r.params.max_tokens // 4), r.params.max_tokens // 2)
         return r.params.max_tokens - len(r.output_token_ids) <= window
 
     def _block_early_stop(self, logits: torch.Tensor, requests: list[Request]) -> None:

@@ -328,6 +328,9 @@ def test_strict_false_lists_unenforced_keywords_in_a_header_and_the_body(client,
             "name": "x", "schema": SCHEMA, "strict": False}})
     assert "x-loraplex-unenforced-keywords" not in exact.headers
     assert "unenforced_keywords" not in (exact.parse().model_extra or {})
+    vllm_style = client.completions.with_raw_response.create(
+        model="tiny", prompt="Hello", max_tokens=40, extra_body={"structured_outputs": {"json": LOOSE, "strict": False}})
+    assert vllm_style.headers["x-loraplex-unenforced-keywords"] == "uniqueItems at #/properties/tags"
     assert_clean(live)
 
 

@@ -20,8 +20,10 @@ from loraplex.grammar.json_schema import UnsupportedKeywordError, normalize
 from loraplex.grammar.rewrite import disjoint
 from loraplex.grammar.manager import GrammarManager
 
-SUITE = Path(__file__).resolve().parents[3] / "shared" / "data" / "json-schema-test-suite"
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
+SUITE, CORPUS = SHARED / "json-schema-test-suite", SHARED / "jsonschema"
 CASES = oracle.suite_cases(SUITE) if SUITE.is_dir() else []
+REAL_WORLD = oracle.corpus_cases(CORPUS) if CORPUS.is_dir() else []
 # outlines compiles a schema in ~0.3 s here: every 8th case in `make test`, all with -m slow
 OUTLINES_EVERY = 8
 
@@ -63,6 +65,21 @@ def test_the_suite_is_there():
 @pytest.mark.parametrize("backend", ["llguidance", "xgrammar", "auto"])
 def test_every_compiled_schema_accepts_exactly_its_valid_instances(by_backend, tok, backend):
     wrong = run_oracle(by_backend[backend], tok, CASES)
+    assert not wrong, "\n".join(wrong)
+
+
+def test_real_world_schemas_through_the_default_backend(by_backend, tok):
+    """The 697-schema corpus (its instances labelled by a validator): the same verdict."""
+    if not REAL_WORLD and not os.environ.get("CI"):
+        pytest.skip(f"no corpus at {CORPUS}")
+    wrong = run_oracle(by_backend["auto"], tok, REAL_WORLD)
+    assert len(REAL_WORLD) > 600 and not wrong, "\n".join(wrong)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar", "outlines"])
+def test_real_world_schemas_through_each_backend(by_backend, tok, backend):
+    wrong = run_oracle(by_backend[backend], tok, REAL_WORLD)
     assert not wrong, "\n".join(wrong)
 
 

@@ -190,8 +190,8 @@ def test_json_outputs_close_as_the_budget_runs_out(tiny_model_dir):
     schema = {"type": "object", "additionalProperties": False, "required": ["s", "xs"],
               "properties": {"s": {"type": "string"}, "xs": {"type": "array", "items": {"type": "string"}}}}
     prompts = [{"prompt_token_ids": [3, 4, 5]}] * 4
-    params = [structured(seed, max_tokens=24, json=schema) for seed in range(4)]
-    closing = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, json_close_window=24)
+    params = [structured(seed, max_tokens=48, json=schema) for seed in range(4)]
+    closing = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, json_close_window=24)  # the last 24
     for out in closing.generate(prompts, params):
         c = out.outputs[0]
         assert c.finish_reason == "stop" and c.schema_violation is None, c.text
