@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import copy
 import json
+import math
+import threading
 from urllib.parse import unquote
 
 TYPES = ("null", "boolean", "object", "array", "number", "string")
 ANNOTATIONS = {"$schema", "$id", "$comment", "title", "description", "default", "examples", "$defs", "definitions",
                "deprecated", "readOnly", "writeOnly", "contentMediaType", "contentEncoding", "contentSchema"}
 MAX_REF_DEPTH = 16
+MAX_STEPS = 20_000  # schema nodes a rewrite may visit or build
+MAX_COMPLEMENT_CHARS = 4096  # strings an `enum` negation may exclude, in all
 COUNTS = {"minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties", "minContains",
           "maxContains"}
 
@@ -27,13 +31,37 @@ class _Inexpressible(Exception):
     """No exact rewrite without `not`."""
 
 
+class _TooBig(Exception):
+    """The rewrite would grow past MAX_STEPS (negations of nested oneOf multiply)."""
+
+
+_budget = threading.local()
+
+
+def _spend() -> None:
+    _budget.left -= 1
+    if _budget.left < 0:
+        raise _TooBig
+
+
 def rewrite(schema, root=None, depth: int = 0, deep: bool = True):
     """`schema` with `not`, `oneOf`, conditionals and dependencies rewritten where that is
     exact (a new object; the input is left alone). Not `deep`: only a provably disjoint `oneOf`
-    becomes an `anyOf` (for backends that refuse `allOf` beside other keywords anyway)."""
-    if schema is True and root is None:
-        return {}  # the schema `true`: any JSON value
-    root = schema if root is None else root
+    becomes an `anyOf` (for backends that refuse `allOf` beside other keywords anyway). A deep
+    rewrite that would take more than MAX_STEPS steps (a hostile nesting of `oneOf` and `not`)
+    falls back to the light one: what it left is then refused by name."""
+    if root is None:
+        _budget.left = MAX_STEPS if deep else math.inf  # the light rewrite only copies
+        try:
+            return _rewrite({} if schema is True else schema, schema, depth, deep)
+        except (_TooBig, RecursionError):  # RecursionError: `$ref` chains negated through each other
+            _budget.left = math.inf
+            return _rewrite({} if schema is True else schema, schema, depth, False)
+    return _rewrite(schema, root, depth, deep)
+
+
+def _rewrite(schema, root, depth: int, deep: bool):
+    _spend()
     if isinstance(schema, list):
         return [rewrite(s, root, depth, deep) for s in schema]
     if not isinstance(schema, dict):
@@ -112,6 +140,7 @@ def _dependency(name: str, need):
 def negate(schema, root, depth: int = 0):
     """A schema accepting exactly the values `schema` rejects; _Inexpressible if none can be
     written without `not`."""
+    _spend()
     if schema is True or schema == {}:
         return False
     if schema is False:
@@ -337,6 +366,8 @@ def hoist_refs(schema: dict) -> None:
 
 def _complement(strings: list[str]) -> str:
     """A regex (ECMAScript / Rust syntax) for every string except these."""
+    if sum(len(text) for text in strings) > MAX_COMPLEMENT_CHARS:
+        raise _Inexpressible
     trie: dict = {}
     for text in set(strings):
         node = trie

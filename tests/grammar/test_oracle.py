@@ -229,3 +229,15 @@ def test_refs_into_rewritten_parts_still_resolve(by_backend, tok):
                        [({"a": 1, "b": "x"}, True, ""), ({"a": "x"}, False, ""), ({"b": 1}, False, ""), ({}, True, "")])
     outcome = oracle.check(by_backend["llguidance"], tok, case, tok.eos_token_id)
     assert outcome.status == "compiled" and not outcome.wrong, (outcome.message, outcome.wrong)
+
+
+def test_a_rewrite_that_would_explode_falls_back_and_is_refused_by_name(by_backend):
+    import time
+
+    bomb = {"type": "integer"}
+    for i in range(10):  # each oneOf negates its branches: exponential if unbounded
+        bomb = {"oneOf": [bomb, {"not": bomb}, {"minimum": i}]}
+    start = time.perf_counter()
+    with pytest.raises(UnsupportedKeywordError, match="json schema keyword '(oneOf|not)' at #/oneOf"):
+        by_backend["auto"].compile(StructuredOutputs(json=bomb))
+    assert time.perf_counter() - start < 30  # an unbounded rewrite runs for hours
