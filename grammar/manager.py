@@ -36,8 +36,6 @@ AUTO_ORDER = ("llguidance", "xgrammar", "outlines")
 KINDS = {"llguidance": {"json", "json_object", "regex", "choice", "grammar"},
          "xgrammar": {"json", "json_object", "regex", "choice", "grammar"},
          "outlines": {"json", "regex", "choice"}}
-
-
 MAX_RELAXED = 64  # keywords a non-strict schema may drop
 
 
@@ -46,7 +44,10 @@ def _normalized(spec: StructuredOutputs, deep: bool) -> StructuredOutputs:
     which only llguidance enforces everywhere)."""
     if spec.kind != "json":
         return spec
-    return dataclasses.replace(spec, json=normalize(spec.json, deep=deep))
+    try:
+        return dataclasses.replace(spec, json=normalize(spec.json, deep=deep))
+    except GrammarError:  # the rewrite outgrew the size or depth caps: the request's own form
+        return dataclasses.replace(spec, json=normalize(spec.json, deep=False))
 
 
 @dataclass

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -160,8 +161,6 @@ def accepts(manager, compiled, tokenizer, data, stop_token_id: int) -> bool:
 
 
 def check(manager, tokenizer, case: Case, stop_token_id: int) -> Outcome:
-    import time
-
     start = time.perf_counter()
     try:
         compiled = manager.compile(StructuredOutputs(json=case.schema))
