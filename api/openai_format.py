@@ -32,7 +32,10 @@ def validation_message(errors: list[dict]) -> str:
     parts = []
     for e in errors[:3]:
         where = _field(e.get("loc", ()))
-        parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
+        message = str(e.get("msg")).removeprefix("Value error, ")
+        if e.get("type") == "extra_forbidden":
+            message = "unknown field (refused rather than silently ignored)"
+        parts.append(f"{where}: {message}" if where else message)
     more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
     return "invalid request: " + "; ".join(parts) + more
 
@@ -40,6 +43,8 @@ def validation_message(errors: list[dict]) -> str:
 def validation_param(errors: list[dict]) -> str | None:
     if errors and errors[0].get("type") == "json_invalid":
         return None
+    if errors and errors[0].get("type") == "refused_field":
+        return errors[0]["ctx"]["field"]
     return _field(errors[0].get("loc", ())) or None if errors else None
 
 

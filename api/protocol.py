@@ -1,11 +1,16 @@
 """OpenAI request bodies (pydantic, so /openapi.json describes them) and their translation into
-the engine's `SamplingParams`. Unknown fields are ignored, as in vLLM and OpenAI."""
+the engine's `SamplingParams`.
+
+Nothing a client sends is dropped without a word: every field is implemented, refused with a
+400 naming it (`REFUSED`, and any field we do not know), or taken on purpose without effect
+(`IGNORED`, listed in README). tests/api/test_fields.py walks OpenAI's own request schema."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from loraplex.grammar.backend import StructuredOutputs
 from loraplex.platform.request import SamplingParams
@@ -15,7 +20,7 @@ MAX_PROMPTS = 128  # prompts in one completions request (each is queued as its o
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")  # an unknown field is a 400 naming it, not a silent drop
 
     @model_validator(mode="before")
     @classmethod
@@ -67,6 +72,29 @@ class StructuredOutputsBody(_Body):
     strict: bool = True  # json: refuse what cannot be enforced exactly (false: drop it, and list it)
 
 
+# OpenAI fields taken on purpose without effect: bookkeeping for OpenAI's own platform, or knobs
+# of models these are not (reasoning, verbosity).
+IGNORED = {"user": "an end-user id for OpenAI's abuse monitoring", "metadata": "stored-completion tags",
+           "store": "OpenAI's stored completions", "safety_identifier": "an end-user id for OpenAI's abuse monitoring",
+           "prompt_cache_key": "our prefix cache needs no key", "prompt_cache_retention": "our prefix cache has no "
+           "retention setting", "prompt_cache_options": "our prefix cache has no options",
+           "service_tier": "one tier here", "reasoning_effort": "the models served do not reason",
+           "verbosity": "the models served have no verbosity setting",
+           "parallel_tool_calls": "no tools are called yet (tools are refused)"}
+# OpenAI fields not implemented: refused with a 400 naming them, unless given their no-op value.
+REFUSED = {"tools": ("tool calling is not supported yet", ([],)),
+           "tool_choice": ("tool calling is not supported yet", ("none",)),
+           "functions": ("function calling is not supported yet", ([],)),
+           "function_call": ("function calling is not supported yet", ("none",)),
+           "audio": ("audio output is not supported", ()),
+           "modalities": ("only text output is supported", (["text"],)),
+           "prediction": ("predicted outputs are not supported", ()),
+           "web_search_options": ("web search is not supported", ()),
+           "moderation": ("moderation is not supported", ()),
+           "best_of": ("best_of is not supported (use n)", (1,)),
+           "suffix": ("suffix (insertion) is not supported", ("",))}
+
+
 class _SamplingFields(_Body):
     model: str
     n: int = 1
@@ -93,7 +121,28 @@ class _SamplingFields(_Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     logit_bias: dict[str, float] | None = None
+    # taken and ignored (IGNORED); refused unless a no-op value (REFUSED)
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for name, (why, no_ops) in REFUSED.items():
+            if name in data and data[name] is not None and data[name] not in no_ops:
+                raise PydanticCustomError("refused_field", "{field}: {why}", {"field": name, "why": why})
+        return {k: v for k, v in data.items() if k not in REFUSED}  # what is left is a no-op
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field for out-of-range values."""
@@ -139,7 +188,6 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
-    suffix: str | None = None
 
     def prompts(self) -> list[str | dict]:
         p = self.prompt
@@ -158,6 +206,10 @@ class CompletionRequest(_SamplingFields):
         raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of those")
 
 
+MESSAGE_EXTRAS = {"refusal", "annotations", "audio", "tool_calls", "function_call", "tool_call_id"}
+MESSAGE_EXTRAS_WHY = "tool calls, audio and refusals in messages are not supported yet"
+
+
 class TextPart(_Body):
     type: Literal["text"]
     text: str
@@ -167,6 +219,19 @@ class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_extras(cls, data: Any) -> Any:
+        """A client replaying an assistant message sends its empty extras (`refusal: null`,
+        `tool_calls: []`, ...): taken as the no-ops they are; a non-empty one is refused."""
+        if not isinstance(data, dict):
+            return data
+        for key in MESSAGE_EXTRAS & data.keys():
+            if data[key] not in (None, [], ""):
+                raise PydanticCustomError("refused_field", "{field}: {why}",
+                                          {"field": f"messages.{key}", "why": MESSAGE_EXTRAS_WHY})
+        return {k: v for k, v in data.items() if k not in MESSAGE_EXTRAS}
 
     def text(self) -> str:
         if isinstance(self.content, list):

@@ -397,8 +397,6 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions", dependencies=user)
     async def completions(body: CompletionRequest, request: Request):
         adapter = await server.resolve_model(body.model)
-        if body.suffix:
-            raise APIError(400, "suffix is not supported", "suffix")
         if body.echo and body.logprobs is not None:
             raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", "echo")
         prompts = _checked(body.prompts)

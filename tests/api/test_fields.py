@@ -1,0 +1,82 @@
+"""No silent drops: every field of OpenAI's own request schemas (from the `openai` package) is
+implemented, refused with a 400 naming it, or taken on purpose without effect (and listed in
+README); a field nobody knows is refused too."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from openai.types import completion_create_params
+from openai.types.chat import completion_create_params as chat_create_params
+
+from live_server import assert_error, http, live  # noqa: F401
+from loraplex.api.protocol import IGNORED, REFUSED, ChatCompletionRequest, CompletionRequest
+
+MSG = [{"role": "user", "content": "Hello"}]
+ENDPOINTS = {"chat": (chat_create_params.CompletionCreateParamsBase, ChatCompletionRequest, "/v1/chat/completions",
+                      {"model": "tiny", "messages": MSG, "max_tokens": 2}),
+             "completions": (completion_create_params.CompletionCreateParamsBase, CompletionRequest, "/v1/completions",
+                             {"model": "tiny", "prompt": "Hello", "max_tokens": 2})}
+SAMPLES = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+           "tool_choice": "required", "functions": [{"name": "f"}], "function_call": "auto",
+           "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
+           "prediction": {"type": "content", "content": "x"}, "web_search_options": {}, "moderation": {},
+           "best_of": 3, "suffix": "tail"}
+IGNORED_SAMPLES = {"user": "u1", "metadata": {"k": "v"}, "store": True, "safety_identifier": "s",
+                   "prompt_cache_key": "k", "prompt_cache_retention": "24h", "prompt_cache_options": {},
+                   "service_tier": "auto", "reasoning_effort": "low", "verbosity": "low", "parallel_tool_calls": True}
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_every_openai_field_is_implemented_refused_or_ignored_on_purpose(endpoint):
+    schema, model, _, _ = ENDPOINTS[endpoint]
+    fields = set(schema.__annotations__) | {"stream"}
+    unaccounted = sorted(f for f in fields if f not in model.model_fields and f not in REFUSED and f not in IGNORED)
+    assert not unaccounted, f"OpenAI {endpoint} fields with no decision: {unaccounted}"
+    assert set(SAMPLES) == set(REFUSED) and set(IGNORED_SAMPLES) == set(IGNORED)
+
+
+def test_readme_lists_what_is_refused_and_ignored():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    for name in [*REFUSED, *IGNORED]:
+        assert f"`{name}`" in readme, name
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_refused_fields_are_a_400_naming_them(live, name):
+    endpoint = "completions" if name in ("best_of", "suffix") else "chat"
+    _, _, path, body = ENDPOINTS[endpoint]
+    status, error = http(live, path, {**body, name: SAMPLES[name]})
+    assert_error((status, error), 400, name)
+    assert error["error"]["param"] == name
+
+
+def test_no_op_values_of_refused_fields_and_ignored_fields_are_taken(live):
+    _, _, path, body = ENDPOINTS["chat"]
+    no_ops = {"tools": [], "tool_choice": "none", "functions": [], "function_call": "none", "modalities": ["text"]}
+    status, out = http(live, path, {**body, **no_ops, **{k: v for k, v in IGNORED_SAMPLES.items()}})
+    assert status == 200, out
+    _, _, path, body = ENDPOINTS["completions"]
+    status, out = http(live, path, {**body, "best_of": 1, "suffix": "", "user": "u"})
+    assert status == 200, out
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_unknown_fields_are_refused_by_name(live, endpoint):
+    _, _, path, body = ENDPOINTS[endpoint]
+    status, error = http(live, path, {**body, "include_stop_str_in_output": True})
+    assert_error((status, error), 400, "include_stop_str_in_output: unknown field")
+    status, error = http(live, path, {**body, "response_format": {"type": "json_object", "strictness": 1}})
+    assert_error((status, error), 400, "response_format.strictness: unknown field")
+
+
+def test_replayed_assistant_messages_with_empty_extras_are_taken(live):
+    _, _, path, body = ENDPOINTS["chat"]
+    replay = [*MSG, {"role": "assistant", "content": "Hi", "refusal": None, "tool_calls": [], "annotations": None,
+                     "audio": None, "function_call": None}, {"role": "user", "content": "Again"}]
+    status, out = http(live, path, {**body, "messages": replay})
+    assert status == 200, out
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    status, error = http(live, path, {**body, "messages": [*MSG, {"role": "assistant", "tool_calls": calls}]})
+    assert_error((status, error), 400, "messages.tool_calls")
