@@ -39,7 +39,7 @@ _budget = threading.local()
 
 
 def _spend() -> None:
-    _budget.left -= 1
+    _budget.left = getattr(_budget, "left", MAX_STEPS) - 1
     if _budget.left < 0:
         raise _TooBig
 
@@ -251,7 +251,9 @@ def _not_count(key: str, n):
     if not isinstance(n, (int, float)) or isinstance(n, bool):
         raise _Inexpressible
     kind = {"Length": "string", "Items": "array", "Properties": "object"}[key[3:]]
-    n = int(n) if float(n).is_integer() else n
+    if not float(n).is_integer():
+        raise _Inexpressible  # not a valid count; leave it to the backend to refuse
+    n = int(n)
     if key.startswith("min"):
         return {"type": kind, "max" + key[3:]: n - 1} if n >= 1 else False
     return {"type": kind, "min" + key[3:]: n + 1}
