@@ -251,6 +251,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
 
     def chat_messages(self) -> list[dict[str, str]]:
         return chat_dicts(self.messages)

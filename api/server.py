@@ -378,6 +378,15 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         return fmt.model_list(config.served_model_name, config.model_path, server.max_model_len,
                               server.created, engine.adapters.list())
 
+    @app.get("/v1/models/{model_id:path}", dependencies=user)
+    async def model(model_id: str):
+        cards = fmt.model_list(config.served_model_name, config.model_path, server.max_model_len,
+                               server.created, engine.adapters.list())["data"]
+        for card in cards:
+            if card["id"] == model_id:
+                return card
+        raise APIError(404, f"The model `{model_id}` does not exist.", "model")
+
     @app.post("/tokenize", dependencies=user)
     async def tokenize(body: TokenizeRequest):
         if (body.prompt is None) == (body.messages is None):
@@ -414,7 +423,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def chat(body: ChatCompletionRequest, request: Request):
         adapter = await server.resolve_model(body.model)
         ids = await server.call(inputs.chat_token_ids, body.chat_messages(), body.add_generation_prompt,
-                                param="messages")
+                                body.chat_template_kwargs, param="messages")
         max_tokens = _given(body.max_completion_tokens, _given(body.max_tokens, inputs.default_max_tokens(ids)))
         params = _checked(body.sampling_params, max_tokens, _checked(body.num_logprobs))
         view = fmt.ChatView(body.model, body.n, body.top_logprobs or 0)

@@ -42,10 +42,18 @@ class InputProcessor:
 
     # ---- text <-> token ids -------------------------------------------------------------------
 
-    def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+                       template_kwargs: dict | None = None) -> list[int]:
+        """`template_kwargs`: extra variables for the chat template (vLLM's `chat_template_kwargs`,
+        e.g. `enable_thinking`); they cannot override what the template is given already."""
+        extra = dict(template_kwargs or {})
+        clash = sorted(extra.keys() & {"messages", "tokenize", "add_generation_prompt", "conversation", "tools",
+                                        "chat_template", "documents", "return_dict", "continue_final_message"})
+        if clash:
+            raise ValueError(f"chat_template_kwargs may not set {clash}")
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+                                                      add_generation_prompt=add_generation_prompt, **extra)
         except Exception as exc:  # a template's own raise_exception(): the conversation's fault
             raise ValueError(f"the chat template refused these messages: {exc}") from None
         return self.tokenizer(text, add_special_tokens=False).input_ids

@@ -80,3 +80,21 @@ def test_replayed_assistant_messages_with_empty_extras_are_taken(live):
     calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
     status, error = http(live, path, {**body, "messages": [*MSG, {"role": "assistant", "tool_calls": calls}]})
     assert_error((status, error), 400, "messages.tool_calls")
+
+
+def test_chat_template_kwargs_reach_the_template(live, monkeypatch):
+    monkeypatch.setattr(live.engine.tokenizer, "chat_template",
+                        "{{ greeting | default('') }}{% for m in messages %}{{ m.content }}{% endfor %}")
+    _, _, path, body = ENDPOINTS["chat"]
+    plain = http(live, path, body)[1]["usage"]["prompt_tokens"]
+    status, out = http(live, path, {**body, "chat_template_kwargs": {"greeting": "Good morning, dear model. "}})
+    assert status == 200 and out["usage"]["prompt_tokens"] > plain, out
+    status, error = http(live, path, {**body, "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert_error((status, error), 400, "chat_template_kwargs may not set ['add_generation_prompt']")
+
+
+def test_one_model_card_by_id(live):
+    listed = {card["id"]: card for card in http(live, "/v1/models")[1]["data"]}
+    for model_id, card in listed.items():
+        assert http(live, f"/v1/models/{model_id}") == (200, card)
+    assert_error(http(live, "/v1/models/nope"), 404, "does not exist")
