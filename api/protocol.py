@@ -146,15 +146,22 @@ class _SamplingFields(_Body):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field for out-of-range values."""
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                                                 "frequency_penalty", "repetition_penalty")
                  if getattr(self, k) is not None}
         return SamplingParams(n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, seed=self.seed,
                               stop=self.stop, stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
                               logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-                              structured=self.structured(), **given)
+                              structured=self.structured(), logit_bias=self._logit_bias(), **given)
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI sends token ids as JSON object keys, so strings."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token): bias for token, bias in self.logit_bias.items()}
+        except ValueError:
+            raise ValueError(f"logit_bias keys must be token ids, got {list(self.logit_bias)[:3]}") from None
 
     def structured(self) -> StructuredOutputs | None:
         specs = []

@@ -117,3 +117,6 @@ class InputProcessor:
         bad_stop = [t for t in params.stop_token_ids if not 0 <= t < lim.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids must be in [0, {lim.vocab_size}); got {bad_stop[:3]}")
+        bad_bias = [t for t in params.logit_bias or {} if not 0 <= t < lim.vocab_size]
+        if bad_bias:
+            raise ValueError(f"logit_bias token ids must be in [0, {lim.vocab_size}); got {bad_bias[:3]}")

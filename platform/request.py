@@ -14,6 +14,7 @@ from loraplex.grammar.backend import StructuredOutputs
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS, MAX_STOP_TOKEN_IDS = 64, 1024, 1024  # each step checks them all
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 
 
 @dataclass
@@ -35,6 +36,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives besides the sampled token
     skip_special_tokens: bool = True
     structured: StructuredOutputs | None = None  # JSON Schema / json_object / regex / choice / EBNF
+    logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> bias in [-100, 100], added to its logit
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -83,6 +85,11 @@ class SamplingParams:
              "a StructuredOutputs")
         need(self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
                                        and 0 <= self.logprobs <= 20), "logprobs", "None or in [0, 20]")
+        bias = self.logit_bias or {}
+        need(isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX
+            and isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b) and -100 <= b <= 100
+            for t, b in bias.items()), "logit_bias", f"at most {MAX_LOGIT_BIAS} token ids, each to a bias in [-100, 100]")
 
     @property
     def greedy(self) -> bool:

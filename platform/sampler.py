@@ -42,6 +42,7 @@ class Sampler:
                                 [self._closing(r) for r in requests])
         self._block_early_stop(logits, requests)
         self._apply_penalties(logits, requests)
+        self._apply_logit_bias(logits, requests)
         token_ids = self._sample(logits, requests)
         logprobs = [
             _logprobs_of(raw_logprobs[i], token_ids[i], r.params.logprobs) if r.params.logprobs is not None else None
@@ -84,6 +85,14 @@ class Sampler:
                 counts = torch.bincount(torch.tensor(r.output_token_ids), minlength=logits.shape[1]).float()
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
 
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
+        """OpenAI's logit_bias, after the grammar mask (a bias never un-masks a token: -inf stays)."""
+        for i, r in enumerate(requests):
+            if r.params.logit_bias:
+                ids = torch.tensor(list(r.params.logit_bias), dtype=torch.long)
+                logits[i, ids] += torch.tensor(list(r.params.logit_bias.values()), dtype=logits.dtype)
+
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         greedy = torch.tensor([r.params.greedy for r in requests])
         out = logits.argmax(dim=-1)
@@ -105,7 +114,7 @@ class Sampler:
 
 def _edits_logits(params, num_output_tokens: int) -> bool:
     return (num_output_tokens < params.min_tokens or params.repetition_penalty != 1.0
-            or bool(params.presence_penalty or params.frequency_penalty))
+            or bool(params.presence_penalty or params.frequency_penalty) or bool(params.logit_bias))
 
 
 def filter_and_softmax(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -98,3 +98,13 @@ def test_one_model_card_by_id(live):
     for model_id, card in listed.items():
         assert http(live, f"/v1/models/{model_id}") == (200, card)
     assert_error(http(live, "/v1/models/nope"), 404, "does not exist")
+
+
+def test_logit_bias_steers_and_is_validated(live):
+    _, _, path, body = ENDPOINTS["completions"]
+    greedy = {**body, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    forced = http(live, path, {**greedy, "logit_bias": {"7": 100}})[1]["choices"][0]["logprobs"]["tokens"]
+    assert len(forced) == 4 and len(set(forced)) == 1  # token 7, four times
+    for bias, fragment in [({"x": 1}, "logit_bias keys must be token ids"), ({"7": 101}, "logit_bias must be"),
+                           ({"99999": 1}, "logit_bias token ids must be in")]:
+        assert_error(http(live, path, {**body, "logit_bias": bias}), 400, fragment)

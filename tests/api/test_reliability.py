@@ -121,7 +121,7 @@ def test_bad_input_is_a_4xx_with_an_openai_error(tiny_model_dir):
         (chat, {"model": "tiny", "messages": MSG, "stop_token_ids": [10**9]}, "stop_token_ids"),
         (chat, {"model": "tiny", "messages": MSG, "min_tokens": 99, "max_tokens": 5}, "min_tokens"),
         (chat, {"model": "tiny", "messages": MSG, "presence_penalty": 9}, "presence_penalty"),
-        (chat, {"model": "tiny", "messages": MSG, "logit_bias": {"5": 3}}, "logit_bias"),
+        (chat, {"model": "tiny", "messages": MSG, "logit_bias": {"5": 300}}, "logit_bias"),
         (chat, {"model": "tiny", "messages": [{"role": "tool", "content": "x"}]}, "role"),
         (chat, {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "content"),
         (chat, {"model": "tiny", "messages": MSG, "response_format": {"type": "xml"}}, "response_format"),

@@ -104,7 +104,7 @@ def test_bad_params_name_the_field(field, value):
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=5),
                                     SamplingParams(repetition_penalty=1.3, presence_penalty=0.5),
-                                    SamplingParams(min_tokens=3)])
+                                    SamplingParams(min_tokens=3), SamplingParams(logit_bias={3: 5.0})])
 def test_callers_logits_are_never_changed(params):
     """The sampler copies the logits only when a transform writes into them."""
     logits = logits_rows(2)
@@ -133,3 +133,23 @@ def test_extreme_but_valid_fields_sample_without_raising():
     sampler = Sampler(vocab_size=16, eos_token_ids=(0,))
     out = sampler(torch.randn(2, 16), [r0, r1])
     assert all(0 <= t < 16 for t in out.token_ids)
+
+
+def test_logit_bias_moves_the_pick_but_never_unmasks():
+    logits = logits_rows(2)
+    top = int(logits[0].argmax())
+    other = (top + 1) % V
+    s = Sampler(V, (0,))
+    out = s(logits, [req(SamplingParams(temperature=0, logit_bias={top: -100.0, other: 100.0})),
+                     req(SamplingParams(temperature=0), rid="s")])
+    assert out.token_ids == [other, int(logits[1].argmax())]  # the unbiased row is untouched
+    masked = logits.clone()
+    masked[0, other] = float("-inf")  # what a grammar mask leaves
+    assert s(masked, [req(SamplingParams(temperature=0, logit_bias={other: 100.0}))] * 1 +
+             [req(SamplingParams(temperature=0), rid="s")]).token_ids[0] != other
+
+
+@pytest.mark.parametrize("bias", [{1: 101.0}, {1: float("nan")}, {-1: 1.0}, {True: 1.0}, {i: 1.0 for i in range(1025)}])
+def test_bad_logit_bias_is_refused_at_submission(bias):
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)
