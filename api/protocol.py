@@ -111,6 +111,7 @@ class _SamplingFields(_Body):
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # vLLM's: a matched stop string stays in the text
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
@@ -152,7 +153,8 @@ class _SamplingFields(_Body):
         return SamplingParams(n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, seed=self.seed,
                               stop=self.stop, stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
                               logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-                              structured=self.structured(), logit_bias=self._logit_bias(), **given)
+                              structured=self.structured(), logit_bias=self._logit_bias(),
+                              include_stop_str_in_output=self.include_stop_str_in_output, **given)
 
     def _logit_bias(self) -> dict[int, float] | None:
         """OpenAI sends token ids as JSON object keys, so strings."""

@@ -13,7 +13,7 @@ CONTEXT_TOKENS = 5  # prompt tokens decoded alongside the output, for tokenizers
 
 class Detokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, include_stop: bool = False) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.tokens = list(prompt_token_ids[-CONTEXT_TOKENS:])
@@ -21,13 +21,15 @@ class Detokenizer:
         self.read_offset = len(self.tokens)
         self.text = ""
         self.stop = stop or []
+        self.include_stop = include_stop  # vLLM's include_stop_str_in_output: cut after the stop string
         self.hold_back = max((len(s) for s in self.stop), default=1) - 1
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def append(self, token_id: int, check_stop: bool = True) -> str | None:
-        """Add one token. Returns the stop string it completed, if any (text is cut before it)."""
+        """Add one token. Returns the stop string it completed, if any (text is cut before it, or
+        after it with `include_stop`)."""
         self.tokens.append(token_id)
         prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
         full = self._decode(self.tokens[self.prefix_offset:])
@@ -43,7 +45,7 @@ class Detokenizer:
             start = max(0, len(self.text) - delta_len - len(stop) + 1)
             idx = self.text.find(stop, start)
             if idx != -1:
-                self.text = self.text[:idx]
+                self.text = self.text[:idx + (len(stop) if self.include_stop else 0)]
                 return stop
         return None
 

@@ -89,7 +89,8 @@ class OutputProcessor:
 
     def _detokenizer(self, request: Request) -> Detokenizer:
         p = request.params
-        return Detokenizer(self.tokenizer, request.prompt_token_ids, p.stop, p.skip_special_tokens)
+        return Detokenizer(self.tokenizer, request.prompt_token_ids, p.stop, p.skip_special_tokens,
+                           p.include_stop_str_in_output)
 
     def _advance(self, group: _Group, delta: SeqDelta) -> tuple[CompletionOutput, StopHit | None]:
         seq = group.seqs.get(delta.index)

@@ -37,6 +37,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured: StructuredOutputs | None = None  # JSON Schema / json_object / regex / choice / EBNF
     logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> bias in [-100, 100], added to its logit
+    include_stop_str_in_output: bool = False  # vLLM's: a matched stop string stays in the text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -85,6 +86,7 @@ class SamplingParams:
              "a StructuredOutputs")
         need(self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
                                        and 0 <= self.logprobs <= 20), "logprobs", "None or in [0, 20]")
+        need(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output", "a boolean")
         bias = self.logit_bias or {}
         need(isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS and all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX

@@ -65,8 +65,8 @@ def test_no_op_values_of_refused_fields_and_ignored_fields_are_taken(live):
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
 def test_unknown_fields_are_refused_by_name(live, endpoint):
     _, _, path, body = ENDPOINTS[endpoint]
-    status, error = http(live, path, {**body, "include_stop_str_in_output": True})
-    assert_error((status, error), 400, "include_stop_str_in_output: unknown field")
+    status, error = http(live, path, {**body, "guided_decoding_backend": "xgrammar"})
+    assert_error((status, error), 400, "guided_decoding_backend: unknown field")
     status, error = http(live, path, {**body, "response_format": {"type": "json_object", "strictness": 1}})
     assert_error((status, error), 400, "response_format.strictness: unknown field")
 

@@ -117,6 +117,9 @@ def test_stop_strings_and_max_tokens_one(client):
     cut = client.completions.create(model="tiny", prompt="Hello world", max_tokens=12, temperature=0, stop=[stop],
                                     extra_body={"ignore_eos": True}).choices[0]
     assert cut.finish_reason == "stop" and cut.text == base[:base.index(stop)]
+    kept = client.completions.create(model="tiny", prompt="Hello world", max_tokens=12, temperature=0, stop=[stop],
+                                     extra_body={"ignore_eos": True, "include_stop_str_in_output": True}).choices[0]
+    assert kept.finish_reason == "stop" and kept.text == base[:base.index(stop) + len(stop)]
     one = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=1, extra_body={"ignore_eos": True})
     assert one.choices[0].finish_reason == "length" and one.usage.completion_tokens == 1
 

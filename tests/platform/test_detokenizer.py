@@ -34,6 +34,8 @@ def test_stop_string_across_token_boundaries_is_cut(tok):
             break
     assert hit == "o ad"
     assert d.text == "hello world, hell"
+    kept = Detokenizer(tok, [], stop=["o ad"], include_stop=True)  # vLLM's include_stop_str_in_output
+    assert next(h for h in map(kept.append, ids) if h) == "o ad" and kept.text == "hello world, hello ad"
 
 
 def test_streamed_text_holds_back_a_possible_stop_prefix(tok):
