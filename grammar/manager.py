@@ -92,6 +92,7 @@ class GrammarManager:
         self.backend_name = backend
         self.timeout_s = timeout_s
         self._backends: dict[str, GrammarBackend] = {}
+        self._unavailable: dict[str, str] = {}  # backends that failed to build, and why (not retried)
         self._lock = threading.Lock()
         self.max_compiles = max_compiles
         self._running = threading.BoundedSemaphore(max_compiles)
@@ -100,6 +101,8 @@ class GrammarManager:
 
     def _get(self, name: str) -> GrammarBackend:
         with self._lock:  # built on first use: the tokenizer scan costs a moment
+            if name in self._unavailable:
+                raise GrammarError(self._unavailable[name])
             if name not in self._backends:
                 if name == "xgrammar":
                     from loraplex.grammar.xgrammar_backend import XGrammarBackend as cls
@@ -107,7 +110,11 @@ class GrammarManager:
                     from loraplex.grammar.llguidance_backend import LLGuidanceBackend as cls
                 else:
                     from loraplex.grammar.outlines_backend import OutlinesBackend as cls
-                self._backends[name] = cls(*self._args)
+                try:
+                    self._backends[name] = cls(*self._args)
+                except Exception as exc:  # e.g. llguidance takes fast tokenizers only: auto goes on to the next
+                    self._unavailable[name] = f"the {name} grammar backend cannot serve this model's tokenizer: {exc}"
+                    raise GrammarError(self._unavailable[name]) from None
             return self._backends[name]
 
     def compile(self, spec: StructuredOutputs) -> Compiled:

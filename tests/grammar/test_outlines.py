@@ -139,3 +139,16 @@ def test_outlines_on_the_default_model(default_model_dir):
                                                        structured=StructuredOutputs(regex=r"\p{Lu}\p{Ll}{2,8} [0-9]{2}"))
                                         for s in range(2)])
     assert all(re.fullmatch(r"[A-Z][a-z]{2,8} [0-9]{2}", o.outputs[0].text) for o in regex)
+
+
+def test_a_backend_that_cannot_load_is_passed_over_by_auto(tok, monkeypatch):
+    import loraplex.grammar.llguidance_backend as llg
+
+    def unavailable(*args, **kwargs):
+        raise ValueError("Only fast tokenizers are supported")
+
+    monkeypatch.setattr(llg, "LLGuidanceBackend", unavailable)
+    auto = manager(tok, "auto")
+    assert auto.compile(StructuredOutputs(regex="x+")).backend == "xgrammar"
+    with pytest.raises(GrammarError, match="llguidance grammar backend cannot serve this model's tokenizer"):
+        manager(tok, "llguidance").compile(StructuredOutputs(regex="x+"))
