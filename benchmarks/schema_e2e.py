@@ -21,8 +21,9 @@ import socket
 import sys
 from pathlib import Path
 
-import jsonschema
 import openai
+
+from loraplex.grammar.manager import json_validator, schema_error
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serving import start_server  # noqa: E402
@@ -48,11 +49,10 @@ def ask(client: openai.OpenAI, schema: dict, max_tokens: int) -> tuple[str, str]
         return "cut off", f"{len(choice.message.content)} chars"
     try:
         value = json.loads(choice.message.content)
-        cls = jsonschema.validators.validator_for(schema)
-        error = jsonschema.exceptions.best_match(cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(value))
     except ValueError as exc:
         return "INVALID", f"not JSON: {exc}"
-    return ("valid", "") if error is None else ("INVALID", f"{error.message[:120]} at {error.json_path}")
+    error = schema_error(json_validator(schema), value)
+    return ("valid", "") if error is None else ("INVALID", error[:160])
 
 
 def main() -> int:

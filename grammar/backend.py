@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -104,6 +105,23 @@ class StructuredOutputs:
         payload = {"kind": self.kind, "spec": getattr(self, self.kind), "ws": self.any_whitespace,
                    "strict": self.strict}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+class CompileCache:
+    """Compiled grammars by spec key, bounded: the least recently used one goes first."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._items: OrderedDict[str, Any] = OrderedDict()
+
+    def get_or_build(self, key: str, build: Callable[[], Any]) -> Any:
+        if key in self._items:
+            self._items.move_to_end(key)
+            return self._items[key]
+        self._items[key] = built = build()
+        if len(self._items) > self.limit:
+            self._items.popitem(last=False)
+        return built
 
 
 class Grammar(Protocol):

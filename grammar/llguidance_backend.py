@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections import OrderedDict
 
 import llguidance
 import llguidance.hf
 import llguidance.torch
 import torch
 
-from loraplex.grammar.backend import GrammarError, StructuredOutputs
+from loraplex.grammar.backend import CompileCache, GrammarError, StructuredOutputs
 from loraplex.grammar.json_schema import UnsupportedKeywordError, find_keyword
 
 MAX_CACHED = 256
@@ -44,17 +43,14 @@ class LLGuidanceGrammar:
         llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
 
     def accept_token(self, token_id: int) -> bool:
-        # checked first: a refused token would leave the matcher in an error state for good,
-        # and a jump-forward dry run or a caller must be able to go on after a refusal
+        # never consume_token blindly: a refused token would leave the matcher in an error state
+        # for good, and a jump-forward dry run or a caller must be able to go on after a refusal
         if self.terminated:
             return False
-        stop = token_id in self.stop_token_ids
-        if not (self.matcher.is_accepting() if stop else self.matcher.validate_tokens([token_id]) == 1):
-            return False
-        if not self.matcher.consume_token(token_id):
-            return False
-        self.terminated = stop
-        return True
+        if token_id not in self.stop_token_ids:  # try_consume leaves the matcher as it was on a refusal
+            return self.matcher.try_consume_tokens([token_id]) == 1
+        self.terminated = self.matcher.is_accepting() and self.matcher.consume_token(token_id)
+        return self.terminated
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens and self.terminated:  # llguidance keeps no history entry for the stop token
@@ -84,14 +80,13 @@ class LLGuidanceBackend:
         stops = list(stop_token_ids) or [tokenizer.eos_token_id]
         self.stop_token_ids = frozenset(stops)
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stops)
-        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._cache = CompileCache(MAX_CACHED)
 
     def compile(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
         """A validated matcher in its start state; each sequence gets a copy."""
-        cached = self._cache.get(spec.key)
-        if cached is not None:
-            self._cache.move_to_end(spec.key)
-            return cached
+        return self._cache.get_or_build(spec.key, lambda: self._build(spec))
+
+    def _build(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
         grammar = self._grammar(spec)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error or messages:  # a warning is something it would not enforce: refused as well
@@ -99,9 +94,6 @@ class LLGuidanceBackend:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise _error(spec, matcher.get_error())
-        self._cache[spec.key] = matcher
-        if len(self._cache) > MAX_CACHED:
-            self._cache.popitem(last=False)
         return matcher
 
     def _grammar(self, spec: StructuredOutputs) -> str:

@@ -74,13 +74,23 @@ class Compiled:
             return None if isinstance(value, dict) else f"not a JSON object: {type(value).__name__}"
         try:
             if self._validator is None:
-                schema = self.original if self.original is not None else self.spec.json
-                cls = jsonschema.validators.validator_for(schema)
-                self._validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
-            error = jsonschema.exceptions.best_match(self._validator.iter_errors(value))
+                self._validator = json_validator(self.original if self.original is not None else self.spec.json)
+            return schema_error(self._validator, value)
         except Exception:  # a schema the validator itself cannot run (a regex it cannot read): unchecked
             return None
-        return None if error is None else f"{error.message} at {error.json_path}"
+
+
+def json_validator(schema):
+    """A `jsonschema` validator for the schema's own draft, with `format` asserted (as the
+    grammars enforce it)."""
+    cls = jsonschema.validators.validator_for(schema)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
+def schema_error(validator, value) -> str | None:
+    """The most relevant way `value` breaks the validator's schema, or None."""
+    error = jsonschema.exceptions.best_match(validator.iter_errors(value))
+    return None if error is None else f"{error.message} at {error.json_path}"
 
 
 class GrammarManager:
@@ -207,8 +217,8 @@ class GrammarManager:
                 for grammar, i in items:
                     grammar.fill_bitmask(bitmask, i)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows)
+        closers = self.closing_tokens[self.closing_tokens < logits.shape[1]]
         for i in [i for i in rows if closing is not None and closing[i]]:
-            closers = self.closing_tokens[self.closing_tokens < logits.shape[1]]
             if bool(torch.isfinite(logits[i, closers]).any()):
                 kept = logits[i, closers].clone()
                 logits[i] = float("-inf")

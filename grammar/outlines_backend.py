@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import json
 import re
-from collections import OrderedDict
 
 import outlines_core as oc
 import torch
 
-from loraplex.grammar.backend import GrammarError, StructuredOutputs
+from loraplex.grammar.backend import CompileCache, GrammarError, StructuredOutputs
 from loraplex.grammar.json_schema import BASE_UNENFORCED, SchemaRules, UnsupportedKeywordError, check_schema, subschemas
 from loraplex.grammar.rewrite import resolve_pointer
 
@@ -77,22 +76,17 @@ class OutlinesBackend:
             if raw and token_id not in specials:
                 vocab.setdefault(raw, []).append(token_id)
         self.vocabulary = oc.Vocabulary(self.eos_token_id, vocab)
-        self._cache: OrderedDict[str, oc.Index] = OrderedDict()
+        self._cache = CompileCache(MAX_CACHED)
 
     def compile(self, spec: StructuredOutputs) -> oc.Index:
-        cached = self._cache.get(spec.key)
-        if cached is not None:
-            self._cache.move_to_end(spec.key)
-            return cached
+        return self._cache.get_or_build(spec.key, lambda: self._build(spec))
+
+    def _build(self, spec: StructuredOutputs) -> oc.Index:
         regex = self._regex(spec)
         try:
-            index = oc.Index(regex, self.vocabulary)
+            return oc.Index(regex, self.vocabulary)
         except Exception as exc:  # outlines reports bad regexes as ValueError
             raise GrammarError(f"invalid {spec.kind}: {str(exc).strip().splitlines()[0]}") from None
-        self._cache[spec.key] = index
-        if len(self._cache) > MAX_CACHED:
-            self._cache.popitem(last=False)
-        return index
 
     def _regex(self, spec: StructuredOutputs) -> str:
         if spec.kind in ("json_object", "grammar"):
