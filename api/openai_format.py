@@ -9,6 +9,7 @@ import time
 import uuid
 from typing import Protocol
 
+from loraplex.grammar.tools import ToolCallParser, parse_tool_calls
 from loraplex.platform.request import CompletionOutput, Logprob, RequestOutput
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
@@ -194,19 +195,46 @@ class ChatView(_Base):
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, model: str, n: int, top_logprobs: int | None) -> None:
+    def __init__(self, model: str, n: int, top_logprobs: int | None, tools: bool = False) -> None:
         super().__init__(model, n)
         self.top_logprobs = top_logprobs  # None: no logprobs
+        self.tools = tools  # the output is read for tool calls (grammar/tools.py)
+        self._parsers: dict[int, ToolCallParser] = {}  # per streamed choice
 
     def choice(self, index: int, prompt_index: int, o: CompletionOutput) -> dict:
         lps = chat_logprobs(o, self.top_logprobs) if o.logprobs is not None else None
-        return {"index": index, "message": {"role": "assistant", "content": o.text}, "logprobs": lps,
-                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+        message: dict = {"role": "assistant", "content": o.text}
+        finish = o.finish_reason
+        if self.tools:
+            content, calls = parse_tool_calls(o.text)
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = [_tool_call(c.id, c.name, c.arguments) for c in calls]
+                finish = "tool_calls" if finish == "stop" else finish
+        return {"index": index, "message": message, "logprobs": lps, "finish_reason": finish,
+                "stop_reason": o.stop_reason}
 
     def chunk(self, index: int, prompt_index: int, o: CompletionOutput, delta: str, first: bool,
               include_usage: bool) -> dict:
-        message = {"role": "assistant", "content": delta} if first else {"content": delta}
+        message: dict = {"role": "assistant"} if first else {}
+        finish = o.finish_reason
+        if self.tools:
+            parser = self._parsers.setdefault(index, ToolCallParser())
+            content, calls = parser.feed(delta, final=finish is not None)
+            if content or first:
+                message["content"] = content
+            if calls:
+                message["tool_calls"] = calls
+            if finish is not None:
+                finish = "tool_calls" if finish == "stop" and any(c.complete for c in parser.calls) else finish
+                del self._parsers[index]
+        else:
+            message["content"] = delta
         lps = chat_logprobs(o, self.top_logprobs) if o.logprobs is not None else None
-        choice = {"index": index, "delta": message, "logprobs": lps, "finish_reason": o.finish_reason,
+        choice = {"index": index, "delta": message, "logprobs": lps, "finish_reason": finish,
                   "stop_reason": o.stop_reason}
         return {**self.envelope(chunk=True), "choices": [choice], **({"usage": None} if include_usage else {})}
+
+
+def _tool_call(call_id: str, name: str, arguments: str) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}

@@ -7,12 +7,14 @@ Nothing a client sends is dropped without a word: every field is implemented, re
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from loraplex.grammar.backend import StructuredOutputs
+from loraplex.grammar.backend import GrammarError, StructuredOutputs
+from loraplex.grammar.tools import Function, ToolCalls
 from loraplex.platform.request import SamplingParams
 
 
@@ -79,13 +81,10 @@ IGNORED = {"user": "an end-user id for OpenAI's abuse monitoring", "metadata": "
            "prompt_cache_key": "our prefix cache needs no key", "prompt_cache_retention": "our prefix cache has no "
            "retention setting", "prompt_cache_options": "our prefix cache has no options",
            "service_tier": "one tier here", "reasoning_effort": "the models served do not reason",
-           "verbosity": "the models served have no verbosity setting",
-           "parallel_tool_calls": "no tools are called yet (tools are refused)"}
+           "verbosity": "the models served have no verbosity setting"}
 # OpenAI fields not implemented: refused with a 400 naming them, unless given their no-op value.
-REFUSED = {"tools": ("tool calling is not supported yet", ([],)),
-           "tool_choice": ("tool calling is not supported yet", ("none",)),
-           "functions": ("function calling is not supported yet", ([],)),
-           "function_call": ("function calling is not supported yet", ("none",)),
+REFUSED = {"functions": ("the deprecated functions field is not supported (send tools)", ([],)),
+           "function_call": ("the deprecated function_call field is not supported (send tool_choice)", ("none",)),
            "audio": ("audio output is not supported", ()),
            "modalities": ("only text output is supported", (["text"],)),
            "prediction": ("predicted outputs are not supported", ()),
@@ -133,7 +132,6 @@ class _SamplingFields(_Body):
     service_tier: str | None = None
     reasoning_effort: str | None = None
     verbosity: str | None = None
-    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -215,8 +213,8 @@ class CompletionRequest(_SamplingFields):
         raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of those")
 
 
-MESSAGE_EXTRAS = {"refusal", "annotations", "audio", "tool_calls", "function_call", "tool_call_id"}
-MESSAGE_EXTRAS_WHY = "tool calls, audio and refusals in messages are not supported yet"
+MESSAGE_EXTRAS = {"refusal", "annotations", "audio", "function_call"}
+MESSAGE_EXTRAS_WHY = "audio, refusals and the deprecated function_call in messages are not supported"
 
 
 class TextPart(_Body):
@@ -224,16 +222,29 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # a JSON object, as OpenAI sends it
+
+
+class ToolCallMessage(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @model_validator(mode="before")
     @classmethod
     def _empty_extras(cls, data: Any) -> Any:
         """A client replaying an assistant message sends its empty extras (`refusal: null`,
-        `tool_calls: []`, ...): taken as the no-ops they are; a non-empty one is refused."""
+        `audio: null`, ...): taken as the no-ops they are; a non-empty one is refused."""
         if not isinstance(data, dict):
             return data
         for key in MESSAGE_EXTRAS & data.keys():
@@ -242,15 +253,68 @@ class ChatMessage(_Body):
                                           {"field": f"messages.{key}", "why": MESSAGE_EXTRAS_WHY})
         return {k: v for k, v in data.items() if k not in MESSAGE_EXTRAS}
 
+    @model_validator(mode="after")
+    def _tool_fields(self) -> "ChatMessage":
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id (the call it answers)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
 
 
-def chat_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template takes them; "developer" is OpenAI's newer name for "system"."""
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+def chat_dicts(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as chat templates take them (HF's shape: a call's arguments as an object);
+    "developer" is OpenAI's newer name for "system"."""
+    out = []
+    for i, m in enumerate(messages):
+        d: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.function.name,
+                                             "arguments": _arguments(c.function.arguments, f"messages[{i}]")}}
+                               for c in m.tool_calls]
+        if m.role == "tool":
+            d["tool_call_id"] = m.tool_call_id
+        if m.name and m.role == "tool":
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def _arguments(text: str, where: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}.tool_calls: function.arguments must be a JSON object, got {text[:80]!r}")
+    return value
+
+
+class FunctionDefinition(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # JSON Schema of the arguments; none: no arguments
+    strict: bool | None = None  # false: what cannot be enforced is dropped and listed (default: refused)
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -261,9 +325,61 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
-    def chat_messages(self) -> list[dict[str, str]]:
+    def chat_messages(self) -> list[dict]:
         return chat_dicts(self.messages)
+
+    def _tool_choice(self) -> str | NamedToolChoice:
+        choice = self.tool_choice if self.tool_choice is not None else "auto" if self.tools else "none"
+        if choice != "none" and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        return choice
+
+    def prompt_tools(self) -> list[dict] | None:
+        """The tools the chat template is given (none under tool_choice "none", as vLLM's
+        --exclude-tools-when-tool-choice-none: a model told of tools it may not call calls them)."""
+        if self._tool_choice() == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def tool_calls(self) -> ToolCalls | None:
+        """The calls the grammar allows: `required` / a named function constrain the whole
+        output, `auto` the call once the model starts one."""
+        choice = self._tool_choice()
+        if choice == "none":
+            return None
+        functions = []
+        for t in self.tools:
+            f = t.function
+            try:
+                given = {"parameters": f.parameters} if f.parameters is not None else {}
+                functions.append(Function(f.name, strict=f.strict is not False, **given))
+            except GrammarError as exc:
+                raise ValueError(str(exc)) from None
+        parallel = self.parallel_tool_calls is not False
+        if isinstance(choice, NamedToolChoice):
+            named = [f for f in functions if f.name == choice.function.name]
+            if not named:
+                raise ValueError(f"tool_choice names {choice.function.name!r}, which is not one of the tools "
+                                 f"({[f.name for f in functions]})")
+            return ToolCalls(tuple(named), required=True, parallel=False)
+        try:
+            return ToolCalls(tuple(functions), required=choice == "required", parallel=parallel)
+        except GrammarError as exc:
+            raise ValueError(str(exc)) from None
+
+    def structured(self) -> StructuredOutputs | None:
+        calls = self.tool_calls()
+        spec = super().structured()
+        if calls is None:
+            return spec
+        if spec is not None:
+            raise ValueError("response_format / structured_outputs cannot be combined with tools "
+                             "unless tool_choice is \"none\"")
+        return StructuredOutputs(tools=calls)
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -422,11 +422,12 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=user)
     async def chat(body: ChatCompletionRequest, request: Request):
         adapter = await server.resolve_model(body.model)
-        ids = await server.call(inputs.chat_token_ids, body.chat_messages(), body.add_generation_prompt,
-                                body.chat_template_kwargs, param="messages")
+        ids = await server.call(inputs.chat_token_ids, _checked(body.chat_messages), body.add_generation_prompt,
+                                body.chat_template_kwargs, _checked(body.prompt_tools), param="messages")
         max_tokens = _given(body.max_completion_tokens, _given(body.max_tokens, inputs.default_max_tokens(ids)))
         params = _checked(body.sampling_params, max_tokens, _checked(body.num_logprobs))
-        view = fmt.ChatView(body.model, body.n, body.top_logprobs or 0)
+        tools = params.structured is not None and params.structured.kind == "tools"
+        view = fmt.ChatView(body.model, body.n, body.top_logprobs or 0, tools)
         return await _respond(server, request, body, [ids], [params], adapter, view)
 
     @app.post("/v1/load_lora_adapter", dependencies=admin)

@@ -42,7 +42,8 @@ def _depth(value) -> int:
 
 @dataclass(frozen=True)
 class StructuredOutputs:
-    """Exactly one of: a JSON Schema, any JSON object, a regex, a list of choices, an EBNF grammar."""
+    """Exactly one of: a JSON Schema, any JSON object, a regex, a list of choices, an EBNF grammar,
+    tool calls (`grammar/tools.py`)."""
 
     json: dict | str | None = None
     json_object: bool = False
@@ -51,13 +52,14 @@ class StructuredOutputs:
     grammar: str | None = None
     any_whitespace: bool = False  # JSON: allow free whitespace (bounded otherwise)
     strict: bool = True  # JSON Schema: refuse what cannot be enforced exactly (else drop it, and say so)
+    tools: Any = None  # grammar.tools.ToolCalls: each function's own `strict` applies
 
     def __post_init__(self) -> None:
-        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given = [k for k in ("json", "regex", "choice", "grammar", "tools") if getattr(self, k) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
             raise GrammarError(f"structured outputs need exactly one of json, json_object, regex, choice, "
-                               f"grammar; got {given or 'none'}")
+                               f"grammar, tools; got {given or 'none'}")
         if isinstance(self.json, str):
             if len(self.json) > MAX_SCHEMA_BYTES:
                 raise GrammarError(f"json schema is larger than {MAX_SCHEMA_BYTES} bytes")
@@ -95,14 +97,15 @@ class StructuredOutputs:
 
     @property
     def kind(self) -> str:
-        for kind in ("json", "regex", "choice", "grammar"):
+        for kind in ("json", "regex", "choice", "grammar", "tools"):
             if getattr(self, kind) is not None:
                 return kind
         return "json_object"
 
     @property
     def key(self) -> str:
-        payload = {"kind": self.kind, "spec": getattr(self, self.kind), "ws": self.any_whitespace,
+        spec = self.tools.key_payload() if self.tools is not None else getattr(self, self.kind)
+        payload = {"kind": self.kind, "spec": spec, "ws": self.any_whitespace,
                    "strict": self.strict}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 

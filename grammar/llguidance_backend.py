@@ -16,6 +16,7 @@ import llguidance.hf
 import llguidance.torch
 import torch
 
+from loraplex.grammar import tools
 from loraplex.grammar.backend import CompileCache, GrammarError, StructuredOutputs
 from loraplex.grammar.json_schema import UnsupportedKeywordError, find_keyword
 
@@ -108,6 +109,8 @@ class LLGuidanceBackend:
             if spec.kind == "choice":
                 return llguidance.LLMatcher.grammar_from_lark(
                     "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice))
+            if spec.kind == "tools":
+                return llguidance.LLMatcher.grammar_from_lark(tools.lark_grammar(spec.tools))
             return llguidance.LLMatcher.grammar_from_lark(lark_grammar(spec.grammar))
         except (ValueError, TypeError) as exc:
             raise GrammarError(f"invalid {spec.kind}: {exc}") from None

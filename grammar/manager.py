@@ -30,10 +30,11 @@ import xgrammar as xgr
 
 from loraplex.grammar.backend import Grammar, GrammarBackend, GrammarError, StructuredOutputs
 from loraplex.grammar.json_schema import UnsupportedKeywordError, normalize, relaxed
+from loraplex.grammar.tools import ToolCalls, parse_tool_calls
 
 BACKENDS = ("xgrammar", "llguidance", "outlines", "auto")
 AUTO_ORDER = ("llguidance", "xgrammar", "outlines")
-KINDS = {"llguidance": {"json", "json_object", "regex", "choice", "grammar"},
+KINDS = {"llguidance": {"json", "json_object", "regex", "choice", "grammar", "tools"},
          "xgrammar": {"json", "json_object", "regex", "choice", "grammar"},
          "outlines": {"json", "regex", "choice"}}
 MAX_RELAXED = 64  # keywords a non-strict schema may drop
@@ -64,6 +65,8 @@ class Compiled:
     def violation(self, text: str) -> str | None:
         """Why a finished JSON output breaks the request's schema, or None: the backstop run
         on every structured output before it is returned."""
+        if self.spec.kind == "tools":
+            return self._tools_violation(text)
         if self.spec.kind not in ("json", "json_object"):
             return None
         try:
@@ -78,6 +81,31 @@ class Compiled:
             return schema_error(self._validator, value)
         except Exception:  # a schema the validator itself cannot run (a regex it cannot read): unchecked
             return None
+
+
+    def _tools_violation(self, text: str) -> str | None:
+        """Each call's arguments against its function's parameters as the request gave them."""
+        calls: ToolCalls = self.original
+        _, parsed = parse_tool_calls(text)
+        if calls.required and not parsed:
+            return "no complete tool call"
+        if not calls.parallel and len(parsed) > 1:
+            return f"{len(parsed)} tool calls where one was allowed"
+        if self._validator is None:
+            self._validator = {}
+        by_name = {f.name: f for f in calls.functions}
+        for call in parsed:
+            if call.name not in by_name:
+                return f"a call to {call.name!r}, which is not an allowed tool"
+            try:
+                if call.name not in self._validator:
+                    self._validator[call.name] = json_validator(by_name[call.name].object_schema())
+                error = schema_error(self._validator[call.name], json.loads(call.arguments))
+            except Exception:  # a schema the validator itself cannot run: unchecked
+                continue
+            if error is not None:
+                return f"tool {call.name} arguments: {error}"
+        return None
 
 
 def json_validator(schema):
@@ -155,6 +183,8 @@ class GrammarManager:
         return tuple(name for name in AUTO_ORDER if spec.kind in KINDS[name])
 
     def _compile(self, spec: StructuredOutputs) -> Compiled:
+        if spec.kind == "tools":
+            return self._compile_tools(spec)
         order = self.order(spec)
         try:
             compiled = self._first_that_compiles(spec, order)
@@ -163,6 +193,32 @@ class GrammarManager:
                 raise
             compiled = self._relax(spec, order[0], refused)
         compiled.original = spec.json
+        return compiled
+
+    def _compile_tools(self, spec: StructuredOutputs) -> Compiled:
+        """Tool calls: llguidance only (the grammar is Lark with inline schemas). Each function's
+        parameters go through the same rewrites, refusals and `strict: false` relaxing as a
+        response_format schema, then the whole grammar is compiled."""
+        if self.backend_name not in ("auto", "llguidance"):
+            raise GrammarError(f"tool calls need the llguidance grammar backend (this server runs "
+                               f"{self.backend_name})")
+        functions, unenforced = [], []
+        for function in spec.tools.functions:
+            alone = StructuredOutputs(json=function.object_schema(), strict=function.strict)
+            try:
+                try:
+                    compiled = self._first_that_compiles(alone, ("llguidance",))
+                except UnsupportedKeywordError as refused:
+                    if function.strict:
+                        raise
+                    compiled = self._relax(alone, "llguidance", refused)
+            except GrammarError as exc:
+                raise GrammarError(f"tool {function.name} parameters: {exc}") from None
+            functions.append(dataclasses.replace(function, parameters=compiled.spec.json))
+            unenforced += [f"{dropped} in tool {function.name}" for dropped in compiled.unenforced]
+        exact = dataclasses.replace(spec, tools=dataclasses.replace(spec.tools, functions=tuple(functions)))
+        compiled = Compiled(exact, "llguidance", self._get("llguidance").compile(exact), tuple(unenforced))
+        compiled.original = spec.tools
         return compiled
 
     def _first_that_compiles(self, spec: StructuredOutputs, order: tuple[str, ...], unenforced=()) -> Compiled:

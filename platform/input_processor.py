@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from loraplex.adapters.registry import AdapterRegistry
 from loraplex.grammar.manager import GrammarManager
+from loraplex.grammar.tools import plain_messages, template_takes_tools
 from loraplex.platform.kv_cache_manager import cdiv
 from loraplex.platform.request import Request, SamplingParams
 
@@ -43,14 +44,21 @@ class InputProcessor:
     # ---- text <-> token ids -------------------------------------------------------------------
 
     def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True,
-                       template_kwargs: dict | None = None) -> list[int]:
+                       template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
         """`template_kwargs`: extra variables for the chat template (vLLM's `chat_template_kwargs`,
-        e.g. `enable_thinking`); they cannot override what the template is given already."""
+        e.g. `enable_thinking`); they cannot override what the template is given already.
+        `tools` (OpenAI's shape) go to a template that renders them; for one that does not, they
+        are described in the system message and tool turns written out (grammar/tools.py)."""
         extra = dict(template_kwargs or {})
         clash = sorted(extra.keys() & {"messages", "tokenize", "add_generation_prompt", "conversation", "tools",
                                         "chat_template", "documents", "return_dict", "continue_final_message"})
         if clash:
             raise ValueError(f"chat_template_kwargs may not set {clash}")
+        uses_tools = tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+        if uses_tools and template_takes_tools(self.tokenizer.chat_template):
+            extra["tools"] = tools
+        elif uses_tools:
+            messages = plain_messages(messages, tools)
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt, **extra)

@@ -129,7 +129,7 @@ class OutputProcessor:
         if compiled is None:
             return None
         violation = compiled.violation(text)
-        self.num_structured_checked += compiled.spec.kind in ("json", "json_object")
+        self.num_structured_checked += compiled.spec.kind in ("json", "json_object", "tools")
         if violation is not None:
             strict = compiled.spec.strict
             self.num_schema_violations[strict] += 1

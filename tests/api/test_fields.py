@@ -18,14 +18,13 @@ ENDPOINTS = {"chat": (chat_create_params.CompletionCreateParamsBase, ChatComplet
                       {"model": "tiny", "messages": MSG, "max_tokens": 2}),
              "completions": (completion_create_params.CompletionCreateParamsBase, CompletionRequest, "/v1/completions",
                              {"model": "tiny", "prompt": "Hello", "max_tokens": 2})}
-SAMPLES = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
-           "tool_choice": "required", "functions": [{"name": "f"}], "function_call": "auto",
+SAMPLES = {"functions": [{"name": "f"}], "function_call": "auto",
            "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
            "prediction": {"type": "content", "content": "x"}, "web_search_options": {}, "moderation": {},
            "best_of": 3, "suffix": "tail"}
 IGNORED_SAMPLES = {"user": "u1", "metadata": {"k": "v"}, "store": True, "safety_identifier": "s",
                    "prompt_cache_key": "k", "prompt_cache_retention": "24h", "prompt_cache_options": {},
-                   "service_tier": "auto", "reasoning_effort": "low", "verbosity": "low", "parallel_tool_calls": True}
+                   "service_tier": "auto", "reasoning_effort": "low", "verbosity": "low"}
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
@@ -77,9 +76,14 @@ def test_replayed_assistant_messages_with_empty_extras_are_taken(live):
                      "audio": None, "function_call": None}, {"role": "user", "content": "Again"}]
     status, out = http(live, path, {**body, "messages": replay})
     assert status == 200, out
-    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
-    status, error = http(live, path, {**body, "messages": [*MSG, {"role": "assistant", "tool_calls": calls}]})
-    assert_error((status, error), 400, "messages.tool_calls")
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]
+    turn = [*MSG, {"role": "assistant", "tool_calls": calls}, {"role": "tool", "tool_call_id": "c1", "content": "2"}]
+    status, out = http(live, path, {**body, "messages": turn})
+    assert status == 200, out
+    calls[0]["function"]["arguments"] = "[1]"
+    assert_error(http(live, path, {**body, "messages": turn}), 400, "function.arguments must be a JSON object")
+    status, error = http(live, path, {**body, "messages": [*MSG, {"role": "assistant", "refusal": "no"}]})
+    assert_error((status, error), 400, "messages.refusal")
 
 
 def test_chat_template_kwargs_reach_the_template(live, monkeypatch):

@@ -89,7 +89,87 @@ def test_chat_json_and_adapters(served):
         assert isinstance(json.loads(obj.choices[0].message.content), dict)
 
 
+TOOL_SCHEMAS = {
+    "get_weather": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                    "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 30},
+                                   "unit": {"enum": ["celsius", "fahrenheit"]}}},
+    "book_table": {"type": "object", "additionalProperties": False, "required": ["restaurant", "people", "time"],
+                   "properties": {"restaurant": {"type": "string", "maxLength": 30},
+                                  "people": {"type": "integer", "minimum": 1, "maximum": 12},
+                                  "time": {"type": "string", "pattern": "^[0-2][0-9]:[0-5][0-9]$"},
+                                  "notes": {"type": ["string", "null"], "maxLength": 40}}},
+    "search": {"type": "object", "required": ["query"],
+               "properties": {"query": {"type": "string", "maxLength": 40},
+                              "filters": {"type": "array", "maxItems": 3, "items": {
+                                  "anyOf": [{"type": "string", "maxLength": 12}, {"type": "integer"}]}}}},
+}
+TOOLS = [{"type": "function", "function": {"name": name, "parameters": schema}} for name, schema in TOOL_SCHEMAS.items()]
+ASKS = {"get_weather": "What's the weather like in Paris?", "book_table": "Book a table for 4 at Luigi's at 19:30.",
+        "search": "Find recent papers about LoRA adapters."}
+
+
+def _calls_are_valid(calls) -> None:
+    assert calls
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), TOOL_SCHEMAS[call.function.name])
+
+
+def _streamed_calls(chunks) -> tuple[list[tuple[str, str]], str | None]:
+    calls: dict[int, list[str]] = {}
+    finish = None
+    for chunk in chunks:
+        for part in chunk.choices[0].delta.tool_calls or []:
+            have = calls.setdefault(part.index, ["", ""])
+            have[0] = part.function.name or have[0]
+            have[1] += part.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+def test_tool_calls_through_the_openai_client(served):
+    url, _, _ = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    base = "SmolLM2-135M-Instruct"
+    for name, ask in ASKS.items():  # named and required, streamed and not, base and adapter
+        for choice, model in [({"type": "function", "function": {"name": name}}, base), ("required", f"{base}:ex")]:
+            args = dict(model=model, messages=[{"role": "user", "content": ask}], tools=TOOLS, tool_choice=choice,
+                        max_tokens=120, temperature=0)
+            reply = client.chat.completions.create(**args)
+            calls = reply.choices[0].message.tool_calls
+            assert reply.choices[0].finish_reason == "tool_calls", reply.choices[0].message
+            _calls_are_valid(calls)
+            assert isinstance(choice, str) or [c.function.name for c in calls] == [name]
+            streamed, finish = _streamed_calls(client.chat.completions.create(stream=True, **args))
+            assert finish == "tool_calls" and streamed == [(c.function.name, c.function.arguments) for c in calls]
+    several = client.chat.completions.create(  # parallel_tool_calls (the default): several calls
+        model=base, messages=[{"role": "user", "content": "What is the weather in Paris and in London?"}],
+        tools=TOOLS[:1], tool_choice="required", max_tokens=120, temperature=0)
+    _calls_are_valid(several.choices[0].message.tool_calls)
+    assert len(several.choices[0].message.tool_calls) >= 2
+    single = client.chat.completions.create(
+        model=base, messages=[{"role": "user", "content": "What is the weather in Paris and in London?"}],
+        tools=TOOLS[:1], tool_choice="required", parallel_tool_calls=False, max_tokens=120, temperature=0)
+    assert len(single.choices[0].message.tool_calls) == 1
+    for ask in ("Hi! How are you today?", ASKS["get_weather"]):  # auto: text, or a valid call
+        reply = client.chat.completions.create(model=base, messages=[{"role": "user", "content": ask}], tools=TOOLS,
+                                               max_tokens=40, temperature=0)
+        message = reply.choices[0].message
+        assert message.content or message.tool_calls
+        if message.tool_calls:
+            _calls_are_valid(message.tool_calls)
+    # a round trip: the call and the tool's result go back, the model answers
+    call = several.choices[0].message.tool_calls[0]
+    turn = [{"role": "user", "content": "What is the weather in Paris?"},
+            several.choices[0].message.model_dump(exclude_none=True),
+            *[{"role": "tool", "tool_call_id": c.id, "content": '{"temperature": 21, "sky": "sunny"}'}
+              for c in several.choices[0].message.tool_calls]]
+    answer = client.chat.completions.create(model=base, messages=turn, tools=TOOLS, max_tokens=30, temperature=0)
+    assert answer.choices[0].message.content or answer.choices[0].message.tool_calls
+    assert call.id.startswith("call_")
+
+
 @pytest.mark.parametrize("script,args", [("chat_with_adapter.py", []), ("json_extraction.py", []),
+                                         ("tool_calling.py", []),
                                          ("hot_load_adapter.py", ["--path", "ex"])])
 def test_examples_run_against_the_server(served, script, args):
     url, _, root = served
