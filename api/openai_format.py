@@ -83,6 +83,34 @@ def completion_logprobs(out: CompletionOutput, text_offset: int) -> dict:
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
+def prompt_logprobs_json(entries: list[dict[int, Logprob] | None]) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, token id -> logprob, rank, decoded token."""
+    return [None if position is None else
+            {str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for tid, lp in position.items()} for position in entries]
+
+
+def echo_logprobs(prompt: str, prompt_ids: list[int], entries: list[dict[int, Logprob] | None], num: int) -> dict:
+    """OpenAI's `echo` with `logprobs`: the prompt's tokens come first, the first without a
+    logprob (nothing predicts it)."""
+    texts = [position[tid].decoded_token or "" if position else "" for tid, position in zip(prompt_ids, entries)]
+    rest = "".join(texts[1:])
+    texts[0] = prompt[:len(prompt) - len(rest)] if prompt.endswith(rest) else ""
+    tokens, token_logprobs, top, offsets, offset = [], [], [], [], 0
+    for tid, text, position in zip(prompt_ids, texts, entries):
+        tokens.append(text)
+        token_logprobs.append(position[tid].logprob if position else None)
+        top.append({lp.decoded_token: lp.logprob for lp in position.values() if lp.rank <= num or lp is position[tid]}
+                   if position else None)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _joined(first: dict, second: dict) -> dict:
+    return {key: first[key] + second[key] for key in first}
+
+
 def chat_logprobs(out: CompletionOutput, num: int) -> dict:
     def entry(lp: Logprob) -> dict:
         token = lp.decoded_token or ""
@@ -98,6 +126,7 @@ class View(Protocol):
 
     def response(self, outputs: list[RequestOutput]) -> dict: ...
     def stream(self, include_usage: bool) -> "_Stream": ...
+    def top_level(self, prompt_index: int) -> dict: ...
 
 
 def unenforced(outputs: list[RequestOutput]) -> list[str]:
@@ -119,6 +148,8 @@ class _Stream:
 
     def chunks(self, prompt_index: int, out: RequestOutput) -> list[dict]:
         self.prompt_tokens[prompt_index] = len(out.prompt_token_ids)
+        if out.prompt_logprobs is not None:
+            self.view.prompts[prompt_index] = out
         chunks = []
         for o in out.outputs:
             choice = prompt_index * self.view.n + o.index
@@ -130,6 +161,8 @@ class _Stream:
                 chunk = self.view.chunk(choice, prompt_index, o, o.text, first, self.include_usage)
                 if first and out.unenforced:
                     chunk["unenforced_keywords"] = list(out.unenforced)
+                if first:
+                    chunk.update(self.view.top_level(prompt_index))
                 chunks.append(chunk)
             self.started.add(choice)
             if o.finish_reason is not None:
@@ -150,43 +183,67 @@ class _Base:
         self.model, self.n = model, n
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.prompts: dict[int, RequestOutput] = {}  # by prompt: outputs that carry prompt logprobs
 
     def envelope(self, chunk: bool = False) -> dict:
         return {"id": self.id, "object": self.chunk_object if chunk else self.object_name, "created": self.created,
                 "model": self.model}
 
     def response(self, outputs: list[RequestOutput]) -> dict:
+        self.prompts = {i: out for i, out in enumerate(outputs) if out.prompt_logprobs is not None}
         choices = [self.choice(i * self.n + o.index, i, o) for i, out in enumerate(outputs) for o in out.outputs]
         usage = _usage(sum(len(out.prompt_token_ids) for out in outputs),
                        sum(len(o.token_ids) for out in outputs for o in out.outputs))
         dropped = unenforced(outputs)
         return {**self.envelope(), "choices": choices, "usage": usage,
-                **({"unenforced_keywords": dropped} if dropped else {})}
+                **({"unenforced_keywords": dropped} if dropped else {}), **self.top_level(0)}
+
+    def top_level(self, prompt_index: int) -> dict:
+        """Fields beside the choices (in a stream: in the prompt's first chunk)."""
+        return {}
 
     def stream(self, include_usage: bool) -> _Stream:
         return _Stream(self, include_usage)
 
 
 class CompletionView(_Base):
-    def __init__(self, model: str, n: int, echo_prompts: list[str] | None, logprobs: int | None) -> None:
+    def __init__(self, model: str, n: int, echo_prompts: list[str] | None, logprobs: int | None,
+                 prompt_logprobs: bool = False) -> None:
         super().__init__(model, n)
         self.echo_prompts, self.logprobs = echo_prompts, logprobs
+        self.prompt_logprobs = prompt_logprobs  # vLLM's field asked for: each choice carries them
 
     def _echo(self, prompt_index: int) -> str:
         return self.echo_prompts[prompt_index] if self.echo_prompts else ""
 
+    def _logprobs(self, prompt_index: int, o: CompletionOutput, offset: int, with_prompt: bool) -> dict | None:
+        if self.logprobs is None:
+            return None
+        lps = completion_logprobs(o, offset)
+        prompt = self.prompts.get(prompt_index)
+        if with_prompt and self.echo_prompts and prompt is not None:
+            lps = _joined(echo_logprobs(self._echo(prompt_index), prompt.prompt_token_ids, prompt.prompt_logprobs,
+                                        self.logprobs), lps)
+        return lps
+
+    def _prompt_field(self, prompt_index: int, first: bool) -> dict:
+        prompt = self.prompts.get(prompt_index)
+        if not (self.prompt_logprobs and first and prompt is not None):
+            return {}
+        return {"prompt_logprobs": prompt_logprobs_json(prompt.prompt_logprobs)}
+
     def choice(self, index: int, prompt_index: int, o: CompletionOutput) -> dict:
         echo = self._echo(prompt_index)
-        lps = completion_logprobs(o, len(echo)) if self.logprobs is not None else None
+        lps = self._logprobs(prompt_index, o, len(echo), True)
         return {"index": index, "text": echo + o.text, "logprobs": lps, "finish_reason": o.finish_reason,
-                "stop_reason": o.stop_reason}
+                "stop_reason": o.stop_reason, **self._prompt_field(prompt_index, True)}
 
     def chunk(self, index: int, prompt_index: int, o: CompletionOutput, delta: str, first: bool,
               include_usage: bool) -> dict:
         text = (self._echo(prompt_index) if first else "") + delta
-        lps = completion_logprobs(o, 0) if self.logprobs is not None else None
+        lps = self._logprobs(prompt_index, o, 0, first)
         choice = {"index": index, "text": text, "logprobs": lps, "finish_reason": o.finish_reason,
-                  "stop_reason": o.stop_reason}
+                  "stop_reason": o.stop_reason, **self._prompt_field(prompt_index, first)}
         return {**self.envelope(chunk=True), "choices": [choice], **({"usage": None} if include_usage else {})}
 
 
@@ -200,6 +257,11 @@ class ChatView(_Base):
         self.top_logprobs = top_logprobs  # None: no logprobs
         self.tools = tools  # the output is read for tool calls (grammar/tools.py)
         self._parsers: dict[int, ToolCallParser] = {}  # per streamed choice
+
+    def top_level(self, prompt_index: int) -> dict:
+        """vLLM's chat response carries the (one) prompt's logprobs beside the choices."""
+        prompt = self.prompts.get(prompt_index)
+        return {"prompt_logprobs": prompt_logprobs_json(prompt.prompt_logprobs)} if prompt is not None else {}
 
     def choice(self, index: int, prompt_index: int, o: CompletionOutput) -> dict:
         lps = chat_logprobs(o, self.top_logprobs) if o.logprobs is not None else None

@@ -121,6 +121,7 @@ class _SamplingFields(_Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None  # vLLM's: logprobs of the prompt's tokens (and this many alternatives)
     # taken and ignored (IGNORED); refused unless a no-op value (REFUSED)
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -143,7 +144,8 @@ class _SamplingFields(_Body):
                 raise PydanticCustomError("refused_field", "{field}: {why}", {"field": name, "why": why})
         return {k: v for k, v in data.items() if k not in REFUSED}  # what is left is a no-op
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+                        ) -> SamplingParams:
         """Raises ValueError naming the field for out-of-range values."""
         given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                                                 "frequency_penalty", "repetition_penalty")
@@ -152,7 +154,8 @@ class _SamplingFields(_Body):
                               stop=self.stop, stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
                               logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
                               structured=self.structured(), logit_bias=self._logit_bias(),
-                              include_stop_str_in_output=self.include_stop_str_in_output, **given)
+                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              prompt_logprobs=prompt_logprobs, **given)
 
     def _logit_bias(self) -> dict[int, float] | None:
         """OpenAI sends token ids as JSON object keys, so strings."""
@@ -195,6 +198,12 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+
+    def num_prompt_logprobs(self) -> int | None:
+        """vLLM's `prompt_logprobs`; OpenAI's `echo` with `logprobs` needs them too."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | dict]:
         p = self.prompt

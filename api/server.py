@@ -406,17 +406,15 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions", dependencies=user)
     async def completions(body: CompletionRequest, request: Request):
         adapter = await server.resolve_model(body.model)
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", "echo")
         prompts = _checked(body.prompts)
         ids = [await server.call(inputs.token_ids, p, param="prompt") if isinstance(p, str) else p["prompt_token_ids"]
                for p in prompts]
-        params = [_checked(body.sampling_params, _given(body.max_tokens, inputs.default_max_tokens(i)), body.logprobs)
-                  for i in ids]
+        params = [_checked(body.sampling_params, _given(body.max_tokens, inputs.default_max_tokens(i)), body.logprobs,
+                           body.num_prompt_logprobs()) for i in ids]
         echo = [p if isinstance(p, str) else await server.call(inputs.detokenize, p["prompt_token_ids"], "prompt",
                                                                param="prompt")
                 for p in prompts] if body.echo else None
-        view = fmt.CompletionView(body.model, body.n, echo, body.logprobs)
+        view = fmt.CompletionView(body.model, body.n, echo, body.logprobs, body.prompt_logprobs is not None)
         return await _respond(server, request, body, ids, params, adapter, view)
 
     @app.post("/v1/chat/completions", dependencies=user)
@@ -425,7 +423,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         ids = await server.call(inputs.chat_token_ids, _checked(body.chat_messages), body.add_generation_prompt,
                                 body.chat_template_kwargs, _checked(body.prompt_tools), param="messages")
         max_tokens = _given(body.max_completion_tokens, _given(body.max_tokens, inputs.default_max_tokens(ids)))
-        params = _checked(body.sampling_params, max_tokens, _checked(body.num_logprobs))
+        params = _checked(body.sampling_params, max_tokens, _checked(body.num_logprobs), body.prompt_logprobs)
         tools = params.structured is not None and params.structured.kind == "tools"
         view = fmt.ChatView(body.model, body.n, body.top_logprobs or 0, tools)
         return await _respond(server, request, body, [ids], [params], adapter, view)

@@ -21,7 +21,7 @@ from loraplex.platform.model_runner import ModelRunner, kv_bytes_per_block
 from loraplex.platform.models.llama import load_model
 from loraplex.platform.output_processor import OutputProcessor
 from loraplex.platform.request import Request, RequestOutput, SamplingParams
-from loraplex.platform.sampler import Sampler
+from loraplex.platform.sampler import Sampler, prompt_logprobs
 from loraplex.platform.scheduler import Scheduler
 
 
@@ -168,13 +168,25 @@ class Engine:
                 # failing loudly beats spinning forever
                 raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting")
             return []
-        logits, completed = self.runner.execute(sched, self._assign_adapter_slots())
+        logits, completed, prompt_rows = self.runner.execute(sched, self._assign_adapter_slots())
+        for rows in prompt_rows:
+            self._add_prompt_logprobs(rows)
         rows, batch = self.scheduler.sampling_batch(sched)
         if not batch:
             return []
         # forks repeat their parent's row; without them the logits are already one row each
         sampled = self.sampler(logits if len(rows) == len(completed) else logits[rows], batch)
         return self.scheduler.update(batch, sampled.token_ids, sampled.logprobs, self._forced_tokens)
+
+    def _add_prompt_logprobs(self, rows) -> None:
+        """The logprobs of the prompt tokens these rows predict; after a preemption the prompt
+        is computed again, and what is known already is skipped."""
+        req = rows.request
+        skip = len(req.prompt_logprobs) - rows.first
+        targets = req.prompt_token_ids[rows.first + max(skip, 0):rows.first + len(rows.hidden)]
+        if targets and skip >= 0:
+            req.prompt_logprobs += prompt_logprobs(self.model.compute_logits, rows.hidden[skip:], targets,
+                                                   req.params.prompt_logprobs)
 
     def _assign_adapter_slots(self) -> dict[str, int]:
         names = self.scheduler.running_adapters()

@@ -1,7 +1,10 @@
 """Owns the model and its paged KV cache; turns a SchedulerOutput into one flat batch, runs the
-forward pass and returns the logits of each request whose chunk reaches its last token."""
+forward pass and returns the logits of each request whose chunk reaches its last token (and
+the hidden states of prompt positions whose logprobs a request asked for)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +22,15 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
+@dataclass
+class PromptRows:
+    """Hidden states of prompt positions first..first+len-1: position p predicts prompt token p+1."""
+
+    request: Request
+    hidden: torch.Tensor
+    first: int  # the index of the prompt token the first row predicts
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, kv: KVCacheManager,
                  kv_dtype: torch.dtype) -> None:
@@ -32,17 +44,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, adapter_slots: dict[str, int] | None = None
-                ) -> tuple[torch.Tensor, list[Request]]:
-        """Returns logits [R, vocab] and the R requests they belong to. `adapter_slots` maps
-        each scheduled request's adapter to its device slot."""
+                ) -> tuple[torch.Tensor, list[Request], list[PromptRows]]:
+        """Returns logits [R, vocab], the R requests they belong to, and for requests that asked
+        for prompt logprobs the hidden states of their chunk's prompt positions. `adapter_slots`
+        maps each scheduled request's adapter to its device slot."""
         for src, dst in sched.block_copies:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
         lora = self._lora_batch(sched, adapter_slots or {})
-        input_ids, positions, meta, last_rows, sampled = self._prepare(sched)
+        input_ids, positions, meta, last_rows, sampled, prompt_rows = self._prepare(sched)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, lora)
+        prompt_hidden = [PromptRows(req, hidden[rows], first) for req, rows, first in prompt_rows]
         if not sampled:
-            return hidden.new_empty(0, 0), []
-        return self.model.compute_logits(hidden[last_rows]), sampled
+            return hidden.new_empty(0, 0), [], prompt_hidden
+        return self.model.compute_logits(hidden[last_rows]), sampled, prompt_hidden
 
     @staticmethod
     def _lora_batch(sched: SchedulerOutput, adapter_slots: dict[str, int]) -> LoRABatch | None:
@@ -63,6 +77,7 @@ class ModelRunner:
         starts = [0]
         last_rows: list[int] = []
         sampled: list[Request] = []
+        prompt_rows: list[tuple[Request, slice, int]] = []
         for req, num_new in sched.scheduled:
             begin = req.num_computed_tokens
             end = begin + num_new
@@ -73,6 +88,9 @@ class ModelRunner:
             tables.append(table)
             seq_lens.append(end)
             starts.append(starts[-1] + num_new)
+            predicting = min(end, len(req.prompt_token_ids) - 1)  # positions that predict a prompt token
+            if req.prompt_logprobs is not None and begin < predicting:
+                prompt_rows.append((req, slice(starts[-2], starts[-2] + predicting - begin), begin + 1))
             if end == req.num_tokens:  # this chunk completes the known tokens: sample next
                 last_rows.append(starts[-1] - 1)
                 sampled.append(req)
@@ -86,4 +104,4 @@ class ModelRunner:
             block_size=bs,
         )
         return (torch.tensor(token_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-                meta, torch.tensor(last_rows, dtype=torch.long), sampled)
+                meta, torch.tensor(last_rows, dtype=torch.long), sampled, prompt_rows)

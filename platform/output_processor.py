@@ -32,6 +32,7 @@ class _Group:
     request: Request  # the first sequence: prompt, params, n
     seqs: dict[int, _Seq] = field(default_factory=dict)
     num_cached_tokens: int = 0
+    sent_prompt_logprobs: bool = False
 
     @property
     def finished(self) -> bool:
@@ -144,8 +145,17 @@ class OutputProcessor:
             del self.groups[request_id]
         req = group.request
         unenforced = req.compiled_grammar.unenforced if req.compiled_grammar is not None else ()
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None and not group.sent_prompt_logprobs:  # complete by the first output
+            prompt_logprobs, group.sent_prompt_logprobs = self._decoded(req.prompt_logprobs), True
         return RequestOutput(request_id, req.prompt, req.prompt_token_ids, sorted(outs, key=lambda o: o.index),
-                             finished, group.num_cached_tokens, unenforced)
+                             finished, group.num_cached_tokens, unenforced, prompt_logprobs)
+
+    def _decoded(self, entries: list[dict[int, Logprob] | None]) -> list[dict[int, Logprob] | None]:
+        for position in entries:
+            for tid, lp in (position or {}).items():
+                lp.decoded_token = self.tokenizer.decode([tid])
+        return entries
 
 
 def accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
@@ -153,6 +163,8 @@ def accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutp
     if total is None:
         total = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, [], False,
                               unenforced=delta.unenforced)
+    if delta.prompt_logprobs is not None:
+        total.prompt_logprobs = delta.prompt_logprobs
     by_index = {o.index: o for o in total.outputs}
     for o in delta.outputs:
         have = by_index.get(o.index)

@@ -34,6 +34,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives besides the sampled token
+    prompt_logprobs: int | None = None  # vLLM's: logprobs of the prompt's tokens, with this many alternatives
     skip_special_tokens: bool = True
     structured: StructuredOutputs | None = None  # JSON Schema / json_object / regex / choice / EBNF
     logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> bias in [-100, 100], added to its logit
@@ -86,6 +87,8 @@ class SamplingParams:
              "a StructuredOutputs")
         need(self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
                                        and 0 <= self.logprobs <= 20), "logprobs", "None or in [0, 20]")
+        need(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and not isinstance(
+            self.prompt_logprobs, bool) and 0 <= self.prompt_logprobs <= 20), "prompt_logprobs", "None or in [0, 20]")
         need(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output", "a boolean")
         bias = self.logit_bias or {}
         need(isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS and all(
@@ -138,6 +141,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     unenforced: tuple[str, ...] = ()  # schema keywords a non-strict request's grammar dropped
+    # prompt_logprobs: per prompt token (None for the first, which nothing predicts); in the
+    # request's first output only
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class Request:
@@ -159,6 +165,9 @@ class Request:
         self.grammar = None  # this sequence's matcher
         self.output_token_ids: list[int] = []
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        # filled as the prompt is computed; entry i is prompt token i's (the first has none)
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = \
+            [None] if params.prompt_logprobs is not None and index == 0 else None
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hit on first admission

@@ -142,6 +142,20 @@ def filter_and_softmax(logits: torch.Tensor, requests: list[Request]) -> torch.T
     return probs
 
 
+PROMPT_LOGPROB_ROWS = 128  # prompt positions turned into logits at once (each row is vocab-sized)
+
+
+def prompt_logprobs(compute_logits, hidden: torch.Tensor, targets: list[int], num_top: int
+                    ) -> list[dict[int, Logprob]]:
+    """Each row's logprob of its target token (and the `num_top` best), from the raw logits:
+    what the model thought of the prompt, before any sampling transform."""
+    out = []
+    for start in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+        rows = torch.log_softmax(compute_logits(hidden[start:start + PROMPT_LOGPROB_ROWS]).float(), dim=-1)
+        out += [_logprobs_of(row, target, num_top) for row, target in zip(rows, targets[start:])]
+    return out
+
+
 def _logprobs_of(row: torch.Tensor, token_id: int, num_top: int) -> dict[int, Logprob]:
     chosen = float(row[token_id])
     out = {token_id: Logprob(chosen, int((row > row[token_id]).sum()) + 1)}

@@ -121,7 +121,7 @@ class Scheduler:
                 i += 1  # no slot for it now: base requests and resident adapters behind it go on
                 continue
             hits, num_hit = ([], 0)
-            if req.num_computed_tokens == 0:
+            if req.num_computed_tokens == 0 and req.prompt_logprobs is None:  # those need every position
                 hits, num_hit = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, budget)
             if self.kv.allocate_slots(req, num_new, hits) is None:

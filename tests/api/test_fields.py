@@ -10,7 +10,7 @@ import pytest
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
-from live_server import assert_error, http, live  # noqa: F401
+from live_server import assert_error, client, http, live  # noqa: F401
 from loraplex.api.protocol import IGNORED, REFUSED, ChatCompletionRequest, CompletionRequest
 
 MSG = [{"role": "user", "content": "Hello"}]
@@ -112,3 +112,32 @@ def test_logit_bias_steers_and_is_validated(live):
     for bias, fragment in [({"x": 1}, "logit_bias keys must be token ids"), ({"7": 101}, "logit_bias must be"),
                            ({"99999": 1}, "logit_bias token ids must be in")]:
         assert_error(http(live, path, {**body, "logit_bias": bias}), 400, fragment)
+
+
+def test_echo_with_logprobs_and_prompt_logprobs(live, client):
+    _, _, path, body = ENDPOINTS["completions"]
+    args = dict(model="tiny", prompt="Hello world, hello adapters", max_tokens=3, temperature=0,
+                extra_body={"ignore_eos": True})
+    reply = client.completions.create(echo=True, logprobs=2, **args)
+    choice = reply.choices[0]
+    lps = choice.logprobs
+    prompt_len = reply.usage.prompt_tokens
+    assert len(lps.tokens) == prompt_len + 3 and "".join(lps.tokens) == choice.text
+    assert choice.text.startswith("Hello world, hello adapters")
+    assert lps.token_logprobs[0] is None and lps.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in lps.token_logprobs[1:])
+    assert lps.text_offset == sorted(lps.text_offset) and lps.text_offset[prompt_len] == len("Hello world, hello adapters")
+    # vLLM's prompt_logprobs: per prompt token, id -> logprob, rank, decoded token; the same numbers
+    vllm = client.completions.create(**{**args, "extra_body": {"ignore_eos": True, "prompt_logprobs": 1}})
+    entries = vllm.choices[0].model_extra["prompt_logprobs"]
+    assert len(entries) == prompt_len and entries[0] is None
+    ids = http(live, "/tokenize", {"model": "tiny", "prompt": "Hello world, hello adapters"})[1]["tokens"]
+    assert [entries[i][str(ids[i])]["logprob"] for i in range(1, prompt_len)] == lps.token_logprobs[1:prompt_len]
+    assert all(1 <= min(e["rank"] for e in entry.values()) for entry in entries[1:])
+    streamed = list(client.completions.create(stream=True, echo=True, logprobs=2, **args))
+    tokens = [t for chunk in streamed for t in (chunk.choices[0].logprobs.tokens if chunk.choices[0].logprobs else [])]
+    assert tokens == lps.tokens
+    chat = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0})
+    assert len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens
+    assert_error(http(live, path, {**body, "prompt_logprobs": 21}), 400, "prompt_logprobs")

@@ -141,7 +141,7 @@ def test_bad_input_is_a_4xx_with_an_openai_error(tiny_model_dir):
         ("/v1/completions", {"model": "tiny", "prompt": [[]]}, "empty"),
         ("/v1/completions", {"model": "tiny", "prompt": [-1]}, "prompt_token_ids"),
         ("/v1/completions", {"model": "tiny", "prompt": "x", "suffix": "y"}, "suffix"),
-        ("/v1/completions", {"model": "tiny", "prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+        ("/v1/completions", {"model": "tiny", "prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
         ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/etc"}, "adapter loading is off"),
         ("/v1/unload_lora_adapter", {"lora_name": "ghost"}, "cannot be found"),
         ("/detokenize", {"tokens": ["a"]}, "tokens"),

@@ -211,7 +211,7 @@ def test_float16_kv_cache_holds_twice_the_blocks_and_stays_close(tiny_model_dir)
         req = engine.inputs.process("r", {"prompt_token_ids": ids}, SamplingParams(max_tokens=1))
         for chunk in (30, 9, 1):  # a prefill chunk, a short chunk (C kernel), a decode-sized one
             assert engine.kv.allocate_slots(req, chunk) is not None
-            out, _ = engine.runner.execute(SchedulerOutput([(req, chunk)]))
+            out, _, _ = engine.runner.execute(SchedulerOutput([(req, chunk)]))
             req.num_computed_tokens += chunk
         logits[kv] = out
     torch.testing.assert_close(logits["float16"], logits["auto"], atol=2e-2, rtol=2e-2)
@@ -251,4 +251,30 @@ def test_a_reader_that_stops_reading_is_aborted_not_buffered_forever(tiny_model_
         assert sum(len(o.outputs[0].token_ids) for o in unread) < 299
     finally:
         front.shutdown()
+    assert_all_blocks_free(llm.engine)
+
+
+@pytest.mark.parametrize("args", [dict(num_kv_blocks=128, max_num_batched_tokens=16),  # chunked, cache warm
+                                  dict(num_kv_blocks=9, max_num_batched_tokens=32)])  # preempted, recomputed
+def test_prompt_logprobs_match_a_whole_forward_pass(tiny_model_dir, args):
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(tiny_model_dir), dtype="float32", **args)
+    llm.generate(PROMPTS, GREEDY)  # the prompts are in the prefix cache: these must still compute every position
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=3, n=2)
+    outs = llm.generate(PROMPTS, params)
+    assert args["num_kv_blocks"] == 128 or llm.engine.scheduler.num_preemptions > 0
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    for prompt, out in zip(PROMPTS, outs):
+        ids = prompt["prompt_token_ids"]
+        with torch.no_grad():
+            expected = torch.log_softmax(ref(torch.tensor([ids])).logits[0].float(), -1)
+        got = out.prompt_logprobs
+        assert len(got) == len(ids) and got[0] is None
+        for i in range(1, len(ids)):
+            assert got[i][ids[i]].logprob == pytest.approx(float(expected[i - 1, ids[i]]), abs=1e-4)
+            assert got[i][ids[i]].decoded_token is not None
+            top = sorted((lp.rank, t) for t, lp in got[i].items() if lp.rank <= 3)
+            assert [t for _, t in top] == expected[i - 1].topk(3).indices.tolist()
+    assert all(o.prompt_logprobs is None for o in llm.generate(PROMPTS[:1], GREEDY))
     assert_all_blocks_free(llm.engine)
