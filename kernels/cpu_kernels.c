@@ -1,13 +1,17 @@
-/* CPU kernels (float32; the multi-LoRA one in bfloat16 too) for what the PyTorch path can only do through copies.
+/* CPU kernels (float32 math; bfloat16 / float16 data converted as read) for what the PyTorch path can only do
+ * through copies.
  * Built by cpu_kernels.py with -fopenmp; OpenMP resolves to the runtime torch already loaded,
  * so these share torch's thread pool. Each returns 0, or -1 when a buffer could not be allocated.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#ifdef __F16C__
+#include <string.h>
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
 
 /* 1 when built with F16C: a float16 KV cache can be read (converted 8 values per instruction). */
 int kv_f16_supported(void)
@@ -29,13 +33,27 @@ static inline void prefetch_row(const void *cache, const int64_t *table, int64_t
     for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + b);
 }
 
-/* One K or V row of n values: float32 rows are used in place, float16 rows converted into buf. */
-static inline const float *kv_row(const void *cache, int64_t offset, int64_t n, int f16, float *buf)
+/* One K or V row of n values: float32 rows are used in place; float16 and bfloat16 rows are
+ * converted into buf (bfloat16 is the top half of a float32: a shift, exact). */
+static inline const float *kv_row(const void *cache, int64_t offset, int64_t n, int kind, float *buf)
 {
-    if (!f16) return (const float *)cache + offset;
-#ifdef __F16C__
+    if (kind == KV_F32) return (const float *)cache + offset;
     const uint16_t *src = (const uint16_t *)cache + offset;
     int64_t i = 0;
+    if (kind == KV_BF16) {
+#ifdef __AVX2__
+        for (; i + 8 <= n; i += 8) {
+            __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i)));
+            _mm256_storeu_ps(buf + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+        }
+#endif
+        for (; i < n; ++i) {
+            const uint32_t bits = (uint32_t)src[i] << 16;
+            memcpy(buf + i, &bits, sizeof bits);
+        }
+        return buf;
+    }
+#ifdef __F16C__
     for (; i + 8 <= n; i += 8)
         _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
     for (; i < n; ++i) buf[i] = _cvtsh_ss(src[i]);
@@ -55,7 +73,7 @@ static inline const float *kv_row(const void *cache, int64_t offset, int64_t n, 
 
 int paged_attention_f32(
     const float *query,         /* [T, Hq, D] */
-    const void *k_cache,        /* [num_blocks, block_size, Hkv, D], float32 or float16 (kv_f16) */
+    const void *k_cache,        /* [num_blocks, block_size, Hkv, D], float32, float16 or bfloat16 (kv_kind) */
     const void *v_cache,        /* same */
     const int64_t *block_tables, /* [B, table_width] */
     int64_t table_width,
@@ -63,7 +81,7 @@ int paged_attention_f32(
     const int64_t *query_start, /* [B + 1] */
     const int64_t *token_request, /* [T] request index of each query token */
     int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, float scale, int kv_f16,
+    int64_t block_size, float scale, int kv_kind,
     float *out)                 /* [T, Hq, D] */
 {
     const int64_t group = num_heads / num_kv_heads;
@@ -85,11 +103,11 @@ int paged_attention_f32(
         }
         float best[num_heads], total[num_heads], row_buf[row];
         for (int64_t j = 0; j < num_heads; ++j) best[j] = -INFINITY;
-        const int64_t row_bytes = row * (kv_f16 ? 2 : 4), ahead = 4;
+        const int64_t row_bytes = row * (kv_kind == KV_F32 ? 4 : 2), ahead = 4;
         for (int64_t pos = 0; pos < ctx; ++pos) {
             prefetch_row(k_cache, table, pos + ahead, ctx, block_size, row_bytes);
             const float *k = kv_row(k_cache, (table[pos / block_size] * block_size + pos % block_size) * row, row,
-                                    kv_f16, row_buf);
+                                    kv_kind, row_buf);
             for (int64_t j = 0; j < num_heads; ++j) {
                 const float *qj = q + j * head_dim, *kj = k + (j / group) * head_dim;
                 float dot = 0.f;
@@ -112,7 +130,7 @@ int paged_attention_f32(
         for (int64_t pos = 0; pos < ctx; ++pos) {
             prefetch_row(v_cache, table, pos + ahead, ctx, block_size, row_bytes);
             const float *v = kv_row(v_cache, (table[pos / block_size] * block_size + pos % block_size) * row, row,
-                                    kv_f16, row_buf);
+                                    kv_kind, row_buf);
             for (int64_t j = 0; j < num_heads; ++j) {
                 const float p = scores[j * ctx + pos], *vj = v + (j / group) * head_dim;
                 float *oj = o + j * head_dim;

@@ -103,10 +103,14 @@ def usable(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.floa
         t.device.type == "cpu" and t.dtype in dtypes and t.is_contiguous() for t in tensors)
 
 
+KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the attention kernel's kv_kind
+
+
 def usable_kv(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """K/V caches the attention kernel reads: float32, or float16 where the CPU converts (F16C)."""
-    return usable(k_cache, v_cache, dtypes=(torch.float32, torch.float16) if _f16c() else (torch.float32,)) \
-        and k_cache.dtype == v_cache.dtype
+    """K/V caches the attention kernel reads: float32, bfloat16, or float16 where the CPU
+    converts it (F16C)."""
+    kinds = (torch.float32, torch.bfloat16, torch.float16) if _f16c() else (torch.float32, torch.bfloat16)
+    return usable(k_cache, v_cache, dtypes=kinds) and k_cache.dtype == v_cache.dtype
 
 
 def _f16c() -> bool:
@@ -116,11 +120,12 @@ def _f16c() -> bool:
 def paged_attention_c(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                       token_request: torch.Tensor, scale: float) -> torch.Tensor:
-    """query [T, Hq, D] float32 -> [T, Hq, D]; caches [num_blocks, block_size, Hkv, D], float32 or
-    float16; index tensors int64 on the CPU; token_request [T] is each query token's request row."""
+    """query [T, Hq, D] -> [T, Hq, D] in its dtype (the math in float32); caches [num_blocks,
+    block_size, Hkv, D], float32, bfloat16 or float16; index tensors int64 on the CPU;
+    token_request [T] is each query token's request row."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
-    query = query.contiguous()
+    dtype, query = query.dtype, query.float().contiguous()
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("C paged attention needs contiguous K/V caches")
     tables, seq_lens, query_start_loc, token_request = (
@@ -130,10 +135,10 @@ def paged_attention_c(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
         seq_lens.data_ptr(), query_start_loc.data_ptr(), token_request.data_ptr(),
         num_tokens, num_heads, num_kv_heads, head_dim, k_cache.shape[1], scale,
-        int(k_cache.dtype == torch.float16), out.data_ptr())
+        KV_KINDS[k_cache.dtype], out.data_ptr())
     if status != 0:
         raise MemoryError("C paged attention could not allocate its score buffer")
-    return out
+    return out.to(dtype)
 
 
 def sgmv_lora_table_c(x: torch.Tensor, table, tokens: torch.Tensor, token_slots: torch.Tensor,

@@ -139,7 +139,8 @@ def paged_attention(query, k_cache, v_cache, meta: PagedAttentionMetadata, scale
 
         return paged_attention_triton(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                       meta.query_start_loc, meta.max_query_len, scale)
-    if use_cpu_kernel(query) and query.dtype == torch.float32 and cpu_kernels.usable_kv(k_cache, v_cache):
+    if use_cpu_kernel(query) and query.dtype in (torch.float32, torch.bfloat16) and \
+            cpu_kernels.usable_kv(k_cache, v_cache):
         return _paged_attention_cpu(query, k_cache, v_cache, meta, scale)
     return paged_attention_reference(query, k_cache, v_cache, meta, scale)
 

@@ -88,8 +88,9 @@ def _setting(default, help: str, **cli):
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
-    dtype: str = _setting("auto", "weights and activations; auto: bfloat16 where the CPU multiplies it "
-                                  "natively (AVX512-BF16 / AMX), else float32", choices=["auto", *DTYPES])
+    dtype: str = _setting("auto", "weights and activations; auto: on a CPU with native bf16 matmuls "
+                                  "(AVX512-BF16 / AMX) whichever of bfloat16 and float32 a one-time probe "
+                                  "measures faster, else float32", choices=["auto", *DTYPES])
     max_model_len: int | None = _setting(None, "longest prompt + output (default: the model's)")
     max_num_seqs: int = _setting(64, "sequences in one batch")
     max_num_batched_tokens: int = _setting(2048, "tokens in one step (the chunked-prefill budget)")
@@ -140,7 +141,8 @@ class EngineConfig:
             return DTYPES[self.dtype]
         from loraplex.platform.models.linear import native_bf16
 
-        # bf16 matmuls without AVX512-BF16/AMX run 4-7x slower than fp32 (BENCHMARKS.md)
+        # the engine resolves auto by a probe (platform/dtype_probe.py) before anything reads
+        # this; before that, the flags' guess: bf16 without AVX512-BF16/AMX runs 4-7x slower
         return torch.bfloat16 if native_bf16() else torch.float32
 
     @property

@@ -7,6 +7,7 @@ by design; `async_engine.py` puts it on a background thread.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from pathlib import Path
 from loraplex.adapters.registry import AdapterRegistry
 from loraplex.grammar.manager import GrammarManager
 from loraplex.platform.config import EngineConfig, ModelConfig
+from loraplex.platform.dtype_probe import resolve_dtype
 from loraplex.platform.input_processor import InputProcessor, Limits
 from loraplex.platform.kv_cache_manager import KVCacheManager
 from loraplex.platform.model_runner import ModelRunner, kv_bytes_per_block
@@ -48,8 +50,12 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         from transformers import AutoTokenizer
 
-        self.config = config
         self.model_config = ModelConfig.from_folder(config.model)
+        if config.dtype == "auto":  # decided once, by measurement where it can go either way
+            chosen, why = resolve_dtype(self.model_config)
+            print(f"[loraplex] dtype auto -> {chosen} ({why})", file=sys.stderr)
+            config = dataclasses.replace(config, dtype=chosen)
+        self.config = config
         self.max_model_len = config.resolve_max_model_len(self.model_config)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         dtype = config.torch_dtype

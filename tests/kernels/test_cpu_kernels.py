@@ -50,6 +50,23 @@ def test_kernel_alone_on_every_request():
 
 
 @needs_kernel
+@pytest.mark.parametrize("seed,qlens,clens,heads,kv_heads,dim,bs", CASES[:4])
+def test_bf16_kv_is_read_in_place_with_fp32_math(seed, qlens, clens, heads, kv_heads, dim, bs, monkeypatch):
+    """A bfloat16 model's attention: bf16 query and K/V through the C kernel (no gathered copy),
+    the math in float32. Against the reference in float32 on the same bf16 values, the only error
+    is the output's rounding to bf16; against the bf16 reference, SDPA's bf16 rounding too."""
+    query, kc, vc, meta, _, _ = make_case(seed, qlens, clens, heads, kv_heads, dim, bs, torch.bfloat16)
+    calls = []
+    kernel = cpu_kernels.paged_attention_c
+    monkeypatch.setattr(cpu_kernels, "paged_attention_c", lambda *a: calls.append(1) or kernel(*a))
+    out = paged_attention(query, kc, vc, meta, dim ** -0.5)
+    assert out.dtype == torch.bfloat16 and calls == [1]
+    exact = reference(query.float(), kc.float(), vc.float(), meta, dim ** -0.5)
+    torch.testing.assert_close(out.float(), exact, atol=1e-2, rtol=8e-3)
+    torch.testing.assert_close(out, reference(query, kc, vc, meta, dim ** -0.5), atol=3e-2, rtol=3e-2)
+
+
+@needs_kernel
 def test_split_metadata_is_derived_once_per_step():
     _, _, _, meta, _, _ = make_case(4, [1, 100, 1], [50, 0, 300], 9, 3, 64, 16, torch.float32)
     short, long = meta.cpu_parts()

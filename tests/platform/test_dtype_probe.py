@@ -1,0 +1,51 @@
+"""`dtype="auto"`: float32 without native bf16 (no probe), else whichever dtype the probe
+measures faster; the probe is real, cached per machine and model shape, and the engine logs
+the choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex.platform import dtype_probe
+from loraplex.platform.config import EngineConfig, ModelConfig
+
+
+@pytest.fixture
+def model(tiny_model_dir) -> ModelConfig:
+    return ModelConfig.from_folder(tiny_model_dir)
+
+
+def test_without_native_bf16_float32_is_taken_without_a_probe(model, monkeypatch):
+    monkeypatch.setattr(dtype_probe, "native_bf16", lambda: False)
+    chosen, why = dtype_probe.resolve_dtype(model, probe=lambda m: pytest.fail("probed"))
+    assert chosen == "float32" and "no native bf16" in why
+
+
+@pytest.mark.parametrize("times,expected", [({"float32": 2e-3, "bfloat16": 1e-3}, "bfloat16"),
+                                            ({"float32": 1e-3, "bfloat16": 3e-3}, "float32")])
+def test_with_native_bf16_the_faster_measured_dtype_wins(model, monkeypatch, times, expected):
+    monkeypatch.setattr(dtype_probe, "native_bf16", lambda: True)
+    chosen, why = dtype_probe.resolve_dtype(model, probe=lambda m: times)
+    assert chosen == expected and "float32 " in why and "bfloat16 " in why
+
+
+def test_the_probe_measures_both_and_is_cached(model, monkeypatch, tmp_path):
+    monkeypatch.setenv("LORAPLEX_CACHE", str(tmp_path))
+    first = dtype_probe.cached_probe(model)
+    assert set(first) == {"float32", "bfloat16"} and all(t > 0 for t in first.values())
+    monkeypatch.setattr(dtype_probe, "probe_matmuls", lambda m: pytest.fail("measured again"))
+    assert dtype_probe.cached_probe(model) == first
+    assert (tmp_path / "dtype-probe.json").is_file()
+
+
+def test_the_engine_resolves_auto_once_and_logs_why(tiny_model_dir, monkeypatch, capsys):
+    from loraplex.platform.engine import Engine
+
+    monkeypatch.setattr(dtype_probe, "native_bf16", lambda: True)
+    monkeypatch.setattr(dtype_probe, "cached_probe", lambda m: {"float32": 2.0, "bfloat16": 1.0})
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=16))
+    assert engine.config.dtype == "bfloat16" and engine.runner.kv_cache.dtype == torch.bfloat16
+    assert "dtype auto -> bfloat16 (probe of the decode step's matmuls" in capsys.readouterr().err
+    explicit = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=16))
+    assert explicit.config.dtype == "float32"
