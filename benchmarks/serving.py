@@ -66,11 +66,12 @@ def main() -> None:
     proc = start_server(port, 64, args.max_loras)
     rows = []
     try:
-        for rate, num_adapters, structured in LOADS:
+        for load, (rate, num_adapters, structured) in enumerate(LOADS):
             bench = build_parser().parse_args([
                 "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", str(args.num_prompts),
                 "--request-rate", rate, "--input-len", str(args.input_len), "--output-len", str(args.output_len),
                 "--structured-fraction", str(structured), "--no-progress",
+                "--seed", str(load),  # prompts of their own: no load finds another's in the prefix cache
                 "--adapters", ",".join(f"ad{i}" for i in range(num_adapters))])
             s = summarize(*asyncio.run(run(bench)))
             rows.append((rate, num_adapters, structured, s))

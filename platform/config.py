@@ -88,9 +88,10 @@ def _setting(default, help: str, **cli):
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
-    dtype: str = _setting("auto", "weights and activations; auto: on a CPU with native bf16 matmuls "
-                                  "(AVX512-BF16 / AMX) whichever of bfloat16 and float32 a one-time probe "
-                                  "measures faster, else float32", choices=["auto", *DTYPES])
+    dtype: str = _setting("auto", "weights and activations; auto: whichever of bfloat16 and float32 a "
+                                  "one-time probe of the model's step measures faster on this CPU (bfloat16 "
+                                  "wins only with native bf16 matmuls: AVX512-BF16 / AMX)",
+                          choices=["auto", *DTYPES])
     max_model_len: int | None = _setting(None, "longest prompt + output (default: the model's)")
     max_num_seqs: int = _setting(64, "sequences in one batch")
     max_num_batched_tokens: int = _setting(2048, "tokens in one step (the chunked-prefill budget)")

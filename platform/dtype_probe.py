@@ -1,8 +1,8 @@
-"""`dtype="auto"` decided by measurement: on a CPU with native bf16 matmuls, a short probe of the
-model's decode-step matmuls in float32 and in bfloat16 (weights packed as the engine packs
-them), once per machine and model shape, cached beside the C kernels; the faster wins. Without
-native bf16 there is nothing to measure: emulated bf16 matmuls run several times slower than
-float32 (BENCHMARKS.md), so float32 is taken without a probe.
+"""`dtype="auto"` decided by measurement, not by CPU flags: a short probe of the model's
+decode-step matmuls in float32 and in bfloat16 (weights packed as the engine packs them: oneDNN's
+bf16 path where the CPU has native bf16), once per machine, torch build and model shape, cached
+beside the C kernels; the faster wins. Where bf16 is emulated it loses by several times
+(BENCHMARKS.md), so the probe is a formality there, but one that costs a few seconds once.
 
 The probe times the linear layers (one decoder layer's, times the number of layers, plus the
 LM head) on a decode batch: at decode sizes they are most of a step, and they are what the
@@ -31,12 +31,11 @@ PROBE_BATCH, PROBE_REPEATS = 16, 5
 def resolve_dtype(model: ModelConfig, probe: Callable[[ModelConfig], dict[str, float]] | None = None
                   ) -> tuple[str, str]:
     """The dtype `auto` means for this model on this CPU, and why (for the start-up log)."""
-    if not native_bf16():
-        return "float32", "no native bf16 matmul on this CPU (AVX512-BF16 / AMX): bf16 would be emulated"
     times = (probe or cached_probe)(model)
     choice = min(times, key=times.get)
     measured = ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in sorted(times.items()))
-    return choice, f"probe of the decode step's matmuls at batch {PROBE_BATCH}: {measured}"
+    native = "native" if native_bf16() else "emulated (no AVX512-BF16 / AMX)"
+    return choice, f"probe of the decode step's matmuls at batch {PROBE_BATCH}: {measured}; bf16 {native}"
 
 
 def cached_probe(model: ModelConfig) -> dict[str, float]:

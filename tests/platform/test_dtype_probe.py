@@ -16,18 +16,14 @@ def model(tiny_model_dir) -> ModelConfig:
     return ModelConfig.from_folder(tiny_model_dir)
 
 
-def test_without_native_bf16_float32_is_taken_without_a_probe(model, monkeypatch):
-    monkeypatch.setattr(dtype_probe, "native_bf16", lambda: False)
-    chosen, why = dtype_probe.resolve_dtype(model, probe=lambda m: pytest.fail("probed"))
-    assert chosen == "float32" and "no native bf16" in why
-
-
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("times,expected", [({"float32": 2e-3, "bfloat16": 1e-3}, "bfloat16"),
                                             ({"float32": 1e-3, "bfloat16": 3e-3}, "float32")])
-def test_with_native_bf16_the_faster_measured_dtype_wins(model, monkeypatch, times, expected):
-    monkeypatch.setattr(dtype_probe, "native_bf16", lambda: True)
+def test_the_faster_measured_dtype_wins_whatever_the_flags(model, monkeypatch, times, expected, native):
+    monkeypatch.setattr(dtype_probe, "native_bf16", lambda: native)
     chosen, why = dtype_probe.resolve_dtype(model, probe=lambda m: times)
     assert chosen == expected and "float32 " in why and "bfloat16 " in why
+    assert ("bf16 native" in why) == native
 
 
 def test_the_probe_measures_both_and_is_cached(model, monkeypatch, tmp_path):
@@ -42,7 +38,6 @@ def test_the_probe_measures_both_and_is_cached(model, monkeypatch, tmp_path):
 def test_the_engine_resolves_auto_once_and_logs_why(tiny_model_dir, monkeypatch, capsys):
     from loraplex.platform.engine import Engine
 
-    monkeypatch.setattr(dtype_probe, "native_bf16", lambda: True)
     monkeypatch.setattr(dtype_probe, "cached_probe", lambda m: {"float32": 2.0, "bfloat16": 1.0})
     engine = Engine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=16))
     assert engine.config.dtype == "bfloat16" and engine.runner.kv_cache.dtype == torch.bfloat16
