@@ -402,6 +402,11 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None  # rendered as a chat completion would render them
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_tools(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
 class DetokenizeRequest(_Body):

@@ -392,7 +392,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages")
         if body.messages is not None:
-            ids = await server.call(inputs.chat_token_ids, chat_dicts(body.messages), body.add_generation_prompt,
+            ids = await server.call(inputs.chat_token_ids, _checked(chat_dicts, body.messages),
+                                    body.add_generation_prompt, body.chat_template_kwargs, body.template_tools(),
                                     param="messages")
         else:
             ids = await server.call(inputs.token_ids, body.prompt, body.add_special_tokens, param="prompt")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import fields
 
 from loraplex.platform.config import EngineConfig
@@ -36,6 +37,19 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None,
+             adapter: str | list[str | None] | None = None, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of OpenAI-style message dicts) or a list of
+        them, through the chat template; `tools` (OpenAI's shape) are rendered into the prompt
+        (grammar/tools.py). To constrain the output to calls, give `params` a
+        `StructuredOutputs(tools=ToolCalls(...))`; `parse_tool_calls` reads them back."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.engine.inputs.chat_token_ids(
+            [_template_message(m) for m in conversation], add_generation_prompt, chat_template_kwargs, tools)}
+            for conversation in conversations]
+        return self.generate(prompts, params, adapter)
+
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  adapter: str | list[str | None] | None = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. `adapter`: one name for all prompts or one per
@@ -59,3 +73,14 @@ class LLM:
             for out in self.engine.step():  # deltas: added up per request
                 totals[out.request_id] = accumulate(totals.get(out.request_id), out)
         return [totals[r.request_id] for r in requests]
+
+
+def _template_message(message: dict) -> dict:
+    """OpenAI sends a call's arguments as a JSON string; chat templates take an object."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    return {**message, "tool_calls": [
+        {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])
+                           if isinstance(c["function"]["arguments"], str) else c["function"]["arguments"]}}
+        for c in calls]}

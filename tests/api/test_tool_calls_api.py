@@ -113,6 +113,8 @@ def test_a_tool_round_trip_reaches_the_prompt(client, live):
     rendered = http(live, "/tokenize", {"model": "tiny", "messages": turn})[1]["tokens"]
     text = http(live, "/detokenize", {"model": "tiny", "tokens": rendered})[1]["prompt"]
     assert 'count{"n": 3}' in text and "three" in text
+    with_tools = http(live, "/tokenize", {"model": "tiny", "messages": turn, "tools": TOOLS})[1]["tokens"]
+    assert http(live, "/detokenize", {"model": "tiny", "tokens": with_tools})[1]["prompt"].startswith("set_unit count")
     assert after.choices[0].message.content is not None or after.choices[0].message.tool_calls
 
 

@@ -278,3 +278,31 @@ def test_prompt_logprobs_match_a_whole_forward_pass(tiny_model_dir, args):
             assert [t for _, t in top] == expected[i - 1].topk(3).indices.tolist()
     assert all(o.prompt_logprobs is None for o in llm.generate(PROMPTS[:1], GREEDY))
     assert_all_blocks_free(llm.engine)
+
+
+def test_chat_renders_tools_and_constrained_calls_come_back(tiny_llm, monkeypatch):
+    """vLLM's LLM.chat: tools into the template, OpenAI-style string arguments taken, and with a
+    tools spec in the params every output is a valid call."""
+    import json
+
+    from loraplex.grammar.backend import StructuredOutputs
+    from loraplex.grammar.tools import Function, ToolCalls, parse_tool_calls
+
+    tokenizer = tiny_llm.get_tokenizer()
+    monkeypatch.setattr(tokenizer, "chat_template", "{% for t in tools or [] %}{{ t.function.name }}{% endfor %}"
+                        "{% for m in messages %}{{ m.content or '' }}{% for c in m.tool_calls or [] %}"
+                        "{{ c.function.arguments.n }}{% endfor %}{% endfor %}")
+    tools = [{"type": "function", "function": {"name": "count", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["n"],
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}}}]
+    turn = [{"role": "user", "content": "hello"},
+            {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                  "function": {"name": "count", "arguments": '{"n": 7}'}}]}]
+    rendered = tiny_llm.engine.inputs.chat_token_ids([turn[0]], True, None, tools)
+    assert tokenizer.decode(rendered).startswith("count")
+    spec = StructuredOutputs(tools=ToolCalls((Function("count", tools[0]["function"]["parameters"]),), required=True))
+    outs = tiny_llm.chat([turn, turn[:1]], SamplingParams(max_tokens=80, seed=1, structured=spec), tools=tools)
+    assert tokenizer.decode(outs[0].prompt_token_ids).endswith("hello7")  # the string arguments, as an object
+    for out in outs:
+        content, calls = parse_tool_calls(out.outputs[0].text)
+        assert content is None and [c.name for c in calls] == ["count"] and 0 <= json.loads(calls[0].arguments)["n"] <= 9
