@@ -35,6 +35,16 @@ class AdapterInfo:
     rank: int
     content_hash: str
     confined: bool = False  # from an adapter root: every read follows no link (peft_format)
+    target_modules: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class AdapterStatus:
+    """Where an adapter is now: in a device slot (resident), its weights in memory, requests holding it."""
+
+    resident: bool
+    in_memory: bool
+    pins: int
 
 
 class AdapterRegistry:
@@ -70,7 +80,8 @@ class AdapterRegistry:
             if name in self._adapters and not replace:
                 raise AdapterError(f"adapter {name!r} is already loaded (from {self._adapters[name].path})")
         weights = self._read(name, path, confined)  # slow part, unlocked
-        info = AdapterInfo(name, weights.path, weights.rank, weights.content_hash, confined)
+        info = AdapterInfo(name, weights.path, weights.rank, weights.content_hash, confined,
+                           tuple(sorted(weights.target_modules)))
         with self._lock:
             if name in self._adapters:
                 if not replace:
@@ -119,6 +130,12 @@ class AdapterRegistry:
             if not self._pins[name]:
                 del self._pins[name]
                 self._trim()  # pinned adapters may have pushed the cache over its budget
+
+    def status(self) -> dict[str, AdapterStatus]:
+        """Each registered adapter's residency, for the console."""
+        with self._lock:
+            return {name: AdapterStatus(name in self._slot_of, name in self._cpu, self._pins[name])
+                    for name in self._adapters}
 
     def num_pins(self, name: str | None = None) -> int:
         with self._lock:

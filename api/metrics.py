@@ -4,7 +4,9 @@ latencies and token counts are recorded by the server as requests stream."""
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -67,16 +69,53 @@ class ServerMetrics:
                                        ["finished_reason"], registry=r)
         self.lora_requests = Counter(P + "lora_requests", "Requests per LoRA adapter ('' = base model).",
                                      ["lora_name"], registry=r)
+        self.lora_generation_tokens = Counter(P + "lora_generation_tokens", "Tokens generated per LoRA adapter "
+                                              "('' = base model).", ["lora_name"], registry=r)
+        self.stats = stats
+        # for the console's live view: recent latencies and running totals, read without parsing
+        # the Prometheus text
+        self.recent_ttft: deque[float] = deque(maxlen=RECENT)
+        self.recent_itl: deque[float] = deque(maxlen=RECENT)
+        self.totals = {"prompt_tokens": 0, "generation_tokens": 0, "requests": 0}
+        self.by_adapter: dict[str, dict[str, int]] = {}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def count_request(self, adapter: str | None) -> None:
+        self.lora_requests.labels(adapter or "").inc()
+        self.totals["requests"] += 1
+        self.adapter_totals(adapter)["requests"] += 1
+
+    def adapter_totals(self, adapter: str | None) -> dict[str, int]:
+        return self.by_adapter.setdefault(adapter or "", {"requests": 0, "generation_tokens": 0})
+
+    def snapshot(self) -> dict:
+        """The engine's state and recent latencies, as JSON for the console (`GET /v1/stats`)."""
+        s = self.stats()
+        return {"time": time.time(), "num_requests_running": s.num_running, "num_requests_waiting": s.num_waiting,
+                "kv_cache_usage_perc": s.kv_usage, "max_loras": s.max_loras,
+                "running_adapters": list(s.running_adapters), "waiting_adapters": list(s.waiting_adapters),
+                **self.totals, "ttft_ms": _percentiles(self.recent_ttft), "itl_ms": _percentiles(self.recent_itl)}
+
+
+RECENT = 512  # latencies kept for the console's percentiles
+
+
+def _percentiles(values) -> dict[str, float | None]:
+    ms = sorted(v * 1e3 for v in values)
+    if not ms:
+        return {"p50": None, "p90": None, "p99": None, "count": 0}
+    at = lambda q: ms[min(len(ms) - 1, int(q * len(ms)))]  # noqa: E731
+    return {"p50": statistics.median(ms), "p90": at(0.9), "p99": at(0.99), "count": len(ms)}
 
 
 class RequestTimer:
     """Latencies of one request, fed each time new tokens arrive."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, adapter: str | None = None) -> None:
         self.metrics = metrics
+        self.adapter = adapter
         self.arrival = self.last = time.perf_counter()
         self.num_tokens = 0
 
@@ -87,14 +126,22 @@ class RequestTimer:
         now = time.perf_counter()
         if self.num_tokens == 0:
             self.metrics.ttft.observe(now - self.arrival)
+            self.metrics.recent_ttft.append(now - self.arrival)
         else:  # several tokens at once (jump-forward, n > 1) share the gap
             for _ in range(new):
                 self.metrics.itl.observe((now - self.last) / new)
+            self.metrics.recent_itl.append((now - self.last) / new)
         self.last, self.num_tokens = now, total
 
-    def finish(self, prompt_tokens: int, finish_reasons: list[str | None]) -> None:
+    def finish(self, prompt_tokens: int, finish_reasons: list[str | None], generated: int | None = None) -> None:
+        """`generated`: tokens of all choices (default: the longest choice's)."""
+        generated = self.num_tokens if generated is None else generated
         self.metrics.e2e.observe(time.perf_counter() - self.arrival)
         self.metrics.prompt_tokens.inc(prompt_tokens)
-        self.metrics.generation_tokens.inc(self.num_tokens)
+        self.metrics.generation_tokens.inc(generated)
+        self.metrics.lora_generation_tokens.labels(self.adapter or "").inc(generated)
+        self.metrics.totals["prompt_tokens"] += prompt_tokens
+        self.metrics.totals["generation_tokens"] += generated
+        self.metrics.adapter_totals(self.adapter)["generation_tokens"] += generated
         for reason in finish_reasons:
             self.metrics.request_success.labels(reason or "abort").inc()

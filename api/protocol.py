@@ -409,6 +409,14 @@ class TokenizeRequest(_Body):
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
+class ValidateSchemaRequest(_Body):
+    schema_: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool = True
+
+    def structured(self) -> StructuredOutputs:
+        return StructuredOutputs(json=self.schema_, strict=self.strict)
+
+
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]

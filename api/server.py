@@ -28,7 +28,7 @@ import loraplex
 from loraplex.adapters.registry import AdapterInUseError, UnknownAdapterError
 from loraplex.api import openai_format as fmt
 from loraplex.api.metrics import RequestTimer, ServerMetrics
-from loraplex.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from loraplex.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ValidateSchemaRequest,
                                    LoadAdapterRequest, TokenizeRequest, UnloadAdapterRequest, chat_dicts)
 from loraplex.platform.async_engine import (AsyncEngine, ClientTooSlowError, EngineDeadError, QueueFullError,
                                             StepFailedError)
@@ -225,11 +225,11 @@ class _Server:
         engine's one queue for this call, read directly. Leaving early (error, disconnect,
         timeout) aborts whatever is still running."""
         base_id = f"{prefix}-{uuid.uuid4().hex}"
-        timers = [RequestTimer(self.metrics) for _ in prompts]
+        timers = [RequestTimer(self.metrics, adapter) for _ in prompts]
         generated: list[dict[int, int]] = [{} for _ in prompts]  # tokens so far per choice (deltas)
         reasons: list[dict[int, str | None]] = [{} for _ in prompts]
         for _ in prompts:
-            self.metrics.lora_requests.labels(adapter or "").inc()
+            self.metrics.count_request(adapter)
         outputs = self.engine.generate_many([{"prompt_token_ids": p} for p in prompts], params,
                                             [f"{base_id}-{i}" for i in range(len(prompts))], adapter)
         deadline = None if self.config.request_timeout_s is None else time.monotonic() + self.config.request_timeout_s
@@ -250,7 +250,7 @@ class _Server:
                     reasons[i][o.index] = o.finish_reason
                 timers[i].tokens(max(generated[i].values(), default=0))
                 if delta.finished:
-                    timers[i].finish(len(prompts[i]), list(reasons[i].values()))
+                    timers[i].finish(len(prompts[i]), list(reasons[i].values()), sum(generated[i].values()))
                 yield i, delta
 
     async def until_disconnect(self, request: Request, awaitable):
@@ -386,6 +386,27 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             if card["id"] == model_id:
                 return card
         raise APIError(404, f"The model `{model_id}` does not exist.", "model")
+
+    @app.get("/v1/adapters", dependencies=user)
+    async def adapters():
+        """loraplex's own: each registered adapter with its shape, where it is now, and what it
+        served (the console's adapters view)."""
+        status = engine.adapters.status()
+        return fmt.adapter_list(engine.adapters.list(), status, server.metrics.by_adapter)
+
+    @app.get("/v1/stats", dependencies=user)
+    async def stats():
+        """loraplex's own: queues, KV usage, token totals and recent latency percentiles, as
+        JSON (the console's live view; /metrics has the same for Prometheus)."""
+        return server.metrics.snapshot()
+
+    @app.post("/v1/validate_schema", dependencies=user)
+    async def validate_schema(body: ValidateSchemaRequest):
+        """Compile a JSON Schema as a response_format would be, without generating: what would
+        be refused is a 400 naming the keyword (the console checks schemas as they are typed)."""
+        spec = _checked(body.structured)
+        compiled = await server.call(inputs.grammars.compile, spec, param="schema")
+        return {"valid": True, "backend": compiled.backend, "unenforced_keywords": list(compiled.unenforced)}
 
     @app.post("/tokenize", dependencies=user)
     async def tokenize(body: TokenizeRequest):

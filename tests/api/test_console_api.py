@@ -1,0 +1,50 @@
+"""The JSON the web console reads: adapters with shape, residency and traffic; a live stats
+snapshot; schemas checked without generating. Also what any client may use."""
+
+from __future__ import annotations
+
+from live_server import SCHEMA, assert_error, client, http, live, wait_idle  # noqa: F401
+
+MSG = [{"role": "user", "content": "Hello world"}]
+
+
+def test_adapters_show_shape_residency_and_traffic(client, live):
+    before = {a["id"]: a for a in http(live, "/v1/adapters")[1]["data"]}
+    assert set(before) >= {"a0", "a1"}
+    a0 = before["a0"]
+    cards = {c["id"]: c for c in http(live, "/v1/models")[1]["data"]}
+    assert a0["rank"] > 0 and set(a0["target_modules"]) <= {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                           "up_proj", "down_proj"} and a0["target_modules"]
+    assert a0["path"] == cards["a0"]["root"]
+    reply = client.chat.completions.create(model="a0", messages=MSG, max_tokens=5, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    wait_idle(live.engine)
+    status, after = http(live, "/v1/adapters")
+    row = next(a for a in after["data"] if a["id"] == "a0")
+    assert row["requests"] == a0["requests"] + 1
+    assert row["generation_tokens"] == a0["generation_tokens"] + reply.usage.completion_tokens == \
+        a0["generation_tokens"] + 5
+    assert row["resident"] and row["in_memory"] and row["pinned"] == 0  # it ran, so it took a slot; done, unpinned
+    assert set(after["base"]) == {"requests", "generation_tokens"}
+    assert_error(http(live, "/v1/adapters", key=None), 401)
+
+
+def test_stats_move_with_traffic(client, live):
+    first = http(live, "/v1/stats")[1]
+    assert {"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "generation_tokens",
+            "prompt_tokens", "requests", "ttft_ms", "itl_ms"} <= set(first)
+    client.completions.create(model="tiny", prompt="Hello", max_tokens=4, extra_body={"ignore_eos": True})
+    second = http(live, "/v1/stats")[1]
+    assert second["generation_tokens"] == first["generation_tokens"] + 4
+    assert second["requests"] == first["requests"] + 1 and second["time"] >= first["time"]
+    assert second["ttft_ms"]["count"] >= 1 and second["ttft_ms"]["p50"] > 0
+
+
+def test_schemas_are_checked_without_generating(live):
+    status, out = http(live, "/v1/validate_schema", {"schema": SCHEMA})
+    assert status == 200 and out["valid"] and out["backend"] in ("llguidance", "xgrammar", "outlines")
+    loose = {"type": "object", "properties": {"xs": {"type": "array", "contains": {"type": "integer"}}}}
+    assert_error(http(live, "/v1/validate_schema", {"schema": loose}), 400, "'contains'")
+    status, out = http(live, "/v1/validate_schema", {"schema": loose, "strict": False})
+    assert status == 200 and out["unenforced_keywords"] == ["contains at #/properties/xs"]
+    assert_error(http(live, "/v1/validate_schema", {"schema": [1]}), 400, "schema")
