@@ -117,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-lora-resolver", action="store_true",
                    help="serve an unregistered adapter name by loading the PEFT folder of that name "
                         "from an --adapter-root on its first request")
+    p.add_argument("--disable-ui", action="store_true", help="no web console at /ui")
     p.add_argument("--adapter-root", action="append", default=[], metavar="DIR",
                    help="folder the admin endpoint may load adapters from (repeatable; none: runtime loading off)")
     p.add_argument("--api-key", default=None, help="key for /v1/*, /tokenize, /detokenize (or LORAPLEX_API_KEY)")

@@ -32,7 +32,7 @@ def server_config(args: argparse.Namespace, model: str) -> ServerConfig:
                         admin_api_key=args.admin_api_key or os.environ.get("LORAPLEX_ADMIN_API_KEY") or None,
                         adapter_roots=tuple(args.adapter_root), enable_lora_resolver=args.enable_lora_resolver,
                         max_request_body_bytes=args.max_request_body_bytes,
-                        request_timeout_s=args.request_timeout)
+                        request_timeout_s=args.request_timeout, enable_ui=not args.disable_ui)
 
 
 def serve(args: argparse.Namespace) -> int:

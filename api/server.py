@@ -22,6 +22,7 @@ import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
 import loraplex
@@ -48,6 +49,7 @@ class ServerConfig:
     enable_lora_resolver: bool = False  # an unknown adapter name loads <root>/<name> on first use
     max_request_body_bytes: int = 4 << 20
     request_timeout_s: float | None = None
+    enable_ui: bool = True  # the web console at /ui (static files; it calls this API with the user's key)
 
 
 class APIError(Exception):
@@ -57,6 +59,7 @@ class APIError(Exception):
 
 
 UNENFORCED_HEADER = "x-loraplex-unenforced-keywords"
+UI_DIR = Path(__file__).resolve().parent / "ui"
 
 
 def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
@@ -386,6 +389,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             if card["id"] == model_id:
                 return card
         raise APIError(404, f"The model `{model_id}` does not exist.", "model")
+
+    if config.enable_ui:  # static files only: every number on the page comes from the API, key and all
+        app.mount("/ui", StaticFiles(directory=UI_DIR, html=True), name="ui")
 
     @app.get("/v1/adapters", dependencies=user)
     async def adapters():

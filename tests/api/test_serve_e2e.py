@@ -3,6 +3,7 @@ examples against it, and SIGTERM ending it with exit status 0."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -43,24 +44,31 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None
     raise AssertionError("server did not become healthy")
 
 
-@pytest.fixture(scope="module")
-def served(default_model_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("adapter-root")
-    make_peft_adapter(default_model_dir, root / "ex", rank=8, seed=0, scale=0.3)
+@contextlib.contextmanager
+def serving(model_dir, *flags: str, env: dict | None = None, stdout=subprocess.DEVNULL):
+    """`loraplex serve` in a subprocess on a free loopback port, healthy, killed on exit.
+    `stdout=subprocess.PIPE` keeps the log for a test to read (it must read it)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "loraplex.api.cli", "serve", str(default_model_dir), "--port", str(port),
-           "--max-model-len", "2048", "--lora-modules", f"ex={root / 'ex'}", "--adapter-root", str(root),
-           "--shutdown-timeout", "3"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "LORAPLEX_ADMIN_API_KEY": ADMIN})
+    cmd = [sys.executable, "-m", "loraplex.api.cli", "serve", str(model_dir), "--port", str(port), *flags]
+    proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc)
-        yield url, proc, root
+        yield url, proc
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def served(default_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapter-root")
+    make_peft_adapter(default_model_dir, root / "ex", rank=8, seed=0, scale=0.3)
+    with serving(default_model_dir, "--max-model-len", "2048", "--lora-modules", f"ex={root / 'ex'}",
+                 "--adapter-root", str(root), "--shutdown-timeout", "3", env={"LORAPLEX_ADMIN_API_KEY": ADMIN},
+                 stdout=subprocess.PIPE) as (url, proc):
+        yield url, proc, root
 
 
 def test_chat_json_and_adapters(served):

@@ -1,0 +1,271 @@
+// The loraplex console: the server's own API (with the user's key), no build step, no network
+// beyond this server. Three views: adapters (and, with the admin key, load / unload), live
+// numbers with a small chart, and a playground that streams several targets side by side.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const state = { base: "", adapters: [], samples: [], last: null, view: "adapters", runs: 0 };
+
+for (const id of ["api-key", "admin-key"]) {  // kept for this browser only
+  $(id).value = localStorage.getItem("loraplex:" + id) || "";
+  $(id).addEventListener("input", () => { localStorage.setItem("loraplex:" + id, $(id).value); adminMode(); });
+}
+
+function adminMode() { document.body.classList.toggle("admin", $("admin-key").value.trim() !== ""); }
+
+function headers(admin) {
+  const key = (admin ? $("admin-key") : $("api-key")).value.trim() || $("api-key").value.trim();
+  const h = { "Content-Type": "application/json" };
+  if (key) h.Authorization = "Bearer " + key;
+  return h;
+}
+
+// The server's error body ({"error": {"message"}}) or its plain text, as is.
+async function call(path, body, admin = false) {
+  const resp = await fetch(path, { method: body === undefined ? "GET" : "POST", headers: headers(admin),
+                                   body: body === undefined ? undefined : JSON.stringify(body) });
+  const text = await resp.text();
+  let data = text;
+  try { data = JSON.parse(text); } catch (e) { /* plain text (load / unload say so) */ }
+  if (!resp.ok) throw new Error(data && data.error ? data.error.message : `${resp.status} ${text}`);
+  return data;
+}
+
+function showError(err) {
+  $("error").hidden = !err;
+  $("error").textContent = err ? String(err.message || err) : "";
+}
+
+// ---- views --------------------------------------------------------------------------------
+
+for (const tab of document.querySelectorAll(".tab")) {
+  tab.addEventListener("click", () => {
+    state.view = tab.dataset.view;
+    for (const t of document.querySelectorAll(".tab")) t.classList.toggle("active", t === tab);
+    for (const v of document.querySelectorAll(".view")) v.hidden = v.id !== "view-" + state.view;
+    if (state.view === "live") drawChart();
+  });
+}
+
+// ---- adapters -----------------------------------------------------------------------------
+
+const yes = (b) => `<span class="${b ? "yes" : "no"}">${b ? "yes" : "no"}</span>`;
+const esc = (s) => String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
+
+async function refreshAdapters() {
+  const [models, table] = await Promise.all([call("/v1/models"), call("/v1/adapters")]);
+  state.base = models.data.find((m) => m.parent === null).id;
+  state.adapters = table.data;
+  $("model-name").textContent = "on " + state.base;
+  const rows = [`<tr class="base"><td><b>${esc(state.base)}</b> (base)</td><td>-</td><td>-</td><td>-</td>
+    <td>-</td><td>-</td><td>-</td><td>${table.base.requests}</td><td>${table.base.generation_tokens}</td>
+    <td class="admin-only"></td></tr>`];
+  for (const a of table.data) {
+    rows.push(`<tr data-name="${esc(a.id)}"><td>${esc(a.id)}</td><td>${a.rank}</td>
+      <td class="targets">${esc(a.target_modules.join(", "))}</td><td class="folder" title="${esc(a.path)}">${esc(a.path)}</td>
+      <td>${yes(a.resident)}</td><td>${yes(a.in_memory)}</td><td>${a.pinned}</td><td>${a.requests}</td>
+      <td>${a.generation_tokens}</td><td class="admin-only"><button class="unload" data-name="${esc(a.id)}">Unload</button></td></tr>`);
+  }
+  $("adapters-table").querySelector("tbody").innerHTML = rows.join("");
+  refreshTargets();
+}
+
+$("adapters-table").addEventListener("click", async (event) => {
+  const name = event.target.dataset && event.target.dataset.name;
+  if (!event.target.classList.contains("unload") || !name) return;
+  await adminAction(() => call("/v1/unload_lora_adapter", { lora_name: name }, true));
+});
+
+$("load-form").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  await adminAction(() => call("/v1/load_lora_adapter",
+                               { lora_name: $("load-name").value.trim(), lora_path: $("load-path").value.trim() }, true));
+});
+
+async function adminAction(action) {
+  const status = $("admin-status");
+  status.className = "muted";
+  status.textContent = "working...";
+  try {
+    status.textContent = await action();  // the server's own words, refused or not
+    await refreshAdapters();
+  } catch (err) {
+    status.className = "bad";
+    status.textContent = err.message;
+  }
+}
+
+// ---- live ---------------------------------------------------------------------------------
+
+const fmt = (v, digits = 0) => (v === null || v === undefined ? "-" : Number(v).toFixed(digits));
+
+async function refreshLive() {
+  const s = await call("/v1/stats");
+  if (state.last) {
+    const dt = s.time - state.last.time;
+    const tps = dt > 0 ? (s.generation_tokens - state.last.generation_tokens) / dt : 0;
+    state.samples.push({ t: s.time, tps });
+    state.samples = state.samples.filter((p) => s.time - p.t <= 120);
+    $("live-tps").textContent = fmt(tps, 1);
+  }
+  state.last = s;
+  $("live-running").textContent = s.num_requests_running;
+  $("live-waiting").textContent = s.num_requests_waiting;
+  $("live-kv").textContent = fmt(100 * s.kv_cache_usage_perc, 1) + " %";
+  $("live-ttft").textContent = `${fmt(s.ttft_ms.p50)} / ${fmt(s.ttft_ms.p99)}`;
+  $("live-itl").textContent = `${fmt(s.itl_ms.p50)} / ${fmt(s.itl_ms.p99)}`;
+  $("live-total").textContent = s.generation_tokens;
+  $("live-adapters").textContent = s.running_adapters.length ? s.running_adapters.join(", ") : "none";
+  if (state.view === "live") drawChart();
+}
+
+function drawChart() {
+  const canvas = $("live-chart");
+  const ctx = canvas.getContext("2d");
+  const w = canvas.width, h = canvas.height, pad = 34;
+  ctx.clearRect(0, 0, w, h);
+  const pts = state.samples;
+  const top = Math.max(10, ...pts.map((p) => p.tps)) * 1.15;
+  ctx.strokeStyle = "#d8dde5"; ctx.fillStyle = "#6b7280"; ctx.font = "11px sans-serif";
+  for (let i = 0; i <= 4; i++) {  // grid and its labels (tokens/s)
+    const y = h - pad / 2 - (h - pad) * i / 4;
+    ctx.beginPath(); ctx.moveTo(pad, y); ctx.lineTo(w - 6, y); ctx.stroke();
+    ctx.fillText(String(Math.round(top * i / 4)), 2, y + 4);
+  }
+  if (pts.length < 2) return;
+  const t0 = pts[pts.length - 1].t - 120;
+  ctx.strokeStyle = "#2f6fde"; ctx.lineWidth = 2; ctx.beginPath();
+  pts.forEach((p, i) => {
+    const x = pad + (w - pad - 6) * (p.t - t0) / 120, y = h - pad / 2 - (h - pad) * p.tps / top;
+    if (i === 0) ctx.moveTo(x, y); else ctx.lineTo(x, y);
+  });
+  ctx.stroke(); ctx.lineWidth = 1;
+}
+
+// ---- playground ---------------------------------------------------------------------------
+
+function refreshTargets() {
+  const box = $("targets");
+  const checked = new Set([...box.querySelectorAll("input:checked")].map((i) => i.value));
+  const names = [state.base, ...state.adapters.map((a) => a.id)];
+  if (!box.dataset.ready) checked.add(state.base);
+  box.dataset.ready = "1";
+  box.innerHTML = "<legend>Targets (side by side)</legend>" + names.map((n) =>
+    `<label><input type="checkbox" value="${esc(n)}" ${checked.has(n) ? "checked" : ""}> ${esc(n)}</label>`).join("");
+}
+
+function schemaValue() {
+  const text = $("schema").value.trim();
+  return text ? JSON.parse(text) : null;
+}
+
+let schemaTimer = null;
+$("schema").addEventListener("input", () => {  // checked as it is typed, with the server's own refusals
+  clearTimeout(schemaTimer);
+  schemaTimer = setTimeout(checkSchema, 400);
+});
+
+async function checkSchema() {
+  const status = $("schema-status");
+  let schema;
+  try { schema = schemaValue(); } catch (err) {
+    status.className = "bad"; status.textContent = "not JSON: " + err.message; return false;
+  }
+  if (schema === null) { status.className = "muted"; status.textContent = "No schema: free text."; return true; }
+  try {
+    const r = await call("/v1/validate_schema", { schema });
+    status.className = "good";
+    status.textContent = `Schema accepted (${r.backend}); outputs will match it.` +
+      (r.unenforced_keywords.length ? " Not enforced: " + r.unenforced_keywords.join("; ") : "");
+    return true;
+  } catch (err) {
+    status.className = "bad"; status.textContent = err.message; return false;
+  }
+}
+
+function requestBody(model, schema) {
+  const body = { model, messages: [{ role: "user", content: $("prompt").value }],
+                 max_tokens: Number($("max-tokens").value), temperature: Number($("temperature").value), stream: true };
+  if (schema) body.response_format = { type: "json_schema", json_schema: { name: "playground", schema } };
+  return body;
+}
+
+function showSnippets(body) {
+  const plain = { ...body, stream: false };
+  $("snippet-curl").textContent = `curl ${location.origin}/v1/chat/completions -H 'Content-Type: application/json' ` +
+    `-H 'Authorization: Bearer $LORAPLEX_API_KEY' -d '${JSON.stringify(plain).replace(/'/g, "'\\''")}'`;
+  const args = Object.entries(plain).map(([k, v]) => `    ${k}=${JSON.stringify(v)
+    .replace(/\btrue\b/g, "True").replace(/\bfalse\b/g, "False").replace(/\bnull\b/g, "None")},`).join("\n");
+  $("snippet-python").textContent = `import openai\n\nclient = openai.OpenAI(base_url="${location.origin}/v1", ` +
+    `api_key="...")\nreply = client.chat.completions.create(\n${args}\n)\nprint(reply.choices[0].message.content)`;
+}
+
+async function stream(model, schema, column, run) {
+  const text = column.querySelector(".text"), meta = column.querySelector(".meta");
+  const started = performance.now();
+  let tokens = 0, finish = null;
+  const resp = await fetch("/v1/chat/completions", { method: "POST", headers: headers(false),
+                                                     body: JSON.stringify(requestBody(model, schema)) });
+  if (!resp.ok) {
+    const body = await resp.json().catch(() => ({}));
+    throw new Error(body.error ? body.error.message : resp.statusText);
+  }
+  const reader = resp.body.getReader(), decoder = new TextDecoder();
+  let pending = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done || run !== state.runs) break;
+    pending += decoder.decode(value, { stream: true });
+    const events = pending.split("\n\n");
+    pending = events.pop();
+    for (const event of events) {
+      const data = event.replace(/^data: /, "").trim();
+      if (!data || data === "[DONE]") continue;
+      const chunk = JSON.parse(data);
+      if (chunk.error) throw new Error(chunk.error.message);
+      for (const choice of chunk.choices || []) {
+        text.textContent += choice.delta.content || "";
+        tokens += 1;
+        finish = choice.finish_reason || finish;
+      }
+    }
+  }
+  meta.textContent = `${((performance.now() - started) / 1000).toFixed(1)} s, finish: ${finish || "-"}`;
+  column.classList.add("done");
+  if (schema) {  // shown parsed: the grammar made it valid JSON for the schema
+    const parsed = column.querySelector(".parsed");
+    try {
+      parsed.textContent = JSON.stringify(JSON.parse(text.textContent), null, 2);
+    } catch (err) {
+      parsed.classList.add("bad"); parsed.textContent = "not parsed: " + err.message + (finish === "length" ? " (cut off by max tokens)" : "");
+    }
+  }
+}
+
+$("run").addEventListener("click", async () => {
+  showError(null);
+  if (!(await checkSchema())) return;
+  const schema = schemaValue();
+  const models = [...$("targets").querySelectorAll("input:checked")].map((i) => i.value);
+  const run = ++state.runs;
+  $("outputs").innerHTML = models.map((m) => `<div class="column" data-model="${esc(m)}"><h3>${esc(m)}</h3>
+    <pre class="text"></pre>${schema ? '<pre class="parsed"></pre>' : ""}<div class="meta">streaming...</div></div>`).join("");
+  if (models.length) showSnippets({ ...requestBody(models[0], schema) });
+  await Promise.all(models.map((m, i) => stream(m, schema, $("outputs").children[i], run).catch((err) => {
+    const column = $("outputs").children[i];
+    column.querySelector(".meta").textContent = "error: " + err.message;
+    column.classList.add("done", "failed");
+  })));
+});
+
+// ---- polling ------------------------------------------------------------------------------
+
+async function tick(fn) {
+  try { await fn(); showError(null); } catch (err) { showError(err); }
+}
+
+adminMode();
+tick(refreshAdapters);
+tick(refreshLive);
+setInterval(() => tick(refreshLive), 1500);
+setInterval(() => { if (state.view === "adapters") tick(refreshAdapters); }, 3000);

@@ -1,0 +1,170 @@
+"""The web console in a real headless browser (Debian's chromium through its chromedriver, no
+download at run time) against `loraplex serve` on the default model: an adapter loaded through
+the page, the playground streaming base and adapter side by side, a schema run shown parsed
+and valid, the live numbers moving, and every view fitting a narrow window.
+
+With LORAPLEX_SCREENSHOTS=<folder> it also saves the three views there (docs/ holds them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from conftest import make_peft_adapter
+from test_serve_e2e import serving
+
+pytestmark = pytest.mark.e2e
+USER, ADMIN = "console-user-key", "console-admin-key"
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
+          "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20}}}
+
+
+def browser_paths() -> tuple[str, str]:
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    if not chromium or not driver:  # a failure with the reason, never a silent skip
+        pytest.fail("the console test needs Debian's chromium and chromium-driver packages "
+                    "(apt-get install chromium chromium-driver; `make test` tries to install them)")
+    return chromium, driver
+
+
+@pytest.fixture(scope="module")
+def served(default_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("console-root")
+    make_peft_adapter(default_model_dir, root / "ex", rank=8, seed=0, scale=0.5)
+    with serving(default_model_dir, "--max-model-len", "2048", "--adapter-root", str(root), "--api-key", USER,
+                 env={"LORAPLEX_ADMIN_API_KEY": ADMIN}) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def page(served):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    chromium, driver_path = browser_paths()
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,800"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(driver_path), options=options)
+    driver.set_window_size(1280, 800)
+    try:
+        driver.get(served + "/ui/")
+        yield driver
+    finally:
+        driver.quit()
+
+
+def wait_for(driver, condition, timeout: float = 180, what: str = "the page"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition(driver)
+        if value:
+            return value
+        time.sleep(0.25)
+    shot = Path(os.environ.get("TMPDIR", "/tmp")) / "loraplex-console-failure.png"
+    driver.save_screenshot(str(shot))
+    pytest.fail(f"timed out waiting for {what} (screenshot: {shot}); page error: "
+                f"{driver.find_element('id', 'error').text!r}")
+
+
+def by_id(driver, element_id):
+    return driver.find_element("id", element_id)
+
+
+def type_into(driver, element_id: str, text: str) -> None:
+    field = by_id(driver, element_id)
+    field.clear()
+    field.send_keys(text)
+
+
+def screenshot(driver, name: str) -> None:
+    folder = os.environ.get("LORAPLEX_SCREENSHOTS")
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        driver.save_screenshot(str(Path(folder) / f"console-{name}.png"))
+
+
+def columns_done(driver) -> list | None:
+    cols = driver.find_elements("css selector", "#outputs .column")
+    return cols if cols and all("done" in c.get_attribute("class") for c in cols) else None
+
+
+def test_the_console_end_to_end(page):
+    driver = page
+    type_into(driver, "api-key", USER)
+    # adapters view: the base row; admin controls only with the admin key
+    wait_for(driver, lambda d: "(base)" in by_id(d, "adapters-table").text, what="the adapter table")
+    assert not by_id(driver, "load-form").is_displayed()
+    type_into(driver, "admin-key", ADMIN)
+    assert by_id(driver, "load-form").is_displayed()
+    type_into(driver, "load-name", "ex")
+    type_into(driver, "load-path", "nope")  # refused: the server's own message, as is
+    by_id(driver, "load-btn").click()
+    wait_for(driver, lambda d: "bad" in by_id(d, "admin-status").get_attribute("class"), what="a refusal")
+    assert "nope" in by_id(driver, "admin-status").text
+    type_into(driver, "load-path", "ex")
+    by_id(driver, "load-btn").click()
+    wait_for(driver, lambda d: d.find_elements("css selector", 'tr[data-name="ex"]'), what="the loaded adapter")
+    row = driver.find_element("css selector", 'tr[data-name="ex"]').text
+    assert "8" in row and "q_proj" in row
+    screenshot(driver, "adapters")
+
+    by_id(driver, "tab-live").click()
+    wait_for(driver, lambda d: by_id(d, "live-total").text not in ("", "-"), what="live numbers")
+    total_before = int(by_id(driver, "live-total").text)
+
+    # playground: base and the adapter streamed side by side, then a schema
+    by_id(driver, "tab-playground").click()
+    wait_for(driver, lambda d: d.find_elements("css selector", '#targets input[value="ex"]'), what="targets")
+    driver.find_element("css selector", '#targets input[value="ex"]').click()
+    type_into(driver, "prompt", "Name three colors of the rainbow.")
+    type_into(driver, "max-tokens", "24")
+    by_id(driver, "run").click()
+    cols = wait_for(driver, columns_done, what="two streamed answers")
+    texts = {c.get_attribute("data-model"): c.find_element("css selector", ".text").text for c in cols}
+    assert len(texts) == 2 and all(texts.values()) and len(set(texts.values())) == 2, texts
+    assert "/v1/chat/completions" in by_id(driver, "snippet-curl").get_attribute("textContent")
+    assert "client.chat.completions.create" in by_id(driver, "snippet-python").get_attribute("textContent")
+
+    type_into(driver, "schema", '{"type": "object", "properties": {"x": {"type": "array", "contains": {}}}}')
+    wait_for(driver, lambda d: "'contains'" in by_id(d, "schema-status").text, what="the server's refusal")
+    type_into(driver, "schema", json.dumps(SCHEMA))
+    wait_for(driver, lambda d: "Schema accepted" in by_id(d, "schema-status").text, what="the schema check")
+    type_into(driver, "prompt", "Give the city and country of the Eiffel Tower as JSON.")
+    type_into(driver, "max-tokens", "60")
+    by_id(driver, "run").click()
+    cols = wait_for(driver, columns_done, what="the schema run")
+    assert len(cols) == 2
+    for col in cols:  # base and adapter, each parsed and valid
+        jsonschema.validate(json.loads(col.find_element("css selector", ".parsed").text), SCHEMA)
+    screenshot(driver, "playground")
+
+    by_id(driver, "tab-live").click()
+    wait_for(driver, lambda d: int(by_id(d, "live-total").text) > total_before, what="the live total to move")
+    assert by_id(driver, "live-ttft").text != "- / -"
+    time.sleep(2)
+    screenshot(driver, "live")
+
+    driver.set_window_size(420, 800)  # a narrow window: nothing spills sideways
+    for view in ("adapters", "live", "playground"):
+        by_id(driver, f"tab-{view}").click()
+        assert driver.execute_script("return document.documentElement.scrollWidth <= window.innerWidth + 1"), view
+    driver.set_window_size(1280, 800)
+
+
+def test_the_console_can_be_turned_off(default_model_dir):
+    import urllib.error
+    import urllib.request
+
+    with serving(default_model_dir, "--max-model-len", "512", "--disable-ui") as (url, _):
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(url + "/ui/", timeout=10)
+        assert missing.value.code == 404
