@@ -203,7 +203,7 @@ function showSnippets(body) {
 async function stream(model, schema, column, run) {
   const text = column.querySelector(".text"), meta = column.querySelector(".meta");
   const started = performance.now();
-  let tokens = 0, finish = null;
+  let chunks = 0, finish = null;
   const resp = await fetch("/v1/chat/completions", { method: "POST", headers: headers(false),
                                                      body: JSON.stringify(requestBody(model, schema)) });
   if (!resp.ok) {
@@ -225,12 +225,12 @@ async function stream(model, schema, column, run) {
       if (chunk.error) throw new Error(chunk.error.message);
       for (const choice of chunk.choices || []) {
         text.textContent += choice.delta.content || "";
-        tokens += 1;
+        chunks += 1;
         finish = choice.finish_reason || finish;
       }
     }
   }
-  meta.textContent = `${((performance.now() - started) / 1000).toFixed(1)} s, finish: ${finish || "-"}`;
+  meta.textContent = `${((performance.now() - started) / 1000).toFixed(1)} s, ${chunks} chunks, finish: ${finish || "-"}`;
   column.classList.add("done");
   if (schema) {  // shown parsed: the grammar made it valid JSON for the schema
     const parsed = column.querySelector(".parsed");
