@@ -76,27 +76,27 @@ class ServerMetrics:
         # the Prometheus text
         self.recent_ttft: deque[float] = deque(maxlen=RECENT)
         self.recent_itl: deque[float] = deque(maxlen=RECENT)
-        self.totals = {"prompt_tokens": 0, "generation_tokens": 0, "requests": 0}
-        self.by_adapter: dict[str, dict[str, int]] = {}
+        self.by_adapter: dict[str, dict[str, int]] = {}  # '' = the base model
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def count_request(self, adapter: str | None) -> None:
         self.lora_requests.labels(adapter or "").inc()
-        self.totals["requests"] += 1
         self.adapter_totals(adapter)["requests"] += 1
 
     def adapter_totals(self, adapter: str | None) -> dict[str, int]:
-        return self.by_adapter.setdefault(adapter or "", {"requests": 0, "generation_tokens": 0})
+        return self.by_adapter.setdefault(adapter or "", {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0})
 
     def snapshot(self) -> dict:
         """The engine's state and recent latencies, as JSON for the console (`GET /v1/stats`)."""
         s = self.stats()
+        totals = {key: sum(counts[key] for counts in self.by_adapter.values())
+                  for key in ("requests", "prompt_tokens", "generation_tokens")}
         return {"time": time.time(), "num_requests_running": s.num_running, "num_requests_waiting": s.num_waiting,
                 "kv_cache_usage_perc": s.kv_usage, "max_loras": s.max_loras,
                 "running_adapters": list(s.running_adapters), "waiting_adapters": list(s.waiting_adapters),
-                **self.totals, "ttft_ms": _percentiles(self.recent_ttft), "itl_ms": _percentiles(self.recent_itl)}
+                **totals, "ttft_ms": _percentiles(self.recent_ttft), "itl_ms": _percentiles(self.recent_itl)}
 
 
 RECENT = 512  # latencies kept for the console's percentiles
@@ -140,8 +140,8 @@ class RequestTimer:
         self.metrics.prompt_tokens.inc(prompt_tokens)
         self.metrics.generation_tokens.inc(generated)
         self.metrics.lora_generation_tokens.labels(self.adapter or "").inc(generated)
-        self.metrics.totals["prompt_tokens"] += prompt_tokens
-        self.metrics.totals["generation_tokens"] += generated
-        self.metrics.adapter_totals(self.adapter)["generation_tokens"] += generated
+        served = self.metrics.adapter_totals(self.adapter)
+        served["prompt_tokens"] += prompt_tokens
+        served["generation_tokens"] += generated
         for reason in finish_reasons:
             self.metrics.request_success.labels(reason or "abort").inc()

@@ -65,14 +65,17 @@ def model_list(base: str, base_path: str, max_model_len: int, created: int, adap
 def adapter_list(adapters, status: dict, served: dict[str, dict[str, int]]) -> dict:
     """The console's adapter table: shape, residency and traffic of each adapter, and the base
     model's traffic."""
-    none = {"requests": 0, "generation_tokens": 0}
+    def traffic(name: str) -> dict[str, int]:
+        counts = served.get(name, {})
+        return {"requests": counts.get("requests", 0), "generation_tokens": counts.get("generation_tokens", 0)}
+
     rows = []
     for a in adapters:
         where = status.get(a.name)
         rows.append({"id": a.name, "path": a.path, "rank": a.rank, "target_modules": list(a.target_modules),
                      "resident": bool(where and where.resident), "in_memory": bool(where and where.in_memory),
-                     "pinned": where.pins if where else 0, **served.get(a.name, none)})
-    return {"object": "list", "data": rows, "base": served.get("", none)}
+                     "pinned": where.pins if where else 0, **traffic(a.name)})
+    return {"object": "list", "data": rows, "base": traffic("")}
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:

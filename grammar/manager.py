@@ -61,6 +61,13 @@ class Compiled:
     unenforced: tuple[str, ...] = ()
     original: object = None  # the schema as the request gave it, for the output check
     _validator: object = field(default=None, repr=False)
+    _tool_validators: dict = field(default_factory=dict, repr=False)  # by function name
+
+    @property
+    def ends_in_json(self) -> bool:
+        """Whether the output is JSON all the way to its end (a JSON spec, or calls only), so
+        steering it toward closing tokens near max_tokens never bends free text."""
+        return self.spec.kind in ("json", "json_object") or (self.spec.kind == "tools" and self.spec.tools.required)
 
     def violation(self, text: str) -> str | None:
         """Why a finished JSON output breaks the request's schema, or None: the backstop run
@@ -91,16 +98,14 @@ class Compiled:
             return "no complete tool call"
         if not calls.parallel and len(parsed) > 1:
             return f"{len(parsed)} tool calls where one was allowed"
-        if self._validator is None:
-            self._validator = {}
         by_name = {f.name: f for f in calls.functions}
         for call in parsed:
             if call.name not in by_name:
                 return f"a call to {call.name!r}, which is not an allowed tool"
             try:
-                if call.name not in self._validator:
-                    self._validator[call.name] = json_validator(by_name[call.name].object_schema())
-                error = schema_error(self._validator[call.name], json.loads(call.arguments))
+                if call.name not in self._tool_validators:
+                    self._tool_validators[call.name] = json_validator(by_name[call.name].object_schema())
+                error = schema_error(self._tool_validators[call.name], json.loads(call.arguments))
             except Exception:  # a schema the validator itself cannot run: unchecked
                 continue
             if error is not None:

@@ -166,7 +166,7 @@ def _held(text: str, marker: str) -> int:
 class ToolCallParser:
     """Reads an output as it streams: `feed` returns the content text and the call deltas
     (OpenAI's `tool_calls` delta entries) that are certain so far; what could still be the
-    start of a marker waits for the next piece. `finish` flushes it."""
+    start of a marker waits for the next piece; `final=True` flushes it."""
 
     def __init__(self) -> None:
         self.calls: list[ToolCall] = []
@@ -218,9 +218,6 @@ class ToolCallParser:
                 self._buffer, self._state = self._buffer[end + 1 + len(CLOSE):], "text"
         return content, deltas
 
-    def finish(self) -> tuple[str, list[dict]]:
-        return self.feed("", final=True)
-
     def _emit_text(self, text: str) -> str:
         """Content text; the whitespace between calls is not content."""
         if self.calls and not text.strip():
@@ -234,7 +231,7 @@ class ToolCallParser:
         content = self.content
         for call in self.calls:
             if not call.complete:
-                content += f'{OPEN}\n{{"name": "{call.name}", "arguments": {call.arguments}'
+                content += call_text(call.name, call.arguments).removesuffix("}" + CLOSE)
         content = content.strip() if self.calls else content
         return content or None, [c for c in self.calls if c.complete]
 

@@ -109,11 +109,7 @@ class OutputProcessor:
         if hit is not None:
             finish, stop_reason = "stop", hit.stop
         seq.finished = finish is not None
-        logprobs = delta.new_logprobs
-        if logprobs is not None:
-            for entries in logprobs:
-                for tid, lp in entries.items():
-                    lp.decoded_token = self.tokenizer.decode([tid])
+        logprobs = self._decoded(delta.new_logprobs) if delta.new_logprobs is not None else None
         detok = seq.detokenizer
         end = detok.stream_end(seq.finished)
         text = detok.text[seq.num_sent_chars:end]
@@ -152,6 +148,7 @@ class OutputProcessor:
                              finished, group.num_cached_tokens, unenforced, prompt_logprobs)
 
     def _decoded(self, entries: list[dict[int, Logprob] | None]) -> list[dict[int, Logprob] | None]:
+        """Each entry's tokens decoded (prompt entries may be None: the first prompt token)."""
         for position in entries:
             for tid, lp in (position or {}).items():
                 lp.decoded_token = self.tokenizer.decode([tid])

@@ -56,10 +56,7 @@ class Sampler:
         array or nesting is valid until max_tokens; closing a deep nesting takes a token per
         level or two)."""
         compiled = r.compiled_grammar
-        if not self.json_close_window or r.grammar is None or compiled is None:
-            return False
-        if compiled.spec.kind not in ("json", "json_object") and not (  # free text must not be steered
-                compiled.spec.kind == "tools" and compiled.spec.tools.required):
+        if not self.json_close_window or r.grammar is None or compiled is None or not compiled.ends_in_json:
             return False
         window = min(max(self.json_close_window, r.params.max_tokens // 4), r.params.max_tokens // 2)
         return r.params.max_tokens - len(r.output_token_ids) <= window
