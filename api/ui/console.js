@@ -66,7 +66,11 @@ async function refreshAdapters() {
       <td>${yes(a.resident)}</td><td>${yes(a.in_memory)}</td><td>${a.pinned}</td><td>${a.requests}</td>
       <td>${a.generation_tokens}</td><td class="admin-only"><button class="unload" data-name="${esc(a.id)}">Unload</button></td></tr>`);
   }
-  $("adapters-table").querySelector("tbody").innerHTML = rows.join("");
+  const body = $("adapters-table").querySelector("tbody"), html = rows.join("");
+  if (body.dataset.html !== html) {  // re-rendered only on change: a click mid-poll keeps its row
+    body.innerHTML = html;
+    body.dataset.html = html;
+  }
   refreshTargets();
 }
 
@@ -148,6 +152,8 @@ function refreshTargets() {
   const box = $("targets");
   const checked = new Set([...box.querySelectorAll("input:checked")].map((i) => i.value));
   const names = [state.base, ...state.adapters.map((a) => a.id)];
+  if (box.dataset.names === names.join("\n")) return;  // unchanged: keep the boxes being clicked
+  box.dataset.names = names.join("\n");
   if (!box.dataset.ready) checked.add(state.base);
   box.dataset.ready = "1";
   box.innerHTML = "<legend>Targets (side by side)</legend>" + names.map((n) =>
@@ -248,6 +254,7 @@ $("run").addEventListener("click", async () => {
   const schema = schemaValue();
   const models = [...$("targets").querySelectorAll("input:checked")].map((i) => i.value);
   const run = ++state.runs;
+  $("outputs").dataset.run = run;  // which run the columns belong to (scripts and tests wait on it)
   $("outputs").innerHTML = models.map((m) => `<div class="column" data-model="${esc(m)}"><h3>${esc(m)}</h3>
     <pre class="text"></pre>${schema ? '<pre class="parsed"></pre>' : ""}<div class="meta">streaming...</div></div>`).join("");
   if (models.length) showSnippets({ ...requestBody(models[0], schema) });

@@ -92,9 +92,19 @@ def screenshot(driver, name: str) -> None:
         driver.save_screenshot(str(Path(folder) / f"console-{name}.png"))
 
 
-def columns_done(driver) -> list | None:
-    cols = driver.find_elements("css selector", "#outputs .column")
-    return cols if cols and all("done" in c.get_attribute("class") for c in cols) else None
+def run_outputs(run: int):
+    """Columns of playground run `run` once all are done, read in one script: the click's handler
+    replaces the previous run's columns only after the schema check, so element handles taken
+    earlier may belong to the old run or go stale."""
+    script = """
+        const out = document.getElementById("outputs");
+        if (out.dataset.run !== String(arguments[0])) return null;
+        const cols = [...out.querySelectorAll(".column")];
+        if (!cols.length || !cols.every((c) => c.classList.contains("done"))) return null;
+        return cols.map((c) => ({model: c.dataset.model, text: c.querySelector(".text").textContent,
+                                 parsed: c.querySelector(".parsed") ? c.querySelector(".parsed").textContent : null}));
+    """
+    return lambda driver: driver.execute_script(script, run)
 
 
 def test_the_console_end_to_end(page):
@@ -112,8 +122,8 @@ def test_the_console_end_to_end(page):
     assert "nope" in by_id(driver, "admin-status").text
     type_into(driver, "load-path", "ex")
     by_id(driver, "load-btn").click()
-    wait_for(driver, lambda d: d.find_elements("css selector", 'tr[data-name="ex"]'), what="the loaded adapter")
-    row = driver.find_element("css selector", 'tr[data-name="ex"]').text
+    row = wait_for(driver, lambda d: d.execute_script(
+        "const r = document.querySelector('tr[data-name=\"ex\"]'); return r && r.innerText;"), what="the loaded adapter")
     assert "8" in row and "q_proj" in row
     screenshot(driver, "adapters")
 
@@ -128,8 +138,8 @@ def test_the_console_end_to_end(page):
     type_into(driver, "prompt", "Name three colors of the rainbow.")
     type_into(driver, "max-tokens", "24")
     by_id(driver, "run").click()
-    cols = wait_for(driver, columns_done, what="two streamed answers")
-    texts = {c.get_attribute("data-model"): c.find_element("css selector", ".text").text for c in cols}
+    cols = wait_for(driver, run_outputs(1), what="two streamed answers")
+    texts = {c["model"]: c["text"].strip() for c in cols}
     assert len(texts) == 2 and all(texts.values()) and len(set(texts.values())) == 2, texts
     assert "/v1/chat/completions" in by_id(driver, "snippet-curl").get_attribute("textContent")
     assert "client.chat.completions.create" in by_id(driver, "snippet-python").get_attribute("textContent")
@@ -141,10 +151,10 @@ def test_the_console_end_to_end(page):
     type_into(driver, "prompt", "Give the city and country of the Eiffel Tower as JSON.")
     type_into(driver, "max-tokens", "60")
     by_id(driver, "run").click()
-    cols = wait_for(driver, columns_done, what="the schema run")
+    cols = wait_for(driver, run_outputs(2), what="the schema run")
     assert len(cols) == 2
     for col in cols:  # base and adapter, each parsed and valid
-        jsonschema.validate(json.loads(col.find_element("css selector", ".parsed").text), SCHEMA)
+        jsonschema.validate(json.loads(col["parsed"]), SCHEMA)
     screenshot(driver, "playground")
 
     by_id(driver, "tab-live").click()
