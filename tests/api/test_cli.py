@@ -60,3 +60,16 @@ def test_every_engine_setting_is_a_serve_flag():
     assert config == EngineConfig(model="m", **given)
     defaults = engine_config(build_parser().parse_args(["serve"]), "m")
     assert defaults == EngineConfig(model="m")
+
+
+def test_ray_flags_and_a_refused_cluster(tmp_path, capsys):
+    """`serve --ray` flags reach the cluster settings; nonsense is an error naming it, before Ray starts."""
+    from loraplex.api.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--ray", "--replicas", "3", "--max-replicas", "6",
+                                      "--max-adapters-per-replica", "4", "--ray-routing", "round-robin",
+                                      "--replica-cpus", "0.5"])
+    assert (args.ray, args.replicas, args.max_replicas, args.max_adapters_per_replica, args.ray_routing,
+            args.replica_cpus) == (True, 3, 6, 4, "round-robin", 0.5)
+    assert main(["serve", str(tmp_path), "--ray", "--replicas", "3", "--max-replicas", "2"]) == 2
+    assert "replicas" in capsys.readouterr().err

@@ -1,0 +1,144 @@
+"""`loraplex serve --ray`: two replicas of the default model on a local Ray, 40 requests over 8
+adapters through the official client, streamed and not, against one plain `loraplex serve`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from conftest import make_peft_adapter
+from test_serve_e2e import free_port, serving, wait_healthy
+
+pytestmark = pytest.mark.e2e
+BASE = "SmolLM2-135M-Instruct"
+ADAPTERS = [f"a{i}" for i in range(8)]
+PROMPTS = ["Name a color.", "What is 2 + 2?", "Say hello in French.", "Name a fruit.", "What is the sky?"]
+
+
+@pytest.fixture(scope="module")
+def adapter_root(default_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ray-adapters")
+    for i, name in enumerate([*ADAPTERS, "late"]):
+        make_peft_adapter(default_model_dir, root / name, rank=8, seed=10 + i, scale=0.4,
+                          targets=["q_proj", "v_proj", "down_proj"])
+    return root
+
+
+@contextlib.contextmanager
+def ray_serving(model_dir, *flags: str):
+    """`loraplex serve --ray` in a subprocess, healthy; SIGTERM on exit so it takes its local Ray
+    down with it (a kill would leave Ray's processes behind)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "loraplex.api.cli", "serve", str(model_dir), "--ray", "--port", str(port), *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, timeout=300)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+
+
+def workload() -> list[tuple[str, str, bool]]:
+    """40 (adapter, prompt, stream) requests, the adapters interleaved."""
+    return [(ADAPTERS[i % 8], PROMPTS[i // 8], i % 2 == 1) for i in range(40)]
+
+
+def ask(url: str, adapter: str | None, prompt: str, stream: bool) -> tuple[str, str, str]:
+    """(text, replica, adapter cache hit/miss) through the official client; adapter None: the base."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+    kwargs = dict(model=f"{BASE}:{adapter}" if adapter else BASE, messages=[{"role": "user", "content": prompt}], max_tokens=12,
+                  temperature=0, stream=stream)
+    raw = client.chat.completions.with_raw_response.create(**kwargs)
+    reply = raw.parse()
+    if stream:
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in reply if chunk.choices)
+    else:
+        text = reply.choices[0].message.content
+    return text, raw.headers.get("x-loraplex-replica", ""), raw.headers.get("x-loraplex-adapter-cache", "")
+
+
+def metrics(url: str) -> str:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        return resp.read().decode()
+
+
+def post(url: str, path: str, body: dict) -> tuple[int, str]:
+    request = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_two_replicas_route_by_adapter(default_model_dir, adapter_root):
+    modules = [f"{name}={adapter_root / name}" for name in ADAPTERS]
+    requests = workload()
+    with serving(default_model_dir, "--lora-modules", *modules) as (url, _):
+        expected = [ask(url, *r)[0] for r in requests]  # one server, one request at a time
+
+    with ray_serving(default_model_dir, "--replicas", "2", "--replica-cpus", "1", "--lora-modules", *modules,
+                     "--adapter-root", str(adapter_root)) as url:
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda r: ask(url, *r), requests))
+        texts, replicas, cache = zip(*got)
+        assert list(texts) == expected  # greedy: what one server says, whichever replica served it
+        assert all(replicas) and len(set(replicas)) == 2, replicas  # both replicas served
+
+        # affinity: after each adapter's first request, its requests find it already read
+        later = [cache[i] for i, (adapter, _, _) in enumerate(requests)
+                 if i >= len(ADAPTERS)]  # the first 8 are each adapter's first
+        assert sum(c == "hit" for c in later) >= 0.9 * len(later), list(zip(requests, replicas, cache))
+        served_by = defaultdict(set)
+        for (adapter, _, _), replica in zip(requests, replicas):
+            served_by[adapter].add(replica)
+        assert sum(len(s) for s in served_by.values()) <= len(ADAPTERS) + 2, dict(served_by)
+
+        # the cluster's view: models, metrics per replica
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        assert [m.id for m in client.models.list().data] == [BASE, *ADAPTERS]
+        text = metrics(url)
+        for replica in set(replicas):
+            assert re.search(rf'loraplex:request_success_total{{.*replica="{replica}".*}} [1-9]', text), replica
+
+        # admin load registers a name for every replica; unload reaches every replica holding it
+        status, body = post(url, "/v1/load_lora_adapter", {"lora_name": "late", "lora_path": "late"})
+        assert status == 200, body
+        assert post(url, "/v1/load_lora_adapter", {"lora_name": "late", "lora_path": "late"})[0] == 400
+        assert post(url, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/etc"})[0] == 400
+        time.sleep(2)  # Ray's routers learn which replica holds it (its 0.1 s push, then a long poll)
+        late = [ask(url, "late", "Name a color.", s) for s in (False, True, False)]
+        assert all(c == "hit" for _, _, c in late), late  # read where it was loaded, and routed there
+        with ThreadPoolExecutor(4) as pool:  # base requests: no adapter to follow, so Ray spreads them
+            base = list(pool.map(lambda _: ask(url, None, "Hi", False), range(8)))
+        assert len({replica for _, replica, _ in base}) == 2 and not any(c for _, _, c in base), base
+        assert "loraplex:adapter_loaded{lora_name=\"late\"" in metrics(url)
+        status, body = post(url, "/v1/unload_lora_adapter", {"lora_name": "late"})
+        assert status == 200, body
+        assert "loraplex:adapter_loaded{lora_name=\"late\"" not in metrics(url)  # gone from every replica
+        with pytest.raises(openai.NotFoundError):
+            ask(url, "late", "Name a color.", False)
+        assert post(url, "/v1/unload_lora_adapter", {"lora_name": "late"})[0] == 404
+        assert post(url, "/v1/completions", {"model": BASE, "prompt": "x" * (5 << 20)})[0] == 413
+        assert post(url, "/v1/completions", {"model": BASE, "prompt": "Hi", "max_tokens": -1})[0] == 400
+        running = re.findall(r'^loraplex:num_requests_running{replica="\w+"} (\S+)$', metrics(url), re.M)
+        assert running == ["0.0", "0.0"]
