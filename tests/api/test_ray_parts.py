@@ -113,3 +113,50 @@ def test_cluster_config_refuses_nonsense():
                 dict(max_adapters_per_replica=0)):
         with pytest.raises(ValueError):
             ClusterConfig(**bad)
+
+
+def test_an_evicted_adapter_is_unloaded_once_its_requests_end(tiny_model_dir, tiny_adapters):
+    """Ray's multiplexing LRU evicts by calling `__del__` on what the hook returned, from a worker
+    thread: the replica unloads the adapter at once if no request holds it, else when the last
+    one ends, and not at all if it was held again meanwhile."""
+    import threading
+    import types
+
+    import torch
+
+    from loraplex.adapters.registry import AdapterRegistry
+    from loraplex.api.ray_serve import _Held, engine_replica
+    from loraplex.platform.config import ModelConfig
+
+    registry = AdapterRegistry(ModelConfig.from_folder(tiny_model_dir), 2, 16, None, torch.float32)
+    for name, path in zip("abc", tiny_adapters):
+        registry.load(name, str(path))
+
+    async def run():
+        replica = object.__new__(engine_replica(2))  # its state only: no Ray, no engine
+        replica.front, replica.replica = types.SimpleNamespace(adapters=registry), "r1"
+        replica.held, replica.loop = {"a", "b", "c"}, asyncio.get_running_loop()
+
+        def evict(name: str) -> None:  # as Ray does it: off the event loop
+            thread = threading.Thread(target=_Held(replica, name).__del__)
+            thread.start()
+            thread.join()
+
+        evict("a")
+        await asyncio.sleep(0.05)
+        assert "a" not in {i.name for i in registry.list()}  # idle: gone at once
+        registry.pin("b")
+        evict("b")
+        await asyncio.sleep(0.6)
+        assert "b" in {i.name for i in registry.list()}  # a request still runs on it
+        registry.unpin("b")
+        await asyncio.sleep(0.6)
+        assert "b" not in {i.name for i in registry.list()}
+        registry.pin("c")
+        evict("c")
+        replica.held.add("c")  # a new request brought it back before the old one ended
+        registry.unpin("c")
+        await asyncio.sleep(0.6)
+        assert "c" in {i.name for i in registry.list()}
+
+    asyncio.run(run())
