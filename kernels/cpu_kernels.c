@@ -247,3 +247,222 @@ int NAME(                                                                       
 #define BF16_STORE(p, i, v) ((p)[i] = bf16_round(v))
 SGMV_LORA_TABLE(sgmv_lora_table_f32, float, f32_load, F32_STORE)
 SGMV_LORA_TABLE(sgmv_lora_table_bf16, uint16_t, bf16_load, BF16_STORE)
+
+/* ---- weight-only quantized matmul: out[M, N] = x[M, K] @ dequant(W)[N, K]^T, float32 x ----------------
+ * q4: groups of 32 along K, w = d * q + m (q in 0..15) in GGUF Q4_1's nibble order (byte j of a group
+ *     holds element j in its low nibble and element j + 16 in its high one); q [N, K / 2].
+ * q8: groups of G along K, w = d * q; q int8 [N, K]; G = K is per channel.
+ * One token (M == 1): four weight rows at a time, each group dequantized in registers and multiplied
+ * at once (x read once for the four). More tokens: a tile of rows dequantized into an L1 buffer once
+ * per call, then a 2-token x 4-row register block of FMAs over it. */
+
+#define QTILE 8
+
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 q4_lanes(__m128i nibbles, int part)
+{   /* eight of the 16 nibbles (low or high half of the 16 bytes) as floats */
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part ? _mm_srli_si128(nibbles, 8) : nibbles));
+}
+
+static inline float hsum8(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+static void dequant_q4_row(const uint8_t *q, const float *d, const float *m, int64_t K, float *out)
+{
+    for (int64_t g = 0; g < K / 32; g++) {
+        const uint8_t *b = q + g * 16;
+        float *o = out + g * 32;
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m128i low = _mm_set1_epi8(0x0F);
+        __m128i bytes = _mm_loadu_si128((const __m128i *)b);
+        __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+        __m256 scale = _mm256_set1_ps(d[g]), shift = _mm256_set1_ps(m[g]);
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(q4_lanes(lo, 0), scale, shift));
+        _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(q4_lanes(lo, 1), scale, shift));
+        _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(q4_lanes(hi, 0), scale, shift));
+        _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(q4_lanes(hi, 1), scale, shift));
+#else
+        for (int j = 0; j < 16; j++) {
+            o[j] = d[g] * (float)(b[j] & 0x0F) + m[g];
+            o[j + 16] = d[g] * (float)(b[j] >> 4) + m[g];
+        }
+#endif
+    }
+}
+
+static void dequant_q8_row(const int8_t *q, const float *d, int64_t K, int64_t G, float *out)
+{
+    for (int64_t g = 0; g < K / G; g++) {
+        const float scale = d[g];
+        for (int64_t i = g * G; i < (g + 1) * G; i++) out[i] = scale * (float)q[i];
+    }
+}
+
+/* out[r, n0 + j] for r < M, j < nb, from nb dequantized rows w[j * K ...] */
+static void tile_dots(const float *x, int64_t M, int64_t K, const float *w, int nb, float *out, int64_t N,
+                      int64_t n0)
+{
+    int64_t r = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; nb == 4 && r + 3 <= M; r += 3) {  /* 3 tokens x 4 rows: 12 FMA chains, 7 loads per 12 FMAs */
+        const float *x0 = x + r * K, *x1 = x0 + K, *x2 = x1 + K;
+        __m256 a[3][4];
+        for (int i = 0; i < 3; i++)
+            for (int j = 0; j < 4; j++) a[i][j] = _mm256_setzero_ps();
+        for (int64_t k = 0; k < K; k += 8) {
+            __m256 u0 = _mm256_loadu_ps(x0 + k), u1 = _mm256_loadu_ps(x1 + k), u2 = _mm256_loadu_ps(x2 + k);
+            for (int j = 0; j < 4; j++) {
+                __m256 wj = _mm256_loadu_ps(w + j * K + k);
+                a[0][j] = _mm256_fmadd_ps(u0, wj, a[0][j]);
+                a[1][j] = _mm256_fmadd_ps(u1, wj, a[1][j]);
+                a[2][j] = _mm256_fmadd_ps(u2, wj, a[2][j]);
+            }
+        }
+        for (int i = 0; i < 3; i++)
+            for (int j = 0; j < 4; j++) out[(r + i) * N + n0 + j] = hsum8(a[i][j]);
+    }
+    for (; nb == 4 && r + 2 <= M; r += 2) {  /* 2 tokens x 4 rows: 8 independent FMA chains */
+        const float *x0 = x + r * K, *x1 = x0 + K;
+        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+        for (int64_t k = 0; k < K; k += 8) {
+            __m256 u = _mm256_loadu_ps(x0 + k), v = _mm256_loadu_ps(x1 + k);
+            __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + K + k);
+            __m256 w2 = _mm256_loadu_ps(w + 2 * K + k), w3 = _mm256_loadu_ps(w + 3 * K + k);
+            a00 = _mm256_fmadd_ps(u, w0, a00); a01 = _mm256_fmadd_ps(u, w1, a01);
+            a02 = _mm256_fmadd_ps(u, w2, a02); a03 = _mm256_fmadd_ps(u, w3, a03);
+            a10 = _mm256_fmadd_ps(v, w0, a10); a11 = _mm256_fmadd_ps(v, w1, a11);
+            a12 = _mm256_fmadd_ps(v, w2, a12); a13 = _mm256_fmadd_ps(v, w3, a13);
+        }
+        float *o0 = out + r * N + n0, *o1 = o0 + N;
+        o0[0] = hsum8(a00); o0[1] = hsum8(a01); o0[2] = hsum8(a02); o0[3] = hsum8(a03);
+        o1[0] = hsum8(a10); o1[1] = hsum8(a11); o1[2] = hsum8(a12); o1[3] = hsum8(a13);
+    }
+    for (; nb == 4 && r < M; r++) {  /* the odd token: 4 chains */
+        const float *x0 = x + r * K;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t k = 0; k < K; k += 8) {
+            __m256 u = _mm256_loadu_ps(x0 + k);
+            a0 = _mm256_fmadd_ps(u, _mm256_loadu_ps(w + k), a0);
+            a1 = _mm256_fmadd_ps(u, _mm256_loadu_ps(w + K + k), a1);
+            a2 = _mm256_fmadd_ps(u, _mm256_loadu_ps(w + 2 * K + k), a2);
+            a3 = _mm256_fmadd_ps(u, _mm256_loadu_ps(w + 3 * K + k), a3);
+        }
+        float *o0 = out + r * N + n0;
+        o0[0] = hsum8(a0); o0[1] = hsum8(a1); o0[2] = hsum8(a2); o0[3] = hsum8(a3);
+    }
+#endif
+    for (; r < M; r++)
+        for (int j = 0; j < nb; j++) {
+            float acc[8] = {0};
+            for (int64_t k = 0; k < K; k += 8)
+                for (int t = 0; t < 8; t++) acc[t] += x[r * K + k + t] * w[j * K + k + t];
+            out[r * N + n0 + j] = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+        }
+}
+
+/* one token: rows n0..n0+3 dequantized group by group in registers; xsum[g] carries the q4 min term */
+static void q4_one_token(const float *x, const float *xsum, int64_t K, const uint8_t *q, const float *d,
+                         const float *m, float *out, int64_t n0, int nb)
+{
+    const int64_t groups = K / 32;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (nb == 4) {
+        const __m128i low = _mm_set1_epi8(0x0F);
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t g = 0; g < groups; g++) {
+            const float *xg = x + g * 32;
+            __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
+            __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
+            for (int j = 0; j < 4; j++) {
+                const int64_t row = n0 + j;
+                __m128i bytes = _mm_loadu_si128((const __m128i *)(q + row * (K / 2) + g * 16));
+                __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+                __m256 t = _mm256_mul_ps(x0, q4_lanes(lo, 0));
+                t = _mm256_fmadd_ps(x1, q4_lanes(lo, 1), t);
+                t = _mm256_fmadd_ps(x2, q4_lanes(hi, 0), t);
+                t = _mm256_fmadd_ps(x3, q4_lanes(hi, 1), t);
+                acc[j] = _mm256_fmadd_ps(t, _mm256_set1_ps(d[row * groups + g]), acc[j]);
+            }
+        }
+        for (int j = 0; j < 4; j++) {
+            float mins = 0.0f;
+            for (int64_t g = 0; g < groups; g++) mins += m[(n0 + j) * groups + g] * xsum[g];
+            out[n0 + j] = hsum8(acc[j]) + mins;
+        }
+        return;
+    }
+#endif
+    float w[32];
+    for (int j = 0; j < nb; j++) {
+        float total = 0.0f;
+        for (int64_t g = 0; g < groups; g++) {
+            dequant_q4_row(q + (n0 + j) * (K / 2) + g * 16, d + (n0 + j) * groups + g, m + (n0 + j) * groups + g,
+                           32, w);
+            for (int t = 0; t < 32; t++) total += x[g * 32 + t] * w[t];
+        }
+        out[n0 + j] = total;
+    }
+}
+
+/* Tiles of QTILE weight rows (dequantized once into an L2-sized buffer) times chunks of MCHUNK tokens
+ * (kept in L1/L2 while the tile's row blocks pass over them). */
+#define MCHUNK 24
+#define QUANT_TILES(DEQUANT_ROW)                                                                   \
+    int failed = 0;                                                                                \
+    _Pragma("omp parallel")                                                                        \
+    {                                                                                              \
+        float *w = malloc(sizeof(float) * QTILE * K);                                              \
+        if (!w) failed = 1;                                                                        \
+        _Pragma("omp for schedule(static)")                                                        \
+        for (int64_t t0 = 0; t0 < N; t0 += QTILE) {                                                \
+            if (!w) continue;                                                                      \
+            const int rows = N - t0 < QTILE ? (int)(N - t0) : QTILE;                               \
+            for (int j = 0; j < rows; j++) {                                                       \
+                const int64_t n = t0 + j;                                                          \
+                DEQUANT_ROW;                                                                       \
+            }                                                                                      \
+            for (int64_t r0 = 0; r0 < M; r0 += MCHUNK) {                                           \
+                const int64_t mc = M - r0 < MCHUNK ? M - r0 : MCHUNK;                              \
+                for (int j = 0; j < rows; j += 4)                                                  \
+                    tile_dots(x + r0 * K, mc, K, w + j * K, rows - j < 4 ? rows - j : 4, out + r0 * N, N, t0 + j); \
+            }                                                                                      \
+        }                                                                                          \
+        free(w);                                                                                   \
+    }                                                                                              \
+    return failed ? -1 : 0;
+
+int q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *q, const float *d, const float *m,
+              int64_t N, float *out)
+{
+    if (K % 32) return -2;
+    const int64_t groups = K / 32;
+    if (M == 1) {
+        float *xsum = malloc(sizeof(float) * groups);
+        if (!xsum) return -1;
+        for (int64_t g = 0; g < groups; g++) {
+            float s = 0.0f;
+            for (int t = 0; t < 32; t++) s += x[g * 32 + t];
+            xsum[g] = s;
+        }
+#pragma omp parallel for schedule(static)
+        for (int64_t n0 = 0; n0 < N; n0 += 4)
+            q4_one_token(x, xsum, K, q, d, m, out, n0, N - n0 < 4 ? (int)(N - n0) : 4);
+        free(xsum);
+        return 0;
+    }
+    QUANT_TILES(dequant_q4_row(q + n * (K / 2), d + n * groups, m + n * groups, K, w + j * K))
+}
+
+int q8_matmul(const float *x, int64_t M, int64_t K, const int8_t *q, const float *d, int64_t G, int64_t N,
+              float *out)
+{
+    if (G <= 0 || K % G || G % 8) return -2;
+    const int64_t groups = K / G;
+    QUANT_TILES(dequant_q8_row(q + n * K, d + n * groups, K, G, w + j * K))
+}

@@ -1,5 +1,5 @@
-"""CPU kernels in C (`cpu_kernels.c`): paged attention for short query chunks and the
-multi-LoRA delta for decode-like batches. Built once per machine with the system C compiler
+"""CPU kernels in C (`cpu_kernels.c`): paged attention for short query chunks, the
+multi-LoRA delta for decode-like batches, and weight-only 4/8-bit matmuls (`quant.py`). Built once per machine with the system C compiler
 into the loraplex cache, called through ctypes on float32 tensors (the multi-LoRA delta also on
 bfloat16 ones, accumulating in float32).
 
@@ -92,7 +92,10 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.kv_f16_supported.restype = ctypes.c_int
     for fn in (lib.sgmv_lora_table_f32, lib.sgmv_lora_table_bf16):
         fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr]
-    for fn in (lib.paged_attention_f32, lib.sgmv_lora_table_f32, lib.sgmv_lora_table_bf16):
+    lib.q4_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr]
+    lib.q8_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr]
+    for fn in (lib.paged_attention_f32, lib.sgmv_lora_table_f32, lib.sgmv_lora_table_bf16, lib.q4_matmul,
+               lib.q8_matmul):
         fn.restype = ctypes.c_int
     return lib
 

@@ -79,6 +79,9 @@ def _as_tuple(value) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list) else (int(value),)
 
 
+QUANTIZATIONS = ("none", "q4", "int8")
+
+
 def _setting(default, help: str, **cli):
     """An engine setting: its default, and what `loraplex serve` says of it (the CLI flags are
     generated from these fields; `cli` may name the vLLM flag, choices, or a size parser)."""
@@ -120,6 +123,9 @@ class EngineConfig:
     pack_weights: bool = _setting(True, "CPU: linear weights prepacked for oneDNN (~2x faster decode matmuls)")
     kv_cache_dtype: str = _setting("auto", "float16: twice the KV tokens in the same memory (auto: the model's "
                                            "dtype)", choices=["auto", "float16"])
+    quantization: str = _setting("none", "weights kept quantized (float32 activations): q4 = 4-bit groups of 32 "
+                                         "(the default model's GGUF Q4_1 bits as they are; other models quantized "
+                                         "at load), int8 = 8-bit per output channel", choices=list(QUANTIZATIONS))
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -133,6 +139,10 @@ class EngineConfig:
             raise ValueError(f"max_cpu_loras must be >= max_loras={self.max_loras}, got {self.max_cpu_loras}")
         if self.kv_cache_dtype not in ("auto", "float16"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'float16', got {self.kv_cache_dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantization != "none" and self.dtype not in ("auto", "float32"):
+            raise ValueError(f"quantization {self.quantization} runs float32 activations: use dtype float32 or auto")
         if self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
 

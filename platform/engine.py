@@ -20,6 +20,7 @@ from loraplex.platform.dtype_probe import resolve_dtype
 from loraplex.platform.input_processor import InputProcessor, Limits
 from loraplex.platform.kv_cache_manager import KVCacheManager
 from loraplex.platform.model_runner import ModelRunner, kv_bytes_per_block
+from loraplex.platform.model_store import gguf_source
 from loraplex.platform.models.llama import load_model
 from loraplex.platform.output_processor import OutputProcessor
 from loraplex.platform.request import Request, RequestOutput, SamplingParams
@@ -51,6 +52,8 @@ class Engine:
         from transformers import AutoTokenizer
 
         self.model_config = ModelConfig.from_folder(config.model)
+        if config.dtype == "auto" and config.quantization != "none":  # the quantized kernels take float32
+            config = dataclasses.replace(config, dtype="float32")
         if config.dtype == "auto":  # decided once, by measurement where it can go either way
             chosen, why = resolve_dtype(self.model_config)
             print(f"[loraplex] dtype auto -> {chosen} ({why})", file=sys.stderr)
@@ -59,7 +62,8 @@ class Engine:
         self.max_model_len = config.resolve_max_model_len(self.model_config)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         dtype = config.torch_dtype
-        self.model = load_model(config.model, self.model_config, dtype, self.max_model_len, config.pack_weights)
+        self.model = load_model(config.model, self.model_config, dtype, self.max_model_len, config.pack_weights,
+                                config.quantization, gguf_source(config.model))
         num_blocks = config.num_kv_blocks or max(
             1, config.kv_cache_memory // kv_bytes_per_block(self.model_config, config.block_size, config.torch_kv_dtype))
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)

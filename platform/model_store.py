@@ -52,6 +52,17 @@ def _gguf_path() -> Path:
     return path
 
 
+def gguf_source(folder: str | Path) -> Path | None:
+    """The GGUF file a model folder was converted from (the default model's), else None: what
+    `--quantization q4` reads its 4-bit blocks from."""
+    try:
+        if Path(folder).resolve() != default_model_dir().resolve():
+            return None
+        return _gguf_path()
+    except (OSError, RuntimeError):
+        return None
+
+
 def is_complete(folder: Path) -> bool:
     return all((folder / name).is_file() for name in REQUIRED_FILES)
 

@@ -1,8 +1,10 @@
-"""nn.Linear whose weight can be reordered once into oneDNN's blocked layout for CPU matmuls.
+"""nn.Linear whose weight can be reordered once into oneDNN's blocked layout for CPU matmuls,
+or replaced by a 4- or 8-bit quantized one (`kernels/quant.py`).
 
 At decode batch sizes the prepacked oneDNN matmul runs the model's linear layers ~2x faster
 than `F.linear` on the plain weight here (BENCHMARKS.md, "Engine speed"), so the CPU engine
-packs every linear layer after loading and drops the plain copy.
+packs every linear layer after loading and drops the plain copy. With `--quantization` the
+weight is kept quantized instead and multiplied by the weight-only kernel.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from loraplex.kernels.quant import QuantizedWeight, dequantize, quantized_matmul
 
 
 def can_pack(dtype: torch.dtype) -> bool:
@@ -27,6 +31,7 @@ def native_bf16() -> bool:
 
 class PackedLinear(nn.Linear):
     packed: torch.Tensor | None = None
+    quantized: QuantizedWeight | None = None
 
     def pack(self, keep_weight: bool = False) -> None:
         """Call after the last dtype/device move. `keep_weight` for a weight shared with
@@ -36,10 +41,24 @@ class PackedLinear(nn.Linear):
             del self.weight
             self.register_parameter("weight", None)
 
+    def quantize(self, weight: QuantizedWeight, keep_weight: bool = False) -> None:
+        """Multiply by `weight` from now on; the float weight is dropped unless shared."""
+        if weight.shape != (self.out_features, self.in_features):
+            raise ValueError(f"quantized weight of shape {weight.shape} for a {self.out_features}x{self.in_features} layer")
+        self.quantized = weight
+        if not keep_weight:
+            del self.weight
+            self.register_parameter("weight", None)
+
     def dense_weight(self) -> torch.Tensor:
-        return self.weight if self.weight is not None else self.packed.to_dense()
+        if self.weight is not None:
+            return self.weight
+        return dequantize(self.quantized) if self.quantized is not None else self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            y = quantized_matmul(x, self.quantized)
+            return y if self.bias is None else y + self.bias
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

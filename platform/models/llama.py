@@ -19,6 +19,7 @@ from loraplex.kernels.sgmv import LoRABatch
 from loraplex.platform.config import ModelConfig
 from loraplex.platform.models import FUSED_PROJECTIONS
 from loraplex.platform.models.linear import PackedLinear, can_pack
+from loraplex.platform.models.quantized import quantize_model
 from loraplex.platform.models.lora_linear import LoRAContext, LoRALinear
 
 
@@ -216,7 +217,7 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(folder: str | Path, config: ModelConfig, dtype: torch.dtype, max_len: int,
-               pack_weights: bool = True) -> LlamaForCausalLM:
+               pack_weights: bool = True, quantization: str = "none", gguf: Path | None = None) -> LlamaForCausalLM:
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_len)
     model = model.to_empty(device="cpu")
@@ -225,7 +226,9 @@ def load_model(folder: str | Path, config: ModelConfig, dtype: torch.dtype, max_
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model = model.to(dtype).eval()
-    if pack_weights and can_pack(dtype):
+    if quantization != "none":
+        quantize_model(model, quantization, gguf)
+    elif pack_weights and can_pack(dtype):
         for module in model.modules():
             if isinstance(module, PackedLinear):
                 module.pack(keep_weight=module is model.lm_head and config.tie_word_embeddings)

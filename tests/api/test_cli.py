@@ -42,20 +42,21 @@ def test_every_engine_setting_is_a_serve_flag():
     from loraplex.api.serve import engine_config
     from loraplex.platform.config import EngineConfig
 
-    given = {"dtype": "bfloat16", "max_model_len": 512, "max_num_seqs": 7, "max_num_batched_tokens": 99,
+    given = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 7, "max_num_batched_tokens": 99,
              "block_size": 32, "num_kv_blocks": 11, "kv_cache_memory": 3 << 20, "enable_prefix_caching": False,
              "seed": 5, "max_loras": 3, "max_lora_rank": 8, "max_cpu_loras": 9, "lora_memory": 5 << 20,
              "lora_cycle_steps": 4, "grammar_backend": "outlines", "grammar_compile_timeout_s": 2.5,
-             "jump_forward": False, "json_close_window": 8, "pack_weights": False, "kv_cache_dtype": "float16"}
+             "jump_forward": False, "json_close_window": 8, "pack_weights": False, "kv_cache_dtype": "float16",
+             "quantization": "int8"}
     settable = {f.name for f in fields(EngineConfig)} - {"model"}
     assert set(given) == settable, "a new EngineConfig field: add it here with a non-default value"
-    argv = ["serve", "--dtype", "bfloat16", "--max-model-len", "512", "--max-num-seqs", "7",
+    argv = ["serve", "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "7",
             "--max-num-batched-tokens", "99", "--block-size", "32", "--num-kv-blocks", "11",
             "--kv-cache-memory", "3MiB", "--no-enable-prefix-caching", "--seed", "5", "--max-loras", "3",
             "--max-lora-rank", "8", "--max-cpu-loras", "9", "--lora-memory", "5MiB", "--lora-cycle-steps", "4",
             "--grammar-backend", "outlines", "--grammar-compile-timeout", "2.5", "--no-jump-forward",
             "--json-close-window", "8",
-            "--no-pack-weights", "--kv-cache-dtype", "float16"]
+            "--no-pack-weights", "--kv-cache-dtype", "float16", "--quantization", "int8"]
     config = engine_config(build_parser().parse_args(argv), "m")
     assert config == EngineConfig(model="m", **given)
     defaults = engine_config(build_parser().parse_args(["serve"]), "m")

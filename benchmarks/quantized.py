@@ -1,0 +1,132 @@
+"""Quantized weights (`--quantization`): memory, speed and quality side by side, in one run.
+
+    .venv/bin/python benchmarks/quantized.py [--batch-sizes 1 16 64 --new-tokens 64]
+
+For none / q4 / int8 on the default model, and q4 quantized at load from the float folder
+instead of taken from the GGUF ("q4-float"): bytes of the linear weights kept, decode step and
+tok/s per batch size (prefix caching off, the same prompts for all), perplexity on
+benchmarks/data/perplexity.txt (from prompt logprobs); q4 and none with 16 distinct adapters
+at batch 16 against their own base. Beside them in the same run, batch 1 only: llama.cpp
+through llama-cpp-python (if installed) on the same GGUF file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from loraplex.platform import LLM, SamplingParams
+from loraplex.platform.model_store import _gguf_path, default_model_dir
+from loraplex.platform.models.linear import PackedLinear
+from multi_lora import make_adapters, prompts_of, run_loraplex
+from throughput import bench_loraplex, make_prompts
+
+TEXT = Path(__file__).with_name("data") / "perplexity.txt"
+
+
+def weight_bytes(llm: LLM) -> int:
+    """Bytes of the linear layers' weights as the engine keeps them (a tied head counted once)."""
+    model, total = llm.engine.model, 0
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            if module.quantized is not None:
+                total += module.quantized.nbytes()
+            elif module is not model.lm_head or not model.config.tie_word_embeddings:
+                total += module.in_features * module.out_features * 4
+    return total
+
+
+def perplexity(llm: LLM) -> float:
+    ids = llm.get_tokenizer()(TEXT.read_text())["input_ids"]
+    (out,) = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0))
+    logprobs = [entry[token].logprob for token, entry in zip(ids[1:], out.prompt_logprobs[1:])]
+    return math.exp(-sum(logprobs) / len(logprobs))
+
+
+def bench_llama_cpp(new_tokens: int, prompts: list[list[int]], threads: int) -> dict | None:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    llm = Llama(model_path=str(_gguf_path()), n_ctx=2048, n_threads=threads, n_batch=512, verbose=False)
+    tok_s = []
+    for ids in prompts[:3]:
+        llm.reset()
+        start = time.perf_counter()
+        produced = 0
+        for token in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+            produced += 1
+            if produced == new_tokens:
+                break
+        tok_s.append(produced / (time.perf_counter() - start))
+    return {"tok_s": sorted(tok_s)[len(tok_s) // 2]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--methods", nargs="+", default=["none", "q4", "int8", "q4-float"])
+    parser.add_argument("--adapters", type=int, default=16, help="distinct adapters at batch 16 (0: skip)")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    float_copy = Path(tempfile.mkdtemp()) / "SmolLM2-float"  # not the GGUF's folder: q4 quantizes at load
+    shutil.copytree(default_model_dir(), float_copy)
+    adapter_dir = Path(tempfile.mkdtemp())
+    adapters = make_adapters(str(default_model_dir()), adapter_dir, args.adapters, 16) if args.adapters else []
+    rows = []
+    try:
+        for method in args.methods:
+            folder = float_copy if method == "q4-float" else default_model_dir()
+            llm = LLM(str(folder), quantization=method.split("-")[0], dtype="float32", enable_prefix_caching=False,
+                      max_model_len=4096)
+            tokenizer = llm.get_tokenizer()
+            row = {"method": method, "bytes": weight_bytes(llm), "ppl": perplexity(llm)}
+            bench_loraplex(llm, make_prompts(tokenizer, 2, seed=99), 8)  # warm-up
+            for batch in args.batch_sizes:
+                row[batch] = bench_loraplex(llm, make_prompts(tokenizer, batch, seed=batch), args.new_tokens)
+            if adapters and method in ("none", "q4"):
+                for i, folder in enumerate(adapters):
+                    llm.load_adapter(f"a{i}", str(folder))
+                prompts = prompts_of(tokenizer, 16)
+                base = run_loraplex(llm, prompts, [None] * 16, args.new_tokens)
+                mixed = run_loraplex(llm, prompts, [f"a{i % len(adapters)}" for i in range(16)], args.new_tokens)
+                row["adapters"] = (base, mixed)
+            rows.append(row)
+            print(f"{method}: done", flush=True)
+            del llm
+        cpp = bench_llama_cpp(args.new_tokens, make_prompts(tokenizer, 3, seed=1), torch.get_num_threads())
+    finally:
+        shutil.rmtree(float_copy.parent, ignore_errors=True)
+        shutil.rmtree(adapter_dir, ignore_errors=True)
+
+    none = next((r for r in rows if r["method"] == "none"), None)
+    print(f"\nSmolLM2-135M-Instruct, float32 activations, {args.new_tokens} new tokens, greedy, no prefix cache, "
+          f"{torch.get_num_threads()} threads\n")
+    head = " | ".join(f"batch {b} tok/s (step ms)" for b in args.batch_sizes)
+    print(f"| weights | linear weight MiB | perplexity | {head} | 16 adapters / own base at batch 16 |")
+    print("| --- | --- | --- | " + " | ".join("---" for _ in args.batch_sizes) + " | --- |")
+    for r in rows:
+        cells = " | ".join(f"{r[b]['tok_s']:.1f} ({r[b]['step_ms']:.1f})" for b in args.batch_sizes)
+        ppl = f"{r['ppl']:.3f}" + (f" ({100 * (r['ppl'] / none['ppl'] - 1):+.2f}%)" if none and r is not none else "")
+        mixed = f"{r['adapters'][1]:.1f} / {r['adapters'][0]:.1f} = {r['adapters'][1] / r['adapters'][0]:.2f}x" \
+            if "adapters" in r else "-"
+        print(f"| {r['method']} | {r['bytes'] / 2**20:.1f} | {ppl} | {cells} | {mixed} |")
+    if cpp is None:
+        print("\nllama.cpp: not measured (pip install llama-cpp-python, built on this machine)")
+    else:
+        q4 = next((r for r in rows if r["method"] == "q4"), None)
+        ratio = f"; q4 batch 1 / llama.cpp = {q4[1]['tok_s'] / cpp['tok_s']:.2f}x" if q4 and 1 in q4 else ""
+        print(f"\nllama.cpp (llama-cpp-python, same GGUF, batch 1): {cpp['tok_s']:.1f} tok/s{ratio}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

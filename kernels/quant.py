@@ -1,0 +1,135 @@
+"""Weight-only quantized matmul for CPU: float32 activations times 4- or 8-bit weights.
+
+Formats (`QuantizedWeight`), both grouped along the input dimension K:
+- `q4`: groups of 32, asymmetric, w = d * q + m with q in 0..15 (GGUF Q4_1's math and nibble
+  order: byte j of a group holds element j low and element j + 16 high, so GGUF blocks are
+  repacked by splitting out their scales, the bits kept as they are).
+- `q8`: groups of `group` (32 for GGUF Q8_0, K for per-channel int8), symmetric, w = d * q with q
+  in -127..127.
+
+`quantized_matmul` runs the C kernel (`cpu_kernels.c`, dequantizing each weight row once per
+call into L1 and taking every token's dot product with it) and falls back to the reference,
+`x @ dequantize(w).T`, which tests compare it with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from loraplex.kernels import cpu_kernels
+
+Q4_GROUP = 32
+
+
+@dataclass
+class QuantizedWeight:
+    kind: str  # "q4" | "q8"
+    q: torch.Tensor  # q4: uint8 [N, K / 2]; q8: int8 [N, K]
+    d: torch.Tensor  # float32 [N, K / group]
+    m: torch.Tensor | None  # q4: float32 [N, K / group]; q8: None
+    group: int
+    shape: tuple[int, int]  # (N, K) of the float weight
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m) if t is not None)
+
+
+def quantize(weight: torch.Tensor, kind: str, group: int | None = None) -> QuantizedWeight:
+    """A float weight [N, K] quantized at load: `q4` like llama.cpp's Q4_1 (min/max per group of
+    32, scales kept in float32), `q8` symmetric per `group` (default: per channel)."""
+    w = weight.detach().float()
+    n, k = w.shape
+    if kind == "q4":
+        if k % Q4_GROUP:
+            raise ValueError(f"q4 needs the input dimension to be a multiple of {Q4_GROUP}, got {k}")
+        groups = w.reshape(n, k // Q4_GROUP, Q4_GROUP)
+        low, high = groups.amin(-1), groups.amax(-1)
+        d = (high - low) / 15
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        q = ((groups - low[..., None]) * inv[..., None] + 0.5).floor().clamp(0, 15).to(torch.uint8)
+        packed = q[..., :16] | (q[..., 16:] << 4)
+        return QuantizedWeight("q4", packed.reshape(n, k // 2).contiguous(), d.contiguous(), low.contiguous(),
+                               Q4_GROUP, (n, k))
+    if kind == "q8":
+        group = group or k
+        if k % group or group % 8:
+            raise ValueError(f"q8 groups must divide the input dimension {k} and be a multiple of 8, got {group}")
+        groups = w.reshape(n, k // group, group)
+        d = groups.abs().amax(-1) / 127
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        q = (groups * inv[..., None]).round().clamp(-127, 127).to(torch.int8)
+        return QuantizedWeight("q8", q.reshape(n, k).contiguous(), d.contiguous(), None, group, (n, k))
+    raise ValueError(f"unknown quantization {kind!r}")
+
+
+def from_gguf(raw: np.ndarray, type_name: str, k: int) -> QuantizedWeight:
+    """GGUF blocks as they are in the file (uint8 [N, bytes per row]) for Q4_1 and Q8_0: the
+    scales split out (float16 -> float32, exact), the quantized values kept bit for bit."""
+    n = raw.shape[0]
+    groups = k // 32
+    if type_name == "Q4_1":  # per block: d f16, m f16, 16 bytes of nibbles
+        blocks = raw.reshape(n, groups, 20)
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        q = np.ascontiguousarray(blocks[..., 4:]).reshape(n, k // 2)
+        return QuantizedWeight("q4", torch.from_numpy(q.copy()), torch.from_numpy(d), torch.from_numpy(m), 32, (n, k))
+    if type_name == "Q8_0":  # per block: d f16, 32 int8
+        blocks = raw.reshape(n, groups, 34)
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n, k)
+        return QuantizedWeight("q8", torch.from_numpy(q.copy()), torch.from_numpy(d), None, 32, (n, k))
+    raise ValueError(f"GGUF tensors of type {type_name} are not kept quantized (Q4_1 and Q8_0 are)")
+
+
+def rows(w: QuantizedWeight, index: torch.Tensor) -> QuantizedWeight:
+    """The weight's output rows reordered (GGUF's q/k head permutation undone on the blocks)."""
+    pick = lambda t: None if t is None else t[index].contiguous()  # noqa: E731
+    return QuantizedWeight(w.kind, pick(w.q), pick(w.d), pick(w.m), w.group, (len(index), w.shape[1]))
+
+
+def concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Stacked along the output rows (fused qkv, gate_up)."""
+    first = parts[0]
+    if any(p.kind != first.kind or p.group != first.group or p.shape[1] != first.shape[1] for p in parts):
+        raise ValueError("fused projections must share one quantization format")
+    cat = lambda ts: None if ts[0] is None else torch.cat(ts).contiguous()  # noqa: E731
+    return QuantizedWeight(first.kind, cat([p.q for p in parts]), cat([p.d for p in parts]),
+                           cat([p.m for p in parts]), first.group, (sum(p.shape[0] for p in parts), first.shape[1]))
+
+
+def dequantize(w: QuantizedWeight) -> torch.Tensor:
+    """The float32 weight [N, K] the quantized one stands for (the reference)."""
+    n, k = w.shape
+    if w.kind == "q4":
+        packed = w.q.reshape(n, k // 32, 16)
+        q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
+        return (q * w.d[..., None] + w.m[..., None]).reshape(n, k)
+    q = w.q.reshape(n, k // w.group, w.group).float()
+    return (q * w.d[..., None]).reshape(n, k)
+
+
+def reference_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    return x.float() @ dequantize(w).T
+
+
+def quantized_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """x [..., K] float32 -> [..., N]: the C kernel where it is built, else the reference."""
+    lib = cpu_kernels.library()
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu":
+        return reference_matmul(x, w)
+    flat = x.reshape(-1, w.shape[1]).contiguous()
+    out = torch.empty(flat.shape[0], w.shape[0], dtype=torch.float32)
+    if w.kind == "q4":
+        status = lib.q4_matmul(flat.data_ptr(), flat.shape[0], w.shape[1], w.q.data_ptr(), w.d.data_ptr(),
+                               w.m.data_ptr(), w.shape[0], out.data_ptr())
+    else:
+        status = lib.q8_matmul(flat.data_ptr(), flat.shape[0], w.shape[1], w.q.data_ptr(), w.d.data_ptr(), w.group,
+                               w.shape[0], out.data_ptr())
+    if status == -1:
+        raise MemoryError(f"{w.kind} kernel could not allocate its row buffer")
+    if status != 0:
+        raise RuntimeError(f"{w.kind} kernel refused shape {w.shape} (group {w.group})")
+    return out.reshape(*x.shape[:-1], w.shape[0])

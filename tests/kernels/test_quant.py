@@ -1,0 +1,70 @@
+"""Weight-only quantized matmul: the C kernel against dequantize-then-matmul, GGUF blocks read
+bit for bit (against the gguf package's own dequantizer), quantizing at load within bounds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from loraplex.kernels import cpu_kernels
+from loraplex.kernels.quant import (concat, dequantize, from_gguf, quantize, quantized_matmul, reference_matmul,
+                                    rows)
+
+FORMATS = [("q4", None), ("q8", None), ("q8", 32)]
+
+
+@pytest.mark.parametrize("kind,group", FORMATS)
+@pytest.mark.parametrize("m", [1, 3, 16, 64])
+def test_kernel_matches_dequantize_then_matmul(kind, group, m):
+    if cpu_kernels.library() is None:
+        pytest.fail("the C kernels did not build (a C compiler is part of the set-up)")
+    gen = torch.Generator().manual_seed(m)
+    weight = torch.randn(37, 192, generator=gen) * 0.05  # 37 rows: not a multiple of the kernel's 4
+    w = quantize(weight, kind, group)
+    x = torch.randn(m, 192, generator=gen)
+    torch.testing.assert_close(quantized_matmul(x, w), reference_matmul(x, w), atol=2e-5, rtol=1e-5)
+    x3 = torch.randn(2, 5, 192, generator=gen)  # any leading shape
+    assert quantized_matmul(x3, w).shape == (2, 5, 37)
+
+
+@pytest.mark.parametrize("kind,group,bound", [("q4", None, 1 / 30), ("q8", None, 1 / 254), ("q8", 32, 1 / 254)])
+def test_quantizing_at_load_stays_within_half_a_step(kind, group, bound):
+    weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    w = quantize(weight, kind, group)
+    err = (dequantize(w) - weight).abs()
+    span = weight.abs().amax() * 2 if kind == "q4" else weight.abs().amax()
+    assert err.max() <= span * bound * 1.01
+    assert w.nbytes() / weight.numel() <= (0.75 if kind == "q4" else 1.125)  # bytes per weight (float32: 4)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
+def test_gguf_blocks_are_read_bit_for_bit(type_name):
+    from gguf import GGMLQuantizationType, quants
+
+    kind = getattr(GGMLQuantizationType, type_name)
+    weight = np.random.default_rng(0).standard_normal((24, 128)).astype(np.float32)
+    raw = quants.quantize(weight, kind)
+    w = from_gguf(raw, type_name, 128)
+    expected = torch.from_numpy(quants.dequantize(raw, kind))
+    torch.testing.assert_close(dequantize(w), expected, atol=1e-6, rtol=1e-6)
+    x = torch.randn(5, 128)
+    torch.testing.assert_close(quantized_matmul(x, w), x @ expected.T, atol=2e-5, rtol=1e-5)
+
+
+def test_rows_and_concat_keep_each_row_with_its_scales():
+    a, b = (quantize(torch.randn(8, 64, generator=torch.Generator().manual_seed(s)), "q4") for s in (1, 2))
+    order = torch.tensor([3, 0, 7, 1, 2, 6, 5, 4])
+    torch.testing.assert_close(dequantize(rows(a, order)), dequantize(a)[order])
+    torch.testing.assert_close(dequantize(concat([a, b])), torch.cat([dequantize(a), dequantize(b)]))
+    with pytest.raises(ValueError):
+        concat([a, quantize(torch.randn(8, 64), "q8")])
+
+
+def test_shapes_the_formats_cannot_hold_are_refused():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize(torch.randn(4, 40), "q4")
+    with pytest.raises(ValueError, match="groups"):
+        quantize(torch.randn(4, 64), "q8", 12)
+    with pytest.raises(ValueError, match="unknown quantization"):
+        quantize(torch.randn(4, 64), "q3")

@@ -1,0 +1,130 @@
+"""`--quantization`: the engine on quantized weights gives what the float model with the
+dequantized weights gives (logits, and token for token with adapters, against peft), and the
+default model's q4 keeps its GGUF's bits: the same numbers as the float folder converted from it."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import make_peft_adapter, make_tiny_model, peft_greedy
+from loraplex.kernels.quant import dequantize
+from loraplex.platform import LLM
+from loraplex.platform.config import EngineConfig
+from loraplex.platform.engine import Engine
+from loraplex.platform.models.linear import PackedLinear
+from loraplex.platform.request import SamplingParams
+from test_model import prompt_logits
+
+
+def dequantized_folder(engine: Engine, src, dst):
+    """A HF folder like `src` whose linear weights are the engine's dequantized ones (the float
+    model the quantized one stands for)."""
+    from loraplex.platform.models import FUSED_PROJECTIONS
+
+    from safetensors import safe_open
+
+    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    model = engine.model
+    for i, layer in enumerate(model.layers):
+        for fused, parts in FUSED_PROJECTIONS.items():
+            block = "self_attn" if fused in ("qkv_proj", "o_proj") else "mlp"
+            dense = dequantize(getattr(getattr(layer, block), fused).quantized)
+            sizes = [tensors[f"model.layers.{i}.{block}.{p}.weight"].shape[0] for p in parts]
+            for p, w in zip(parts, dense.split(sizes)):
+                tensors[f"model.layers.{i}.{block}.{p}.weight"] = w.contiguous()
+    head = dequantize(model.lm_head.quantized)
+    if model.config.tie_word_embeddings:
+        tensors["model.embed_tokens.weight"] = head  # tied: the float reference shares it too
+    else:
+        tensors["lm_head.weight"] = head
+    dst.mkdir()
+    save_file(tensors, str(dst / "model.safetensors"))
+    for path in src.iterdir():  # config and tokenizer as they are
+        if path.is_file() and path.suffix != ".safetensors":
+            shutil.copy(path, dst / path.name)
+    return dst
+
+
+@pytest.mark.parametrize("method", ["q4", "int8"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_quantized_logits_are_the_dequantized_models(tmp_path, method, tied):
+    folder = make_tiny_model(tmp_path / "m", "llama", seed=3, tie_word_embeddings=tied)
+    engine = Engine(EngineConfig(model=str(folder), num_kv_blocks=16, quantization=method))
+    assert engine.config.dtype == "float32"  # auto resolves to the kernels' activations
+    linears = [m for m in engine.model.modules() if isinstance(m, PackedLinear)]
+    assert all(m.quantized is not None for m in linears)
+    assert all(m.weight is None for m in linears if m is not engine.model.lm_head)  # no float copy kept
+    reference = Engine(EngineConfig(model=str(dequantized_folder(engine, folder, tmp_path / "ref")),
+                                    dtype="float32", num_kv_blocks=16))
+    if tied:  # the embedding table is the float one in both; only the head is quantized
+        reference.model.embed_tokens.weight.data.copy_(engine.model.embed_tokens.weight)
+    ids = torch.randint(3, 448, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    torch.testing.assert_close(prompt_logits(engine, ids, 7), prompt_logits(reference, ids, 7),
+                               atol=2e-4, rtol=1e-4)
+
+
+def test_adapters_on_a_quantized_base_match_peft_on_the_dequantized_model(tmp_path, tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=64, quantization="q4", max_loras=4)
+    reference = dequantized_folder(llm.engine, tiny_model_dir, tmp_path / "ref")
+    adapters = [make_peft_adapter(reference, tmp_path / f"a{i}", rank=8, seed=i, scale=0.5) for i in range(3)]
+    for i, path in enumerate(adapters):
+        llm.load_adapter(f"a{i}", str(path))
+    prompts = [torch.randint(3, 448, (9 + i,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(4)]
+    which = [0, 1, 2, None]  # three adapters and the base, one batch
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                        adapter=[None if a is None else f"a{a}" for a in which])
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    assert got == peft_greedy(reference, [None if a is None else adapters[a] for a in which], prompts, 6)
+
+
+@pytest.mark.e2e
+def test_default_model_q4_keeps_the_gguf_bits(default_model_dir):
+    """The folder was converted from the GGUF by dequantizing: the q4 engine's weights are the
+    same numbers (checked per layer at load), so its logits are the float engine's."""
+    q4 = Engine(EngineConfig(model=str(default_model_dir), num_kv_blocks=32, quantization="q4"))
+    head = q4.model.lm_head.quantized
+    assert head.kind == "q8" and head.group == 32  # the GGUF's Q8_0 output blocks
+    qkv = q4.model.layers[0].self_attn.qkv_proj.quantized
+    assert qkv.kind == "q4" and qkv.nbytes() * 5 < qkv.shape[0] * qkv.shape[1] * 4
+    fp32 = Engine(EngineConfig(model=str(default_model_dir), dtype="float32", num_kv_blocks=32))
+    ids = q4.tokenizer("The capital of France is Paris, and the capital of Italy is")["input_ids"]
+    torch.testing.assert_close(prompt_logits(q4, ids, 16), prompt_logits(fp32, ids, 16), atol=2e-3, rtol=1e-3)
+
+
+def test_quantization_settings_that_cannot_hold_are_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="float32 activations"):
+        EngineConfig(model=str(tiny_model_dir), quantization="q4", dtype="bfloat16")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(model=str(tiny_model_dir), quantization="q3")
+
+
+def test_gguf_blocks_that_are_not_the_folders_weights_are_refused(tmp_path, tiny_model_dir):
+    """A GGUF checked against a folder it was not converted from: a refusal, never wrong weights."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+    from loraplex.platform.config import ModelConfig
+    from loraplex.platform.models.llama import load_model
+
+    config = ModelConfig.from_folder(tiny_model_dir)
+    path = tmp_path / "other.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    rng = np.random.default_rng(0)
+    shapes = {"attn_q": (64, 64), "attn_k": (32, 64), "attn_v": (32, 64), "attn_output": (64, 64),
+              "ffn_gate": (128, 64), "ffn_up": (128, 64), "ffn_down": (64, 128)}
+    for i in range(config.num_layers):
+        for name, shape in shapes.items():
+            raw = quants.quantize(rng.standard_normal(shape).astype(np.float32), GGMLQuantizationType.Q4_1)
+            writer.add_tensor(f"blk.{i}.{name}.weight", raw, raw_dtype=GGMLQuantizationType.Q4_1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="do not match the model folder"):
+        load_model(tiny_model_dir, config, torch.float32, 64, quantization="q4", gguf=path)
