@@ -128,13 +128,21 @@ class AdapterCatalog:
 
 
 class _CatalogClient:
-    """The app's `SharedAdapters`, over the catalog actor."""
+    """The app's `SharedAdapters`, over the catalog actor. Names the replica's heartbeat last
+    brought are answered here; others (registered since) are asked for."""
 
     def __init__(self, catalog) -> None:
         self.catalog = catalog
+        self.known: dict[str, AdapterInfo] = {}
+
+    def update(self, adapters: list[AdapterInfo]) -> None:
+        self.known = {a.name: a for a in adapters}
 
     async def get(self, name: str) -> AdapterInfo | None:
-        return await self.catalog.get.remote(name)
+        info = self.known.get(name)
+        if info is None:
+            info = await self.catalog.get.remote(name)
+        return info
 
     async def list(self) -> list[AdapterInfo]:
         return await self.catalog.list.remote()
@@ -224,7 +232,8 @@ def engine_replica(max_adapters: int):
             self.front = AsyncEngine(Engine(EngineConfig(model=model, **engine_args)),
                                      max_waiting_requests=max_waiting_requests)
             self.catalog = catalog
-            self.app = build_app(self.front, server_config, _CatalogClient(catalog))
+            self.shared = _CatalogClient(catalog)
+            self.app = build_app(self.front, server_config, self.shared)
             self.server = self.app.state.server
             self.replica = serve.get_replica_context().replica_id.unique_id
             self.id_header = (REPLICA_HEADER.encode(), self.replica.encode())
@@ -314,6 +323,7 @@ def engine_replica(max_adapters: int):
             metrics = self.server.metrics.render() + generate_latest(self.metrics)
             version, adapters = await self.catalog.report.remote(self.replica, self.version, metrics.decode())
             if adapters is not None:
+                self.shared.update(adapters)  # before the version is acknowledged: gone names now 404 here
                 shared = {a.name: a.content_hash for a in adapters}
                 for info in self.front.adapters.list():
                     if shared.get(info.name) != info.content_hash:  # unloaded (or replaced) cluster-wide

@@ -168,15 +168,21 @@ class _Server:
         if model == base:
             return None
         name = model[len(base) + 1:] if model.startswith(base + ":") else model
-        if name and name in {a.name for a in self.engine.adapters.list()}:
-            return name
-        shared = await self.shared.get(name) if self.shared is not None and name else None
-        if shared is not None:
+        missing = APIError(404, f"The model `{model}` does not exist.", "model")
+        here = bool(name) and name in {a.name for a in self.engine.adapters.list()}
+        if self.shared is not None and name:  # the shared set decides, also for a copy still held here
+            shared = await self.shared.get(name)
+            if shared is None:
+                raise missing
+            if here:
+                return name
             path, confined = (self.adapter_path(shared.path), True) if shared.confined else (Path(shared.path), False)
+        elif here:
+            return name
         else:
             path, confined = self._resolvable(name) if self.config.enable_lora_resolver and name else None, True
         if path is None:
-            raise APIError(404, f"The model `{model}` does not exist.", "model")
+            raise missing
         await self._load_once(name, path, confined)
         return name
 

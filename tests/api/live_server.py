@@ -42,7 +42,7 @@ class LiveServer:
 
 
 def start_server(model_dir: Path, config, lora_modules: dict[str, Path] | None = None,
-                 max_waiting_requests: int | None = None, **engine_args) -> LiveServer:
+                 max_waiting_requests: int | None = None, shared=None, **engine_args) -> LiveServer:
     import uvicorn
 
     from loraplex.api.server import build_app
@@ -58,7 +58,7 @@ def start_server(model_dir: Path, config, lora_modules: dict[str, Path] | None =
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(build_app(front, config), log_level="warning", timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn.Config(build_app(front, config, shared), log_level="warning", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     for _ in range(200):
