@@ -6,8 +6,9 @@ For none / q4 / int8 on the default model, and q4 quantized at load from the flo
 instead of taken from the GGUF ("q4-float"): bytes of the linear weights kept, decode step and
 tok/s per batch size (prefix caching off, the same prompts for all), perplexity on
 benchmarks/data/perplexity.txt (from prompt logprobs); q4 and none with 16 distinct adapters
-at batch 16 against their own base. Beside them in the same run, batch 1 only: llama.cpp
-through llama-cpp-python (if installed) on the same GGUF file.
+at batch 16 against their own base. Beside them in the same run: transformers `generate` in
+float32 on the same prompts (`--skip-hf` to leave it out), and at batch 1 llama.cpp through
+llama-cpp-python (if installed) on the same GGUF file.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from loraplex.platform import LLM, SamplingParams
 from loraplex.platform.model_store import _gguf_path, default_model_dir
 from loraplex.platform.models.linear import PackedLinear
 from multi_lora import make_adapters, prompts_of, run_loraplex
-from throughput import bench_loraplex, make_prompts
+from throughput import bench_hf, bench_loraplex, make_prompts
 
 TEXT = Path(__file__).with_name("data") / "perplexity.txt"
 
@@ -75,6 +76,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--methods", nargs="+", default=["none", "q4", "int8", "q4-float"])
     parser.add_argument("--adapters", type=int, default=16, help="distinct adapters at batch 16 (0: skip)")
+    parser.add_argument("--skip-hf", action="store_true", help="no transformers row")
     args = parser.parse_args()
     torch.manual_seed(0)
     float_copy = Path(tempfile.mkdtemp()) / "SmolLM2-float"  # not the GGUF's folder: q4 quantizes at load
@@ -102,6 +104,14 @@ def main() -> None:
             rows.append(row)
             print(f"{method}: done", flush=True)
             del llm
+        if not args.skip_hf:
+            from transformers import AutoModelForCausalLM
+
+            hf = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
+            rows.append({"method": "transformers fp32", "bytes": None, "ppl": None,
+                         **{b: bench_hf(hf, tokenizer, make_prompts(tokenizer, b, seed=b), args.new_tokens)
+                            for b in args.batch_sizes}})
+            del hf
         cpp = bench_llama_cpp(args.new_tokens, make_prompts(tokenizer, 3, seed=1), torch.get_num_threads())
     finally:
         shutil.rmtree(float_copy.parent, ignore_errors=True)
@@ -115,10 +125,12 @@ def main() -> None:
     print("| --- | --- | --- | " + " | ".join("---" for _ in args.batch_sizes) + " | --- |")
     for r in rows:
         cells = " | ".join(f"{r[b]['tok_s']:.1f} ({r[b]['step_ms']:.1f})" for b in args.batch_sizes)
-        ppl = f"{r['ppl']:.3f}" + (f" ({100 * (r['ppl'] / none['ppl'] - 1):+.2f}%)" if none and r is not none else "")
+        ppl = "-" if r["ppl"] is None else \
+            f"{r['ppl']:.3f}" + (f" ({100 * (r['ppl'] / none['ppl'] - 1):+.2f}%)" if none and r is not none else "")
+        size = "-" if r["bytes"] is None else f"{r['bytes'] / 2**20:.1f}"
         mixed = f"{r['adapters'][1]:.1f} / {r['adapters'][0]:.1f} = {r['adapters'][1] / r['adapters'][0]:.2f}x" \
             if "adapters" in r else "-"
-        print(f"| {r['method']} | {r['bytes'] / 2**20:.1f} | {ppl} | {cells} | {mixed} |")
+        print(f"| {r['method']} | {size} | {ppl} | {cells} | {mixed} |")
     if cpp is None:
         print("\nllama.cpp: not measured (pip install llama-cpp-python, built on this machine)")
     else:
