@@ -481,19 +481,16 @@ def serve_ray(args: argparse.Namespace) -> int:
 
     from loraplex.api.cli import engine_args
     from loraplex.api.serve import server_config
+    from loraplex.platform.model_store import materialize_default_model
 
     logging.basicConfig(level=logging.INFO, format="[loraplex] %(message)s")
     cluster = ClusterConfig(replicas=args.replicas, max_replicas=args.max_replicas,
                             max_adapters_per_replica=args.max_adapters_per_replica, routing=args.ray_routing,
                             replica_cpus=args.replica_cpus, shutdown_timeout_s=args.shutdown_timeout)
     engine = engine_args(args)
+    # replicas get None for the default model (each machine converts its own copy); checks here need a folder
     local_model = str(Path(args.model).resolve()) if args.model else None
-    if local_model is None:
-        from loraplex.platform.model_store import materialize_default_model
-
-        model_for_checks = str(materialize_default_model())
-    else:
-        model_for_checks = local_model
+    model_for_checks = local_model or str(materialize_default_model())
     server = server_config(args, model_for_checks)
     adapters = described_adapters(args.lora_modules, engine, model_for_checks)
     if args.ray_address:

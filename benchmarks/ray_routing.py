@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,28 +25,19 @@ import time
 import urllib.request
 from pathlib import Path
 
-import torch
-
 from loraplex.api.bench_serve import build_parser, run, summarize
 from loraplex.platform.model_store import adapters_dir, default_model_dir
+from multi_lora import make_adapters
 
 
-def make_adapters(count: int) -> list[Path]:
-    """`count` distinct random LoRAs (peft's own format), made once."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    folders = [adapters_dir() / "bench-routing" / f"r{i}" for i in range(count)]
-    missing = [f for f in folders if not (f / "adapter_config.json").is_file()]
-    if missing:
-        base = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32)
-        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        for folder in missing:
-            torch.manual_seed(int(folder.name[1:]))
-            model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, target_modules=targets,
-                                                    init_lora_weights=False))
-            model.save_pretrained(folder)
-            base = model.unload()
+def adapter_folders(count: int) -> list[Path]:
+    """`count` distinct random rank-16 LoRAs on every projection (multi_lora.py's maker), made
+    once under the cache: the replicas read them from disk."""
+    out = adapters_dir() / "bench-routing"
+    folders = [out / f"lora-{i}" for i in range(count)]
+    if not all((f / "adapter_config.json").is_file() for f in folders):
+        shutil.rmtree(out, ignore_errors=True)
+        folders = make_adapters(str(default_model_dir()), out, count, 16)
     return folders
 
 
@@ -105,7 +97,7 @@ def main() -> None:
     parser.add_argument("--rates", type=float, nargs="+", default=[2.0, 4.0], help="requests per second (Poisson)")
     parser.add_argument("--output-len", type=int, default=16)
     args = parser.parse_args()
-    folders = make_adapters(args.adapters)
+    folders = adapter_folders(args.adapters)
     rows = [(rate, routing, measure(routing, rate, folders, args))
             for rate in args.rates for routing in ("adapter", "round-robin")]
     print(f"\n2 replicas x 1 CPU, {args.adapters} adapters (rank 16, all projections), {args.per_replica} kept per "

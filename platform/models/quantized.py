@@ -61,7 +61,7 @@ def _gguf_blocks(path: Path, config: ModelConfig) -> dict:
             if proj in heads:  # llama.cpp's converter interleaves each head's rotary halves
                 weight = rows(weight, _unpermute(weight.shape[0], heads[proj]))
             out[(i, proj)] = weight
-    head = by_name.get("output.weight") or by_name.get("token_embd.weight")
+    head = by_name.get("output.weight", by_name.get("token_embd.weight"))  # untied, else the tied table
     if head is not None and head.tensor_type.name == "Q8_0":
         out["lm_head"] = from_gguf(head.data, "Q8_0", int(head.shape[0]))
     return out

@@ -105,8 +105,7 @@ def test_two_replicas_route_by_adapter(default_model_dir, adapter_root):
         assert all(replicas) and len(set(replicas)) == 2, replicas  # both replicas served
 
         # affinity: after each adapter's first request, its requests find it already read
-        later = [cache[i] for i, (adapter, _, _) in enumerate(requests)
-                 if i >= len(ADAPTERS)]  # the first 8 are each adapter's first
+        later = cache[len(ADAPTERS):]  # the first 8 are each adapter's first
         assert sum(c == "hit" for c in later) >= 0.9 * len(later), list(zip(requests, replicas, cache))
         served_by = defaultdict(set)
         for (adapter, _, _), replica in zip(requests, replicas):
