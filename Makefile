@@ -6,7 +6,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 STAMP := $(VENV)/.deps-installed
 MODEL_STAMP := $(VENV)/.default-model
 
-.PHONY: setup setup-ray model serve demo-adapters browser test test-all bench clean
+.PHONY: setup setup-ray setup-gpu model serve demo-adapters browser test test-all bench clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,15 @@ setup-ray: $(RAY_STAMP)
 $(RAY_STAMP): requirements-ray.txt $(STAMP)
 	$(PIP) install -q -r requirements-ray.txt -c requirements.txt
 	touch $@
+
+# The CUDA build of torch, opt-in (`make test` never pulls it: a multi-GB download): replaces the CPU
+# wheel in the venv with the same version built for CUDA $(CUDA); its Triton runs the GPU kernels.
+CUDA ?= cu128
+setup-gpu: $(STAMP)
+	$(PIP) install -q "torch==$$($(PY) -c 'import torch; print(torch.__version__.split("+")[0])')+$(CUDA)" \
+		--index-url https://download.pytorch.org/whl/$(CUDA) --extra-index-url https://pypi.org/simple
+	$(PY) -c "import torch; assert torch.cuda.is_available(), 'torch ' + torch.__version__ + ' sees no CUDA device'; \
+		print('torch', torch.__version__, 'on', torch.cuda.get_device_name())"
 
 # The default model lives in the cache dir (LORAPLEX_CACHE, else ~/.cache/loraplex): converting
 # it is a no-op once the folder is complete.

@@ -49,7 +49,9 @@ class AdapterStatus:
 
 class AdapterRegistry:
     def __init__(self, config: ModelConfig, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None,
-                 dtype: torch.dtype, lora_memory: int | None = None) -> None:
+                 dtype: torch.dtype, lora_memory: int | None = None, device: torch.device | None = None,
+                 stacked: bool = False) -> None:
+        """`stacked`: slots are copies on `device` (the Triton kernels' layout), not pointers."""
         if max_loras < 1 or max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {max_loras}, {max_lora_rank}")
         if max_cpu_loras is not None and max_cpu_loras < max_loras:
@@ -63,7 +65,7 @@ class AdapterRegistry:
         self._cpu: OrderedDict[str, LoRAWeights] = OrderedDict()  # LRU, most recent last
         self._cpu_bytes = 0
         self._pins: Counter[str] = Counter()
-        self._slots = LoRASlots(config, max_loras, dtype)
+        self._slots = LoRASlots(config, max_loras, dtype, device, max_lora_rank if stacked else None)
         self._slot_of: dict[str, tuple[int, str]] = {}  # name -> (slot, content hash)
         self._slot_lru: OrderedDict[int, str | None] = OrderedDict((i, None) for i in range(max_loras))
         self.num_slot_loads = 0
@@ -193,7 +195,8 @@ class AdapterRegistry:
 
     def assign_slots(self, names: set[str]) -> dict[str, int]:
         """Give every named adapter a slot, reusing the least recently used slots that hold none
-        of them. On the CPU a slot points at the adapter's weights in the cache (no copy). The
+        of them. On the CPU a slot points at the adapter's weights in the cache (no copy; stacked
+        slots copy them to the device). The
         scheduler admits at most `max_loras` distinct adapters at once."""
         if len(names) > self.max_loras:
             raise RuntimeError(f"{len(names)} adapters in flight, max_loras={self.max_loras}")

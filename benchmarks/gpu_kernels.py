@@ -70,11 +70,12 @@ def check_sgmv(dtype) -> None:
     print(f"sgmv {dtype}: triton == reference")
 
 
-def bench_sgmv() -> None:
+def bench_sgmv() -> list[dict]:
     hidden, rank, widths, dtype = 4096, 16, [4096, 1024, 1024], torch.bfloat16
     elt = 2
     print(f"\nSGMV bandwidth, hidden {hidden}, qkv {widths}, rank {rank}, bf16 (H200 HBM ~4.8 TB/s)")
     print(f"{'adapters':>8} {'T':>6} | {'shrink us':>9} {'GB/s':>7} | {'expand us':>9} {'GB/s':>7}")
+    rows = []
     for num_adapters in (1, 8, 64):
         for num_tokens in (16, 256, 4096):
             x, a, b, ranks, scales, batch, offsets = sgmv_case(num_tokens, num_adapters, rank, hidden, widths, dtype)
@@ -89,6 +90,9 @@ def bench_sgmv() -> None:
             expand_bytes = num_tokens * n * rank * 4 + used * sum(widths) * rank * elt + 2 * num_tokens * sum(widths) * elt
             print(f"{num_adapters:>8} {num_tokens:>6} | {t_s * 1e6:>9.1f} {shrink_bytes / t_s / 1e9:>7.0f} | "
                   f"{t_e * 1e6:>9.1f} {expand_bytes / t_e / 1e9:>7.0f}")
+            rows.append({"adapters": num_adapters, "tokens": num_tokens, "shrink_gbs": shrink_bytes / t_s / 1e9,
+                         "expand_gbs": expand_bytes / t_e / 1e9})
+    return rows
 
 
 def attention_case(batch, q_len, ctx, heads, kv_heads, dim, block_size, dtype):

@@ -267,7 +267,8 @@ class GrammarManager:
         if not rows:
             return
         vocab_size = self._args[1]
-        bitmask = torch.full((logits.shape[0], -(-vocab_size // 32)), -1, dtype=torch.int32)
+        # filled on the host by the backends, applied where the logits are
+        bitmask = torch.full((logits.shape[0], -(-vocab_size // 32)), -1, dtype=torch.int32, device="cpu")
         by_kind: dict[type, list[tuple[Grammar, int]]] = {}
         for i in rows:  # every backend writes the same packed rows: bit k of word j allows token 32*j + k
             by_kind.setdefault(type(grammars[i]), []).append((grammars[i], i))
@@ -277,17 +278,30 @@ class GrammarManager:
             else:
                 for grammar, i in items:
                     grammar.fill_bitmask(bitmask, i)
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows)
-        closers = self.closing_tokens[self.closing_tokens < logits.shape[1]]
-        for i in [i for i in rows if closing is not None and closing[i]]:
-            if bool(torch.isfinite(logits[i, closers]).any()):
-                kept = logits[i, closers].clone()
-                logits[i] = float("-inf")
-                logits[i, closers] = kept
+        xgr.apply_token_bitmask_inplace(logits, _on(bitmask, logits.device), vocab_size=vocab_size,
+                                        indices=rows)
+        steer = [i for i in rows if closing is not None and closing[i]]
+        if steer:
+            self._steer_to_closing(logits, steer)
+
+    def _steer_to_closing(self, logits: torch.Tensor, rows: list[int]) -> None:
+        """Rows whose grammar allows a closing token keep only those (no host read: where)."""
+        closers = self.closing_tokens[self.closing_tokens < logits.shape[1]].to(logits.device)
+        index = _on(torch.tensor(rows, dtype=torch.long, device="cpu"), logits.device)
+        masked = logits[index]
+        kept = masked[:, closers]
+        steered = torch.full_like(masked, float("-inf"))
+        steered[:, closers] = kept
+        logits[index] = torch.where(torch.isfinite(kept).any(dim=1, keepdim=True), steered, masked)
+
+
+def _on(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the logits' device (through pinned memory, not waiting, on CUDA)."""
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
 
 def _closing_tokens(tokenizer, stop_token_ids: list[int]) -> torch.Tensor:
     """Tokens made only of JSON closers (`"`, `]`, `}`), and the stop tokens."""
     texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
     ids = [i for i, text in enumerate(texts) if text.strip() and set(text.strip()) <= set('"]}')]
-    return torch.tensor(sorted(set(ids) | set(stop_token_ids)), dtype=torch.long)
+    return torch.tensor(sorted(set(ids) | set(stop_token_ids)), dtype=torch.long, device="cpu")

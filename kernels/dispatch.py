@@ -58,6 +58,23 @@ def use_cpu_kernel(tensor: torch.Tensor) -> bool:
     return _backend == "auto" and tensor.device.type == "cpu"
 
 
+def backend() -> str:
+    return _backend
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`: through pinned memory and without waiting on CUDA, as is."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def ieee_fp32(dtype: torch.dtype) -> bool:
+    """fp32 dots in IEEE precision unless torch itself allows TF32 (off by default), so the
+    Triton kernels match the PyTorch path exactly where parity is tested."""
+    return dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+
+
 def dot_in_fp32(dtype: torch.dtype) -> bool:
     """Triton's CPU interpreter computes bf16 tl.dot wrongly (triton 3.8): there, and only
     there, kernels upcast bf16 tiles before the dot."""

@@ -38,10 +38,16 @@ class PagedAttentionMetadata:
 
     @staticmethod
     def build(slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-              query_start_loc: torch.Tensor, block_size: int) -> "PagedAttentionMetadata":
-        query_lens = query_start_loc[1:] - query_start_loc[:-1]
-        return PagedAttentionMetadata(slot_mapping, block_tables, seq_lens, query_start_loc,
-                                      int(query_lens.max()), int(seq_lens.max()), block_size)
+              query_start_loc: torch.Tensor, block_size: int, max_query_len: int | None = None,
+              max_seq_len: int | None = None) -> "PagedAttentionMetadata":
+        """The maxima are read from the tensors unless given (the runner knows them on the host:
+        reading them from a device tensor would wait for the device)."""
+        if max_query_len is None:
+            max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())
+        return PagedAttentionMetadata(slot_mapping, block_tables, seq_lens, query_start_loc, max_query_len,
+                                      max_seq_len, block_size)
 
     def reference_view(self) -> tuple:
         """(query_batch, query_pos, attn_mask, used block tables) for the PyTorch path."""
@@ -75,9 +81,10 @@ class PagedAttentionMetadata:
         lens = ends - starts
         num_tokens = int(lens.sum())
         everything = len(requests) == len(self.seq_lens)
-        token_request = torch.repeat_interleave(torch.arange(len(requests)), lens, output_size=num_tokens)
+        token_request = torch.repeat_interleave(torch.arange(len(requests), device=lens.device), lens,
+                                                output_size=num_tokens)
         rows = None if everything else starts[token_request] + (
-            torch.arange(num_tokens) - torch.cumsum(lens, 0)[token_request] + lens[token_request])
+            torch.arange(num_tokens, device=lens.device) - torch.cumsum(lens, 0)[token_request] + lens[token_request])
         meta = self if everything else PagedAttentionMetadata.build(
             self.slot_mapping.new_empty(0), self.block_tables[requests], self.seq_lens[requests],
             torch.cat([lens.new_zeros(1), torch.cumsum(lens, 0)]), self.block_size)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.kernels.dispatch import dot_in_fp32
+from loraplex.kernels.dispatch import dot_in_fp32, ieee_fp32
 
 
 @triton.jit
@@ -25,8 +25,9 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, row_size
         offs = tl.arange(0, BLOCK)
         mask = offs < row_size
         dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + offs
-        tl.store(k_cache_ptr + dst, tl.load(k_ptr + t * stride_kt + offs, mask=mask), mask=mask)
-        tl.store(v_cache_ptr + dst, tl.load(v_ptr + t * stride_vt + offs, mask=mask), mask=mask)
+        dtype = k_cache_ptr.dtype.element_ty  # a float16 cache stores rounded copies
+        tl.store(k_cache_ptr + dst, tl.load(k_ptr + t * stride_kt + offs, mask=mask).to(dtype), mask=mask)
+        tl.store(v_cache_ptr + dst, tl.load(v_ptr + t * stride_vt + offs, mask=mask).to(dtype), mask=mask)
 
 
 @triton.jit
@@ -35,7 +36,7 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr
                             stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_ot, stride_oh,
                             stride_tb,
                             BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                            FP32_DOT: tl.constexpr):
+                            FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
     req = tl.program_id(0)
     pid_m = tl.program_id(1)
     head = tl.program_id(2)
@@ -63,17 +64,18 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr
                         mask=mask_d[:, None], other=0.0)  # [D, S]
             v = tl.load(v_cache_ptr + base + offs_s[:, None] * stride_cs + offs_d[None, :],
                         mask=mask_d[None, :], other=0.0)  # [S, D]
+            k, v = k.to(q.dtype), v.to(q.dtype)  # a float16 KV cache under a bfloat16 / float32 model
             qq = q
             if FP32_DOT:
                 qq, k, v = q.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
-            s = tl.dot(qq, k) * scale
+            s = tl.dot(qq, k, input_precision=PRECISION) * scale
             kv_pos = j * BLOCK_SIZE + offs_s
             s = tl.where((kv_pos[None, :] <= q_pos[:, None]) & (kv_pos[None, :] < seq_len), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         acc = acc / l_i[:, None]
         tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -108,6 +110,6 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), block_tables.stride(0),
         BLOCK_M=block_m, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=k_cache.shape[1],
-        FP32_DOT=dot_in_fp32(query.dtype),
+        FP32_DOT=dot_in_fp32(query.dtype), PRECISION="ieee" if ieee_fp32(query.dtype) else "tf32",
     )
     return out

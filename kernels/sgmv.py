@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from loraplex.kernels import cpu_kernels
-from loraplex.kernels.dispatch import use_cpu_kernel, use_triton
+from loraplex.kernels.dispatch import to_device, use_cpu_kernel, use_triton
 
 
 @dataclass
@@ -37,10 +37,11 @@ class LoRABatch:
     host_starts: list[int]  # the same offsets and slots on the host, for the PyTorch path
     host_slots: list[int]
     host_ranges: list[tuple[int, int] | None]  # per segment: its rows [lo, hi) when contiguous (prefill)
+    num_segments: int
 
     @staticmethod
     def build(token_slots: list[int] | torch.Tensor, device: torch.device | str = "cpu") -> "LoRABatch":
-        slots = torch.as_tensor(token_slots, dtype=torch.int64).cpu()
+        slots = torch.as_tensor(token_slots, dtype=torch.int64, device="cpu")
         keep = torch.nonzero(slots >= 0).flatten()
         sorted_slots, perm = torch.sort(slots[keep], stable=True)
         order = keep[perm]
@@ -49,20 +50,27 @@ class LoRABatch:
         rows = order.tolist()
         ranges = [(rows[lo], rows[hi - 1] + 1) if rows[hi - 1] - rows[lo] == hi - 1 - lo else None
                   for lo, hi in zip(starts[:-1], starts[1:])]
+        device = torch.device(device)
         return LoRABatch(
-            token_order=order.to(device),
-            order_slots=sorted_slots.to(device),
-            seg_starts=torch.tensor(starts, dtype=torch.int32, device=device),
-            seg_slots=uniq.to(torch.int32).to(device),
+            token_order=to_device(order, device),
+            order_slots=to_device(sorted_slots, device),
+            seg_starts=to_device(torch.tensor(starts, dtype=torch.int32, device="cpu"), device),
+            seg_slots=to_device(uniq.to(torch.int32), device),
             max_seg_len=int(counts.max()) if len(counts) else 0,
             host_starts=starts,
             host_slots=uniq.tolist(),
             host_ranges=ranges,
+            num_segments=len(counts),
         )
 
-    @property
-    def num_segments(self) -> int:
-        return len(self.host_slots)
+    @staticmethod
+    def per_token(token_order: torch.Tensor, seg_starts: torch.Tensor, token_slots: torch.Tensor) -> "LoRABatch":
+        """Every token its own segment (BGMV), over persistent buffers: a decode batch's shape no
+        longer depends on which adapters it holds, so one captured CUDA graph serves any mix.
+        `token_slots` [N] int32 (the null slot for tokens without an adapter), `token_order`
+        arange(N), `seg_starts` arange(N + 1) int32. Triton kernels only (no host copy)."""
+        n = len(token_order)
+        return LoRABatch(token_order, token_slots, seg_starts, token_slots, 1 if n else 0, [], [], [], n)
 
     def segments(self):
         """(slot, token indices) per segment, for the PyTorch path."""
@@ -220,6 +228,80 @@ def sgmv_lora_table_torch(x: torch.Tensor, table: LoRATable, batch: LoRABatch, y
 
 def _mean_segment_below(batch: LoRABatch, tokens: int) -> bool:
     return len(batch.token_order) < tokens * batch.num_segments
+
+
+# ---- stacked layout on the device: what the Triton kernels read ----------------------------------
+
+@dataclass
+class StackedLoRA:
+    """One fused projection's slots as persistent device tensors: A [S, n_slices * R, in],
+    B [S, out_total, R], ranks [S + 1] int32 and scales [S + 1] float32 (entry S is the null slot,
+    rank 0, for tokens without an adapter), slice offsets [n_slices + 1] int32. Loading a slot
+    copies the adapter in, padded to R; nothing is created per step, so CUDA graphs stay valid."""
+
+    offsets: list[int]
+    a: torch.Tensor
+    b: torch.Tensor
+    ranks: torch.Tensor
+    scales: torch.Tensor
+    offsets_t: torch.Tensor
+    host_ranks: list[int]  # the same ranks and scales on the host, for the reference path
+    host_scales: list[float]
+
+    @staticmethod
+    def empty(num_slots: int, offsets: list[int], in_features: int, max_rank: int, dtype: torch.dtype,
+              device: torch.device) -> "StackedLoRA":
+        n = len(offsets) - 1
+        return StackedLoRA(
+            list(offsets), torch.zeros(num_slots, n * max_rank, in_features, dtype=dtype, device=device),
+            torch.zeros(num_slots, offsets[-1], max_rank, dtype=dtype, device=device),
+            torch.zeros(num_slots + 1, dtype=torch.int32, device=device),
+            torch.zeros(num_slots + 1, dtype=torch.float32, device=device),
+            torch.tensor(offsets, dtype=torch.int32, device=device), [0] * (num_slots + 1), [0.0] * (num_slots + 1))
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def max_rank(self) -> int:
+        return self.b.shape[2]
+
+    @property
+    def null_slot(self) -> int:
+        return self.a.shape[0]
+
+    def set(self, slot: int, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+        """`a` [n_slices * r, in] and `b` = B transposed [r, out_total], as `LoRATable.set` takes them."""
+        rank = b.shape[0]
+        if rank > self.max_rank or a.shape != (self.num_slices * rank, self.a.shape[2]) or b.shape[1] != self.offsets[-1]:
+            raise ValueError(f"LoRA slot {slot}: A{tuple(a.shape)} B{tuple(b.shape)} do not fit {self.num_slices} "
+                             f"slices of rank <= {self.max_rank}, {self.a.shape[2]} inputs, {self.offsets[-1]} outputs")
+        self.clear(slot)
+        self.a[slot].view(self.num_slices, self.max_rank, -1)[:, :rank].copy_(a.view(self.num_slices, rank, -1))
+        self.b[slot, :, :rank].copy_(b.T)
+        self.ranks[slot], self.scales[slot] = rank, scale
+        self.host_ranks[slot], self.host_scales[slot] = rank, scale
+
+    def clear(self, slot: int) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        self.ranks[slot], self.scales[slot] = 0, 0.0
+        self.host_ranks[slot], self.host_scales[slot] = 0, 0.0
+
+
+def sgmv_lora_stacked(x: torch.Tensor, table: StackedLoRA, batch: LoRABatch, y: torch.Tensor) -> torch.Tensor:
+    """y += scale[s] * (x A[s]^T) B[s]^T per token, over the stacked layout: shrink into an fp32
+    buffer, expand into y (Triton on CUDA or when forced; the reference otherwise)."""
+    h = torch.zeros(x.shape[0], table.a.shape[1], dtype=torch.float32, device=x.device)
+    if use_triton(x):
+        from loraplex.kernels.sgmv_triton import sgmv_expand_triton, sgmv_shrink_triton
+
+        sgmv_shrink_triton(x, table.a, table.ranks, batch, h, table.num_slices)
+        return sgmv_expand_triton(h, table.b, table.ranks, table.scales, batch, y, table.offsets,
+                                  table.offsets_t)
+    sgmv_shrink_reference(x, table.a, table.host_ranks, batch, h, table.num_slices)
+    return sgmv_expand_reference(h, table.b, table.host_ranks, table.host_scales, batch, y, table.offsets)
 
 
 # ---- dispatch (stacked layout: Triton on CUDA, the reference elsewhere) ------------------------

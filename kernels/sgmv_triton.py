@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.kernels.dispatch import dot_in_fp32
+from loraplex.kernels.dispatch import dot_in_fp32, ieee_fp32
 from loraplex.kernels.sgmv import LoRABatch
 
 BLOCK_M = 16  # tokens per program (tl.dot needs >= 16)
@@ -35,7 +35,7 @@ def _segment_tokens(order_ptr, starts_ptr, slots_ptr, ranks_ptr, BLOCK_M: tl.con
 def _shrink_kernel(x_ptr, a_ptr, out_ptr, ranks_ptr, order_ptr, starts_ptr, slots_ptr,
                    in_features, max_rank, rank_blocks,
                    stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_ot, stride_or,
-                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
     pid_r = tl.program_id(2)
     slice_id = pid_r // rank_blocks
     r0 = (pid_r % rank_blocks) * BLOCK_R
@@ -54,7 +54,7 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, ranks_ptr, order_ptr, starts_ptr, slot
                         mask=mask_k[:, None] & mask_r[None, :], other=0.0)
             if FP32_DOT:
                 x, a = x.to(tl.float32), a.to(tl.float32)
-            acc += tl.dot(x, a)
+            acc += tl.dot(x, a, input_precision=PRECISION)
         tl.store(out_ptr + tokens[:, None] * stride_ot + rows[None, :] * stride_or,
                  acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_r[None, :])
 
@@ -63,7 +63,7 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, ranks_ptr, order_ptr, starts_ptr, slot
 def _expand_kernel(h_ptr, b_ptr, y_ptr, ranks_ptr, scales_ptr, order_ptr, starts_ptr, slots_ptr, offsets_ptr,
                    max_rank, n_blocks,
                    stride_ht, stride_hr, stride_bs, stride_bn, stride_br, stride_yt, stride_yn,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, FP32_DOT: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
     pid_n = tl.program_id(2)
     slice_id = pid_n // n_blocks
     lo = tl.load(offsets_ptr + slice_id)
@@ -84,12 +84,16 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, ranks_ptr, scales_ptr, order_ptr, starts
             h = h.to(b.dtype)
             if FP32_DOT:
                 h, b = h.to(tl.float32), b.to(tl.float32)
-            acc += tl.dot(h, b)
+            acc += tl.dot(h, b, input_precision=PRECISION)
         scale = tl.load(scales_ptr + slot)
         y_ptrs = y_ptr + tokens[:, None] * stride_yt + offs_n[None, :] * stride_yn
         mask = mask_m[:, None] & mask_n[None, :]
         y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_ptrs, (y + scale * acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if ieee_fp32(dtype) else "tf32"
 
 
 def _block(n: int, lo: int = 16, hi: int = 64) -> int:
@@ -110,18 +114,22 @@ def sgmv_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tenso
         x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
         out.stride(0), out.stride(1),
         BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=_block(x.shape[1], 16, 128), FP32_DOT=dot_in_fp32(x.dtype),
+        PRECISION=_precision(x.dtype),
     )
     return out
 
 
 def sgmv_expand_triton(h: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
-                       batch: LoRABatch, y: torch.Tensor, slice_offsets: list[int]) -> torch.Tensor:
+                       batch: LoRABatch, y: torch.Tensor, slice_offsets: list[int],
+                       offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """`offsets`: `slice_offsets` already on the device (persistent: no copy in the step)."""
     if batch.num_segments == 0:
         return y
     widths = [b - a for a, b in zip(slice_offsets[:-1], slice_offsets[1:])]
     block_n = _block(max(widths), 16, 128)
     n_blocks = triton.cdiv(max(widths), block_n)
-    offsets = torch.tensor(slice_offsets, dtype=torch.int32, device=y.device)
+    if offsets is None:
+        offsets = torch.tensor(slice_offsets, dtype=torch.int32, device=y.device)
     grid = (batch.num_segments, triton.cdiv(batch.max_seg_len, BLOCK_M), len(widths) * n_blocks)
     _expand_kernel[grid](
         h, lora_b, y, ranks, scales, batch.token_order, batch.seg_starts, batch.seg_slots, offsets,
@@ -129,6 +137,6 @@ def sgmv_expand_triton(h: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tenso
         h.stride(0), h.stride(1), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         y.stride(0), y.stride(1),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=_block(lora_b.shape[2], 16, 64),
-        FP32_DOT=dot_in_fp32(lora_b.dtype),
+        FP32_DOT=dot_in_fp32(lora_b.dtype), PRECISION=_precision(lora_b.dtype),
     )
     return y

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,6 +81,7 @@ def _as_tuple(value) -> tuple[int, ...]:
 
 
 QUANTIZATIONS = ("none", "q4", "int8")
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 def _setting(default, help: str, **cli):
@@ -91,7 +93,10 @@ def _setting(default, help: str, **cli):
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
-    dtype: str = _setting("auto", "weights and activations; auto: whichever of bfloat16 and float32 a "
+    device: str = _setting("auto", "where the model, KV cache, adapters and sampling live: cpu, cuda or cuda:N "
+                                   "(auto: cuda when torch sees one)")
+    dtype: str = _setting("auto", "weights and activations; auto: on CUDA bfloat16 (float16 without bf16 support); "
+                                  "on CPU whichever of bfloat16 and float32 a "
                                   "one-time probe of the model's step measures faster on this CPU (bfloat16 "
                                   "wins only with native bf16 matmuls: AVX512-BF16 / AMX)",
                           choices=["auto", *DTYPES])
@@ -100,7 +105,13 @@ class EngineConfig:
     max_num_batched_tokens: int = _setting(2048, "tokens in one step (the chunked-prefill budget)")
     block_size: int = _setting(16, "tokens per KV block")
     num_kv_blocks: int | None = _setting(None, "KV cache size in blocks (overrides --kv-cache-memory)")
-    kv_cache_memory: int = _setting(1 << 30, "KV cache size: bytes, or e.g. 512MiB", size=True)
+    kv_cache_memory: int = _setting(1 << 30, "CPU: KV cache size, bytes or e.g. 512MiB (CUDA: see "
+                                             "--gpu-memory-utilization)", size=True)
+    gpu_memory_utilization: float = _setting(0.9, "CUDA: fraction of the device's memory for weights, activations, "
+                                                  "adapters and KV cache; the KV cache gets what a profiling pass "
+                                                  "at max_num_batched_tokens leaves (vLLM's meaning)")
+    enforce_eager: bool = _setting(False, "CUDA: no CUDA graphs (decode batches are captured per padded batch "
+                                          "size by default)")
     enable_prefix_caching: bool = _setting(True, "reuse the KV of shared prompt prefixes")
     seed: int = _setting(0, "seed for requests that bring none")
     max_loras: int | None = _setting(None, "distinct adapters in one batch (default: as many as --lora-memory "
@@ -143,13 +154,34 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.quantization != "none" and self.dtype not in ("auto", "float32"):
             raise ValueError(f"quantization {self.quantization} runs float32 activations: use dtype float32 or auto")
+        if not DEVICE_PATTERN.fullmatch(self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        """The device `device` names; cuda without a CUDA torch or device is an error saying so."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {self.device} requested but torch {torch.__version__} sees no CUDA device "
+                                 "(the CUDA build of torch: make setup-gpu)")
+            if device.index is not None and device.index >= torch.cuda.device_count():
+                raise ValueError(f"device {self.device} requested but only {torch.cuda.device_count()} CUDA "
+                                 "device(s) are visible")
+        return device
 
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype != "auto":
             return DTYPES[self.dtype]
+        if self.torch_device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         from loraplex.platform.models.linear import native_bf16
 
         # the engine resolves auto by a probe (platform/dtype_probe.py) before anything reads

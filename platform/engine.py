@@ -13,13 +13,18 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from loraplex.adapters.registry import AdapterRegistry
 from loraplex.grammar.manager import GrammarManager
+from loraplex.kernels.dispatch import backend as kernel_backend, to_device
 from loraplex.platform.config import EngineConfig, ModelConfig
+from loraplex.platform.cuda_graphs import CudaCapture
+from loraplex.platform.device import DeviceMemory, cuda_used_bytes, kv_blocks_for
 from loraplex.platform.dtype_probe import resolve_dtype
 from loraplex.platform.input_processor import InputProcessor, Limits
 from loraplex.platform.kv_cache_manager import KVCacheManager
-from loraplex.platform.model_runner import ModelRunner, kv_bytes_per_block
+from loraplex.platform.model_runner import ModelRunner, kv_bytes_per_block, profile_step
 from loraplex.platform.model_store import gguf_source
 from loraplex.platform.models.llama import load_model
 from loraplex.platform.output_processor import OutputProcessor
@@ -52,9 +57,12 @@ class Engine:
         from transformers import AutoTokenizer
 
         self.model_config = ModelConfig.from_folder(config.model)
+        self.device = device = config.torch_device
+        if config.quantization != "none" and device.type != "cpu":
+            raise ValueError(f"quantization {config.quantization} runs CPU kernels; on {device} use quantization none")
         if config.dtype == "auto" and config.quantization != "none":  # the quantized kernels take float32
             config = dataclasses.replace(config, dtype="float32")
-        if config.dtype == "auto":  # decided once, by measurement where it can go either way
+        if config.dtype == "auto" and device.type == "cpu":  # decided once, by measurement where it can go either way
             chosen, why = resolve_dtype(self.model_config)
             print(f"[loraplex] dtype auto -> {chosen} ({why})", file=sys.stderr)
             config = dataclasses.replace(config, dtype=chosen)
@@ -62,32 +70,61 @@ class Engine:
         self.max_model_len = config.resolve_max_model_len(self.model_config)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         dtype = config.torch_dtype
+        memory_before = cuda_used_bytes(device) if device.type == "cuda" else None
         self.model = load_model(config.model, self.model_config, dtype, self.max_model_len, config.pack_weights,
-                                config.quantization, gguf_source(config.model))
-        num_blocks = config.num_kv_blocks or max(
-            1, config.kv_cache_memory // kv_bytes_per_block(self.model_config, config.block_size, config.torch_kv_dtype))
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+                                config.quantization, gguf_source(config.model), device)
         self.max_loras, why = config.resolve_max_loras(self.model_config)
+        # the Triton kernels read adapters stacked on the device; the CPU paths read them in place
+        stacked = device.type == "cuda" or kernel_backend() == "triton"
+        self.adapters = AdapterRegistry(self.model_config, self.max_loras, config.max_lora_rank,
+                                        config.max_cpu_loras, dtype, config.lora_memory, device, stacked)
+        self.model.attach_lora(self.adapters.slots)
+        print(f"[loraplex] adapters: max_loras={self.max_loras} per batch ({why}); CPU cache bounded by "
+              f"lora_memory={config.lora_memory / 2**20:.0f} MiB", file=sys.stderr)
+        num_blocks = self._num_kv_blocks(memory_before)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.eos_token_ids = self._eos_token_ids()
         self.grammars = GrammarManager(self.tokenizer, self.model_config.vocab_size, list(self.eos_token_ids),
                                        config.grammar_backend, config.grammar_compile_timeout_s)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    self.max_loras, config.lora_cycle_steps, self.eos_token_ids,
                                    self.grammars.new_grammar)
-        self.adapters = AdapterRegistry(self.model_config, self.max_loras, config.max_lora_rank,
-                                        config.max_cpu_loras, dtype, config.lora_memory)
-        self.model.attach_lora(self.adapters.slots)
-        print(f"[loraplex] adapters: max_loras={self.max_loras} per batch ({why}); CPU cache bounded by "
-              f"lora_memory={config.lora_memory / 2**20:.0f} MiB", file=sys.stderr)
-        self.runner = ModelRunner(self.model, self.model_config, self.kv, config.torch_kv_dtype)
+        self.runner = ModelRunner(self.model, self.model_config, self.kv, config.torch_kv_dtype, device)
+        if device.type == "cuda" and not config.enforce_eager:
+            self.runner.enable_graphs(CudaCapture(), config.max_num_seqs, self.max_model_len, self._null_slot())
         self.sampler = Sampler(self.model_config.vocab_size, self.eos_token_ids, config.seed, self.grammars,
-                               config.json_close_window)
+                               config.json_close_window, device)
         self.inputs = InputProcessor(self.tokenizer, Limits(self.model_config.vocab_size, self.max_model_len,
                                                             config.max_num_seqs, config.block_size, num_blocks),
                                      self.adapters, self.grammars)
         self.outputs = OutputProcessor(self.tokenizer)
         self.num_jump_forward_tokens = 0
         self._log_kv_size(num_blocks, config.torch_kv_dtype)
+
+    def _null_slot(self) -> int | None:
+        """The adapter slot of tokens without one in a captured decode graph (stacked slots only)."""
+        return self.max_loras if self.adapters.slots.stacked else None
+
+    def _num_kv_blocks(self, memory_before: tuple[int, int] | None) -> int:
+        """As given; on CUDA what `gpu_memory_utilization` leaves after a profiling pass at
+        max_num_batched_tokens; on CPU `kv_cache_memory` bytes."""
+        config = self.config
+        block_bytes = kv_bytes_per_block(self.model_config, config.block_size, config.torch_kv_dtype)
+        if config.num_kv_blocks:
+            return config.num_kv_blocks
+        if memory_before is None:
+            return max(1, config.kv_cache_memory // block_bytes)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        profile_step(self.model, self.model_config, config.torch_kv_dtype, config.block_size,
+                     config.max_num_batched_tokens, self.max_model_len, config.max_num_seqs, self.device)
+        total, used_before = memory_before
+        memory = DeviceMemory(total, used_before, torch.cuda.max_memory_allocated(self.device))
+        torch.cuda.empty_cache()
+        num_blocks = kv_blocks_for(memory, config.gpu_memory_utilization, block_bytes)
+        print(f"[loraplex] KV sized from the device: {total / 2**30:.1f} GiB x {config.gpu_memory_utilization} - "
+              f"{used_before / 2**30:.2f} GiB in use before start - {memory.peak_torch / 2**30:.2f} GiB profiled peak",
+              file=sys.stderr)
+        return num_blocks
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)
@@ -185,7 +222,9 @@ class Engine:
         if not batch:
             return []
         # forks repeat their parent's row; without them the logits are already one row each
-        sampled = self.sampler(logits if len(rows) == len(completed) else logits[rows], batch)
+        if len(rows) != len(completed):
+            logits = logits[to_device(torch.tensor(rows, dtype=torch.long, device="cpu"), logits.device)]
+        sampled = self.sampler(logits, batch)
         return self.scheduler.update(batch, sampled.token_ids, sampled.logprobs, self._forced_tokens)
 
     def _add_prompt_logprobs(self, rows) -> None:

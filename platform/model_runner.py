@@ -1,6 +1,11 @@
 """Owns the model and its paged KV cache; turns a SchedulerOutput into one flat batch, runs the
 forward pass and returns the logits of each request whose chunk reaches its last token (and
-the hidden states of prompt positions whose logprobs a request asked for)."""
+the hidden states of prompt positions whose logprobs a request asked for).
+
+The batch is built on the host from the scheduler's lists, then copied to the engine's device
+(through pinned memory on CUDA, without waiting); the maxima the kernels need are known on the
+host, so a step reads nothing back from the device but the sampled tokens. Decode batches
+replay a captured CUDA graph (`cuda_graphs.py`) when one is enabled."""
 
 from __future__ import annotations
 
@@ -9,9 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.kernels import cpu_kernels
+from loraplex.kernels.dispatch import to_device
 from loraplex.kernels.paged_attention import PagedAttentionMetadata
 from loraplex.kernels.sgmv import LoRABatch
 from loraplex.platform.config import ModelConfig
+from loraplex.platform.cuda_graphs import Capture, DecodeGraphs, DecodeInputs, capture_sizes
 from loraplex.platform.kv_cache_manager import KVCacheManager
 from loraplex.platform.request import Request
 from loraplex.platform.scheduler import SchedulerOutput
@@ -20,6 +27,36 @@ from loraplex.platform.scheduler import SchedulerOutput
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+
+
+@torch.inference_mode()
+def profile_step(model: torch.nn.Module, config: ModelConfig, kv_dtype: torch.dtype, block_size: int,
+                 max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int, device: torch.device) -> None:
+    """The largest step the scheduler can build: max_num_batched_tokens prompt tokens (in
+    sequences of at most max_model_len) through the model into a KV cache just big enough, then
+    the logits of max_num_seqs rows; what it peaks at is the engine's memory other than its KV."""
+    lens = [min(max_model_len, max_num_batched_tokens - start) for start in range(0, max_num_batched_tokens,
+                                                                                 max_model_len)]
+    per_seq = [-(-n // block_size) for n in lens]
+    kv = torch.zeros(config.num_layers, 2, sum(per_seq), block_size, config.num_kv_heads, config.head_dim,
+                     dtype=kv_dtype, device=device)
+    first = [sum(per_seq[:i]) for i in range(len(lens))]
+    tables = [[f + j for j in range(n)] + [0] * (max(per_seq) - n) for f, n in zip(first, per_seq)]
+    slots = [(f * block_size) + p for f, n in zip(first, lens) for p in range(n)]
+    starts = [sum(lens[:i]) for i in range(len(lens) + 1)]
+
+    def put(values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    meta = PagedAttentionMetadata.build(put(slots), put(tables), put(lens), put(starts), block_size, max(lens),
+                                        max(lens))
+    positions = put([p for n in lens for p in range(n)])
+    hidden = model(torch.zeros(len(slots), dtype=torch.long, device=device), positions,
+                   [(kv[i, 0], kv[i, 1]) for i in range(config.num_layers)], meta)
+    rows = hidden[-1:].expand(max_num_seqs, -1)
+    model.compute_logits(rows).softmax(dim=-1).sort(dim=-1, descending=True)  # the sampler's top-p, at worst
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @dataclass
@@ -33,14 +70,24 @@ class PromptRows:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, kv: KVCacheManager,
-                 kv_dtype: torch.dtype) -> None:
+                 kv_dtype: torch.dtype, device: torch.device = torch.device("cpu")) -> None:
         self.model = model
         self.kv = kv
+        self.device = device
         self.block_size = kv.block_size
         shape = (config.num_layers, 2, kv.pool.num_blocks, kv.block_size, config.num_kv_heads, config.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=kv_dtype)
+        self.kv_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(config.num_layers)]
-        cpu_kernels.library()  # build (~1 s, once per machine) now rather than in the first step
+        self.graphs: DecodeGraphs | None = None
+        if device.type == "cpu":
+            cpu_kernels.library()  # build (~1 s, once per machine) now rather than in the first step
+
+    def enable_graphs(self, capture: Capture, max_num_seqs: int, max_model_len: int, null_slot: int | None) -> None:
+        """Capture the decode graphs (every padded size, with and without LoRA when `null_slot`
+        is given); from then on decode steps that fit replay them."""
+        max_blocks = -(-max_model_len // self.block_size)
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, capture_sizes(max_num_seqs), max_blocks,
+                                   self.block_size, max_model_len, null_slot, capture)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, adapter_slots: dict[str, int] | None = None
@@ -50,24 +97,43 @@ class ModelRunner:
         maps each scheduled request's adapter to its device slot."""
         for src, dst in sched.block_copies:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
-        lora = self._lora_batch(sched, adapter_slots or {})
-        input_ids, positions, meta, last_rows, sampled, prompt_rows = self._prepare(sched)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, lora)
-        prompt_hidden = [PromptRows(req, hidden[rows], first) for req, rows, first in prompt_rows]
-        if not sampled:
+        lora_slots = self._lora_slots(sched, adapter_slots or {})
+        step = self._prepare(sched)
+        graphs = self.graphs
+        if graphs is not None and step.decode_only and graphs.fits(len(step.sampled), lora_slots is not None):
+            hidden = graphs.run(DecodeInputs(step.token_ids, step.positions, step.slots, step.tables, step.seq_lens,
+                                             lora_slots))
+            return self.model.compute_logits(hidden), step.sampled, []
+        hidden = self._forward(step, lora_slots)
+        prompt_hidden = [PromptRows(req, hidden[rows], first) for req, rows, first in step.prompt_rows]
+        if not step.sampled:
             return hidden.new_empty(0, 0), [], prompt_hidden
-        return self.model.compute_logits(hidden[last_rows]), sampled, prompt_hidden
+        last_rows = to_device(torch.tensor(step.last_rows, dtype=torch.long, device="cpu"), self.device)
+        return self.model.compute_logits(hidden[last_rows]), step.sampled, prompt_hidden
 
     @staticmethod
-    def _lora_batch(sched: SchedulerOutput, adapter_slots: dict[str, int]) -> LoRABatch | None:
+    def _lora_slots(sched: SchedulerOutput, adapter_slots: dict[str, int]) -> list[int] | None:
+        """Each new token's adapter slot (-1: none); None when no request uses an adapter."""
         if not adapter_slots:
             return None
         token_slots: list[int] = []
         for req, num_new in sched.scheduled:
             token_slots += [adapter_slots[req.adapter] if req.adapter is not None else -1] * num_new
-        return LoRABatch.build(token_slots)
+        return token_slots
 
-    def _prepare(self, sched: SchedulerOutput):
+    def _forward(self, step: "StepInputs", lora_slots: list[int] | None) -> torch.Tensor:
+        def put(values: list, dtype=torch.long) -> torch.Tensor:
+            return to_device(torch.tensor(values, dtype=dtype, device="cpu"), self.device)
+
+        width = max(len(t) for t in step.tables)
+        meta = PagedAttentionMetadata.build(
+            slot_mapping=put(step.slots), block_tables=put([t + [0] * (width - len(t)) for t in step.tables]),
+            seq_lens=put(step.seq_lens), query_start_loc=put(step.starts), block_size=self.block_size,
+            max_query_len=step.max_query_len, max_seq_len=max(step.seq_lens))
+        lora = LoRABatch.build(lora_slots, self.device) if lora_slots is not None else None
+        return self.model(put(step.token_ids), put(step.positions), self.kv_caches, meta, lora)
+
+    def _prepare(self, sched: SchedulerOutput) -> "StepInputs":
         bs = self.block_size
         token_ids: list[int] = []
         positions: list[int] = []
@@ -94,14 +160,27 @@ class ModelRunner:
             if end == req.num_tokens:  # this chunk completes the known tokens: sample next
                 last_rows.append(starts[-1] - 1)
                 sampled.append(req)
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-        meta = PagedAttentionMetadata.build(
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
-            block_tables=block_tables,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long),
-            query_start_loc=torch.tensor(starts, dtype=torch.long),
-            block_size=bs,
-        )
-        return (torch.tensor(token_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-                meta, torch.tensor(last_rows, dtype=torch.long), sampled, prompt_rows)
+        max_query_len = max(num_new for _, num_new in sched.scheduled)
+        return StepInputs(token_ids, positions, slots, tables, seq_lens, starts, max_query_len, last_rows, sampled,
+                          prompt_rows)
+
+
+@dataclass
+class StepInputs:
+    """One step's flat batch on the host."""
+
+    token_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    tables: list[list[int]]
+    seq_lens: list[int]
+    starts: list[int]
+    max_query_len: int
+    last_rows: list[int]
+    sampled: list[Request]
+    prompt_rows: list[tuple[Request, slice, int]]
+
+    @property
+    def decode_only(self) -> bool:
+        """One new token per request, each sampled, no prompt logprobs: what a decode graph runs."""
+        return self.max_query_len == 1 and len(self.sampled) == len(self.tables) and not self.prompt_rows

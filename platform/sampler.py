@@ -3,6 +3,11 @@ sampling, logprobs.
 
 Rows are requests; each transform touches only the rows that asked for it. Logprobs are those
 of the raw model distribution (before any transform), as vLLM reports them.
+
+The logits stay on the engine's device; per-request values go there as small tensors, and the
+exponential noise of seeded sampling is drawn on the host from each request's own generator, so
+a seed gives the same tokens on any device. The one read back is the sampled token ids (and,
+when a request asks for logprobs, its rows of them).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.kernels.dispatch import to_device
 from loraplex.platform.request import Logprob, Request
 
 
@@ -22,8 +28,9 @@ class SamplerOutput:
 
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], seed: int = 0, grammars=None,
-                 json_close_window: int = 0) -> None:
+                 json_close_window: int = 0, device: torch.device = torch.device("cpu")) -> None:
         self.vocab_size = vocab_size
+        self.device = device
         self.grammars = grammars  # a GrammarManager: fills and applies the structured rows' bitmask
         self.json_close_window = json_close_window
         self.eos_token_ids = list(eos_token_ids)
@@ -44,6 +51,8 @@ class Sampler:
         self._apply_penalties(logits, requests)
         self._apply_logit_bias(logits, requests)
         token_ids = self._sample(logits, requests)
+        if raw_logprobs is not None:
+            raw_logprobs = raw_logprobs.cpu()
         logprobs = [
             _logprobs_of(raw_logprobs[i], token_ids[i], r.params.logprobs) if r.params.logprobs is not None else None
             for i, r in enumerate(requests)
@@ -66,48 +75,50 @@ class Sampler:
         grammar allows nothing else (its output is complete: ending beats an invalid token)."""
         for i, r in enumerate(requests):
             if len(r.output_token_ids) < r.params.min_tokens:
-                stops = [t for t in r.params.stop_token_ids + ([] if r.params.ignore_eos else self.eos_token_ids)
-                         if t < logits.shape[1]]
+                stops = self._put([t for t in r.params.stop_token_ids +
+                                   ([] if r.params.ignore_eos else self.eos_token_ids) if t < logits.shape[1]])
                 kept = logits[i, stops].clone()
                 logits[i, stops] = float("-inf")
-                if r.grammar is not None and bool(torch.isinf(logits[i]).all()):
-                    logits[i, stops] = kept
+                if r.grammar is not None:  # without a host read: keep `kept` where nothing else is left
+                    logits[i, stops] = torch.where(torch.isinf(logits[i]).all(), kept, logits[i, stops])
 
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> None:
         for i, r in enumerate(requests):
             p = r.params
             if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(r.all_token_ids)), dtype=torch.long)
+                seen = self._put(sorted(set(r.all_token_ids)))
                 row = logits[i, seen]
                 logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
-                counts = torch.bincount(torch.tensor(r.output_token_ids), minlength=logits.shape[1]).float()
+                counts = torch.bincount(self._put(r.output_token_ids), minlength=logits.shape[1]).float()
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
 
-    @staticmethod
-    def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
+    def _apply_logit_bias(self, logits: torch.Tensor, requests: list[Request]) -> None:
         """OpenAI's logit_bias, after the grammar mask (a bias never un-masks a token: -inf stays)."""
         for i, r in enumerate(requests):
             if r.params.logit_bias:
-                ids = torch.tensor(list(r.params.logit_bias), dtype=torch.long)
-                logits[i, ids] += torch.tensor(list(r.params.logit_bias.values()), dtype=logits.dtype)
+                ids = self._put(list(r.params.logit_bias))
+                logits[i, ids] += self._put(list(r.params.logit_bias.values()), logits.dtype)
+
+    def _put(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        return to_device(torch.tensor(values, dtype=dtype, device="cpu"), self.device)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        greedy = torch.tensor([r.params.greedy for r in requests])
         out = logits.argmax(dim=-1)
-        if bool(greedy.all()):
+        picked = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if not picked:
             return out.tolist()
-        rows = torch.nonzero(~greedy).flatten()
-        sampled = [requests[i] for i in rows.tolist()]
-        temps = torch.tensor([r.params.temperature for r in sampled], dtype=logits.dtype)[:, None]
+        rows = self._put(picked)
+        sampled = [requests[i] for i in picked]
+        temps = self._put([r.params.temperature for r in sampled], logits.dtype)[:, None]
         probs = filter_and_softmax(logits[rows] / temps, sampled)
         # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) draws from p. Each
         # request with a seed draws E from its own generator, so its tokens do not depend on
-        # what else shares the batch.
-        noise = torch.empty_like(probs)
+        # what else shares the batch (nor on the device: E is drawn on the host).
+        noise = torch.empty(probs.shape, dtype=probs.dtype, device="cpu")
         for j, r in enumerate(sampled):
             noise[j].exponential_(generator=r.generator or self.generator)
-        out[rows] = (probs / noise).argmax(dim=-1)
+        out[rows] = (probs / to_device(noise, probs.device)).argmax(dim=-1)
         return out.tolist()
 
 
@@ -121,19 +132,23 @@ def filter_and_softmax(logits: torch.Tensor, requests: list[Request]) -> torch.T
     top_k = [r.params.top_k for r in requests]
     top_p = [r.params.top_p for r in requests]
     min_p = [r.params.min_p for r in requests]
-    vocab = logits.shape[1]
+    vocab, device = logits.shape[1], logits.device
+
+    def put(values: list) -> torch.Tensor:
+        return to_device(torch.tensor(values, device="cpu"), device)
+
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k])
-        ranks = torch.arange(vocab)[None, :]
+        k = put([min(k, vocab) if k > 0 else vocab for k in top_k])
+        ranks = torch.arange(vocab, device=device)[None, :]
         sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass strictly before each token: keeps the first
-        sorted_logits = sorted_logits.masked_fill(before >= torch.tensor(top_p)[:, None], float("-inf"))
+        sorted_logits = sorted_logits.masked_fill(before >= put(top_p)[:, None], float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
     probs = logits.softmax(dim=-1)
     if any(p > 0 for p in min_p):
-        threshold = torch.tensor(min_p)[:, None] * probs.max(dim=-1, keepdim=True).values
+        threshold = put(min_p)[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
@@ -148,7 +163,7 @@ def prompt_logprobs(compute_logits, hidden: torch.Tensor, targets: list[int], nu
     what the model thought of the prompt, before any sampling transform."""
     out = []
     for start in range(0, len(targets), PROMPT_LOGPROB_ROWS):
-        rows = torch.log_softmax(compute_logits(hidden[start:start + PROMPT_LOGPROB_ROWS]).float(), dim=-1)
+        rows = torch.log_softmax(compute_logits(hidden[start:start + PROMPT_LOGPROB_ROWS]).float(), dim=-1).cpu()
         out += [_logprobs_of(row, target, num_top) for row, target in zip(rows, targets[start:])]
     return out
 

@@ -217,18 +217,21 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(folder: str | Path, config: ModelConfig, dtype: torch.dtype, max_len: int,
-               pack_weights: bool = True, quantization: str = "none", gguf: Path | None = None) -> LlamaForCausalLM:
+               pack_weights: bool = True, quantization: str = "none", gguf: Path | None = None,
+               device: torch.device = torch.device("cpu")) -> LlamaForCausalLM:
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_len)
-    model = model.to_empty(device="cpu")
-    model.rope = RotaryEmbedding(config, max_len)  # buffers are computed, not loaded
+    model = model.to_empty(device=device)
+    model.rope = RotaryEmbedding(config, max_len).to(device)  # buffers are computed, not loaded
     model.load_weights(folder)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model = model.to(dtype).eval()
+    # never trained here: without this, a matmul outside inference_mode on an unpacked weight
+    # (prompt logprobs in bfloat16 on CPU, anything on CUDA) fails on the step's inference tensors
+    model = model.to(dtype).eval().requires_grad_(False)
     if quantization != "none":
         quantize_model(model, quantization, gguf)
-    elif pack_weights and can_pack(dtype):
+    elif pack_weights and can_pack(dtype) and device.type == "cpu":
         for module in model.modules():
             if isinstance(module, PackedLinear):
                 module.pack(keep_weight=module is model.lm_head and config.tie_word_embeddings)

@@ -306,3 +306,14 @@ def test_chat_renders_tools_and_constrained_calls_come_back(tiny_llm, monkeypatc
     for out in outs:
         content, calls = parse_tool_calls(out.outputs[0].text)
         assert content is None and [c.name for c in calls] == ["count"] and 0 <= json.loads(calls[0].arguments)["n"] <= 9
+
+
+def test_prompt_logprobs_with_unpacked_weights(tiny_model_dir):
+    """Bug: weights that are not prepacked (bfloat16 without native bf16 here, every weight on
+    CUDA) required grad, so prompt logprobs (computed outside inference_mode) raised in the step
+    and aborted every running request."""
+    llm = LLM(str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=32)
+    assert not any(p.requires_grad for p in llm.engine.model.parameters())
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=1)
+    out = llm.generate([PROMPTS[0], PROMPTS[1]], [params, GREEDY])
+    assert len(out[0].prompt_logprobs) == len(PROMPTS[0]["prompt_token_ids"]) and len(out[1].outputs[0].token_ids) > 0

@@ -29,9 +29,8 @@ def prompt_logits(engine: Engine, ids: list[int], chunk: int) -> torch.Tensor:
     while req.num_computed_tokens < len(ids):
         n = min(chunk, len(ids) - req.num_computed_tokens)
         assert engine.kv.allocate_slots(req, n) is not None
-        input_ids, positions, meta, *_ = engine.runner._prepare(SchedulerOutput([(req, n)]))
         with torch.inference_mode():
-            hidden = engine.model(input_ids, positions, engine.runner.kv_caches, meta)
+            hidden = engine.runner._forward(engine.runner._prepare(SchedulerOutput([(req, n)])), None)
             rows.append(engine.model.compute_logits(hidden))
         req.num_computed_tokens += n
     engine.kv.forget(req)

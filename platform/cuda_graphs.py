@@ -1,0 +1,154 @@
+"""CUDA graphs for decode batches: the model's forward pass for B one-token requests, captured
+once per padded batch size (1, 2, 4, then every 8 up to max_num_seqs), with and without LoRA,
+replayed with the step's inputs copied into persistent buffers. Prefill, jump-forward chunks
+and batches above the largest size run eagerly.
+
+A graph replays the kernels it recorded on the buffers it recorded, so everything the forward
+pass reads lives in those buffers: token ids, positions, slot mapping, block tables (padded to
+max_model_len), sequence lengths, and each token's adapter slot (one SGMV segment per token, the
+null slot for tokens without one: `LoRABatch.per_token`). Padding rows write no KV (slot -1)
+and attend to one cached position. The capture itself is a parameter: `cuda_capture` on CUDA,
+`FakeCapture` on CPU, which replays by running the function again and refuses host syncs while
+capturing, as a real capture does.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.kernels.paged_attention import PagedAttentionMetadata
+from loraplex.kernels.sgmv import LoRABatch
+from loraplex.platform.device import NoHostSync
+
+Capture = Callable[[Callable[[], None]], Callable[[], None]]  # forward -> replay
+
+
+def capture_sizes(max_num_seqs: int, largest: int = 512) -> list[int]:
+    top = min(max_num_seqs, largest)
+    sizes = [s for s in (1, 2, 4) if s <= top] + list(range(8, top + 1, 8))
+    return sizes if sizes[-1] == top else sizes + [top]
+
+
+def padded_size(sizes: list[int], num_tokens: int) -> int | None:
+    """The smallest captured size that holds `num_tokens`; None above the largest."""
+    return next((s for s in sizes if s >= num_tokens), None)
+
+
+class CudaCapture:
+    """torch.cuda.graph, every size sharing one memory pool (captured largest first)."""
+
+    def __init__(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def __call__(self, forward: Callable[[], None]) -> Callable[[], None]:
+        forward()  # warm-up outside the capture: Triton compiles, cuBLAS sets up its workspace
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            forward()
+        return graph.replay
+
+
+class FakeCapture:
+    """CPU stand-in: capturing runs the forward once refusing host syncs; replaying runs it
+    again as it is (reading only the persistent buffers, like a graph)."""
+
+    def __init__(self) -> None:
+        self.captured = 0
+        self.replays = 0
+
+    def __call__(self, forward: Callable[[], None]) -> Callable[[], None]:
+        with NoHostSync():
+            forward()
+        self.captured += 1
+
+        def replay() -> None:
+            self.replays += 1
+            forward()
+
+        return replay
+
+
+@dataclass
+class DecodeInputs:
+    """One decode step on the host: a token per request."""
+
+    token_ids: list[int]
+    positions: list[int]
+    slots: list[int]  # KV slot of each token
+    block_tables: list[list[int]]
+    seq_lens: list[int]
+    lora_slots: list[int] | None  # each token's adapter slot (-1: none); None: no adapter in the step
+
+
+class DecodeGraphs:
+    def __init__(self, model: torch.nn.Module, kv_caches: list, sizes: list[int], max_blocks: int,
+                 block_size: int, max_model_len: int, null_slot: int | None, capture: Capture) -> None:
+        """`null_slot`: the adapter slot of tokens without one (None: no LoRA graphs)."""
+        device = model.embed_tokens.weight.device
+        largest = sizes[-1]
+        self.sizes, self.null_slot, self.block_size = sizes, null_slot, block_size
+        self.device = device
+        self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
+        self.positions = torch.zeros(largest, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((largest,), -1, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(largest, max_blocks, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(largest, dtype=torch.long, device=device)
+        self.query_start_loc = torch.arange(largest + 1, dtype=torch.long, device=device)
+        self.token_order = torch.arange(largest, dtype=torch.long, device=device)
+        self.seg_starts = torch.arange(largest + 1, dtype=torch.int32, device=device)
+        self.lora_slots = torch.full((largest,), null_slot if null_slot is not None else -1, dtype=torch.int32,
+                                     device=device)
+        self.hidden = torch.zeros(largest, model.config.hidden_size, dtype=model.embed_tokens.weight.dtype,
+                                  device=device)
+        self.num_replays: Counter[tuple[int, bool]] = Counter()
+        self._graphs: dict[tuple[int, bool], Callable[[], None]] = {}
+        for size in reversed(sizes):  # largest first: smaller graphs reuse its memory
+            for with_lora in (False, True) if null_slot is not None else (False,):
+                self._graphs[size, with_lora] = capture(self._forward(model, kv_caches, size, with_lora,
+                                                                      max_model_len))
+
+    def _forward(self, model, kv_caches, size: int, with_lora: bool, max_model_len: int) -> Callable[[], None]:
+        meta = PagedAttentionMetadata(self.slot_mapping[:size], self.block_tables[:size], self.seq_lens[:size],
+                                      self.query_start_loc[:size + 1], max_query_len=1, max_seq_len=max_model_len,
+                                      block_size=self.block_size)
+        lora = LoRABatch.per_token(self.token_order[:size], self.seg_starts[:size + 1],
+                                   self.lora_slots[:size]) if with_lora else None
+
+        def forward() -> None:
+            meta._reference = meta._cpu_parts = None  # derived views are recomputed, as a graph would
+            self.hidden[:size] = model(self.input_ids[:size], self.positions[:size], kv_caches, meta, lora)
+
+        return forward
+
+    def fits(self, num_tokens: int, with_lora: bool) -> bool:
+        """Whether a decode step of `num_tokens` (using adapters or not) has a graph."""
+        return num_tokens <= self.sizes[-1] and (not with_lora or self.null_slot is not None)
+
+    def run(self, step: DecodeInputs) -> torch.Tensor:
+        """The hidden states [n, hidden] of a decode step of n <= the largest size."""
+        n = len(step.token_ids)
+        size = padded_size(self.sizes, n)
+        pad = size - n
+        width = self.block_tables.shape[1]
+        with_lora = step.lora_slots is not None
+        host = {
+            self.input_ids: torch.tensor(step.token_ids + [0] * pad, dtype=torch.long, device="cpu"),
+            self.positions: torch.tensor(step.positions + [0] * pad, dtype=torch.long, device="cpu"),
+            self.slot_mapping: torch.tensor(step.slots + [-1] * pad, dtype=torch.long, device="cpu"),
+            self.block_tables: torch.tensor([t + [0] * (width - len(t)) for t in step.block_tables] + [[0] * width] * pad,
+                                            dtype=torch.long, device="cpu"),
+            self.seq_lens: torch.tensor(step.seq_lens + [1] * pad, dtype=torch.long, device="cpu"),
+        }
+        if with_lora:
+            slots = [self.null_slot if s < 0 else s for s in step.lora_slots]
+            host[self.lora_slots] = torch.tensor(slots + [self.null_slot] * pad, dtype=torch.int32, device="cpu")
+        for buffer, values in host.items():
+            buffer[:size].copy_(values.pin_memory() if self.device.type == "cuda" else values, non_blocking=True)
+        self._graphs[size, with_lora]()
+        self.num_replays[size, with_lora] += 1
+        return self.hidden[:n]

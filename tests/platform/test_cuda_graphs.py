@@ -1,0 +1,68 @@
+"""Decode graphs on CPU: `FakeCapture` records the forward pass refusing host syncs (as a CUDA
+capture does) and replays it over the persistent buffers; with the Triton kernels (the
+interpreter here) that is the CUDA step. Padded batches, adapters and base in one graph,
+and eager prefill around it give the eager engine's tokens."""
+
+import pytest
+import torch
+
+from loraplex.kernels import dispatch
+from loraplex.platform import LLM, SamplingParams
+from loraplex.platform.cuda_graphs import FakeCapture, capture_sizes, padded_size
+from loraplex.platform.device import HostSyncError, NoHostSync
+
+pytest.importorskip("triton")
+
+
+def test_capture_sizes_and_padding():
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert capture_sizes(5) == [1, 2, 4, 5]
+    assert capture_sizes(3) == [1, 2, 3]
+    assert capture_sizes(2000)[-1] == 512
+    sizes = capture_sizes(20)
+    assert [padded_size(sizes, n) for n in (1, 3, 5, 9, 17, 20, 21)] == [1, 4, 8, 16, 20, 20, None]
+
+
+def test_fake_capture_refuses_host_syncs():
+    x = torch.arange(4.0)
+    with pytest.raises(HostSyncError):
+        FakeCapture()(lambda: int(x.sum()))
+    with pytest.raises(HostSyncError):
+        with NoHostSync():
+            x[x > 1]  # a boolean mask needs its count on the host
+    FakeCapture()(lambda: x.mul_(2))  # device-only work is fine
+
+
+def _generate(llm, prompts, names):
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=6, ignore_eos=True)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], [params[i % 2] for i in range(len(prompts))],
+                        adapter=names)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_decode_graphs_give_the_eager_tokens(tiny_model_dir, tiny_adapters):
+    prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate((5, 9, 14, 7, 11))]
+    names = ["a0", None, "a1", "a0", None]
+    with dispatch.forced_backend("triton"):
+        llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_num_seqs=8, max_loras=2,
+                  lora_modules={"a0": str(tiny_adapters[0]), "a1": str(tiny_adapters[1])})
+        eager = {n: _generate(llm, prompts[:n], names[:n]) for n in (1, 3, 5)}
+        base_only = _generate(llm, prompts[:2], [None, None])
+        capture = FakeCapture()
+        runner = llm.engine.runner
+        runner.enable_graphs(capture, 8, llm.engine.max_model_len, llm.engine._null_slot())
+        assert capture.captured == 2 * len(capture_sizes(8))  # with and without LoRA
+        graphed = {n: _generate(llm, prompts[:n], names[:n]) for n in (1, 3, 5)}
+        assert _generate(llm, prompts[:2], [None, None]) == base_only
+    assert graphed == eager
+    replays = runner.graphs.num_replays
+    # 3 and 5 requests run padded to 4 and 8; adapter steps and base-only steps take their own graph
+    assert replays[4, True] and replays[8, True] and replays[1, True] and replays[2, False]
+    assert not any(size not in capture_sizes(8) for size, _ in replays)
+    # graphs without LoRA (no null slot): steps with adapters run eagerly, never the base graph
+    with dispatch.forced_backend("triton"):
+        runner.enable_graphs(FakeCapture(), 8, llm.engine.max_model_len, None)
+        assert _generate(llm, prompts[:3], names[:3]) == eager[3]
+        assert _generate(llm, prompts[:2], [None, None]) == base_only
+    assert not any(with_lora for _, with_lora in runner.graphs.num_replays) and runner.graphs.num_replays
