@@ -139,7 +139,8 @@ class GrammarManager:
         self._lock = threading.Lock()
         self.max_compiles = max_compiles
         self._running = threading.BoundedSemaphore(max_compiles)
-        self.closing_tokens = _closing_tokens(tokenizer, stop_token_ids)
+        self.closing_tokens = _closing_tokens(tokenizer, stop_token_ids, vocab_size)
+        self._closers: dict[torch.device, torch.Tensor] = {}
 
 
     def _get(self, name: str) -> GrammarBackend:
@@ -286,7 +287,9 @@ class GrammarManager:
 
     def _steer_to_closing(self, logits: torch.Tensor, rows: list[int]) -> None:
         """Rows whose grammar allows a closing token keep only those (no host read: where)."""
-        closers = self.closing_tokens[self.closing_tokens < logits.shape[1]].to(logits.device)
+        closers = self._closers.get(logits.device)
+        if closers is None:  # once per device (the tokenizer's ids are all inside the vocab)
+            closers = self._closers[logits.device] = self.closing_tokens.to(logits.device)
         index = _on(torch.tensor(rows, dtype=torch.long, device="cpu"), logits.device)
         masked = logits[index]
         kept = masked[:, closers]
@@ -300,8 +303,9 @@ def _on(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
 
-def _closing_tokens(tokenizer, stop_token_ids: list[int]) -> torch.Tensor:
+def _closing_tokens(tokenizer, stop_token_ids: list[int], vocab_size: int) -> torch.Tensor:
     """Tokens made only of JSON closers (`"`, `]`, `}`), and the stop tokens."""
     texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
     ids = [i for i, text in enumerate(texts) if text.strip() and set(text.strip()) <= set('"]}')]
-    return torch.tensor(sorted(set(ids) | set(stop_token_ids)), dtype=torch.long, device="cpu")
+    return torch.tensor(sorted(i for i in set(ids) | set(stop_token_ids) if i < vocab_size), dtype=torch.long,
+                        device="cpu")

@@ -41,26 +41,31 @@ class LoRABatch:
 
     @staticmethod
     def build(token_slots: list[int] | torch.Tensor, device: torch.device | str = "cpu") -> "LoRABatch":
-        slots = torch.as_tensor(token_slots, dtype=torch.int64, device="cpu")
-        keep = torch.nonzero(slots >= 0).flatten()
-        sorted_slots, perm = torch.sort(slots[keep], stable=True)
-        order = keep[perm]
-        uniq, counts = torch.unique_consecutive(sorted_slots, return_counts=True)
-        starts = [0] + torch.cumsum(counts, 0).tolist()
-        rows = order.tolist()
+        """Grouped on the host in plain Python (a step's few thousand tokens at most), so that
+        building it reads nothing back from any device."""
+        slots = token_slots.tolist() if isinstance(token_slots, torch.Tensor) else list(token_slots)
+        rows = sorted((t for t, slot in enumerate(slots) if slot >= 0), key=slots.__getitem__)  # stable
+        sorted_slots = [slots[t] for t in rows]
+        starts = [0] + [j for j in range(1, len(rows)) if sorted_slots[j] != sorted_slots[j - 1]]
+        uniq = [sorted_slots[j] for j in starts] if rows else []
+        starts = starts + [len(rows)] if rows else [0]
         ranges = [(rows[lo], rows[hi - 1] + 1) if rows[hi - 1] - rows[lo] == hi - 1 - lo else None
                   for lo, hi in zip(starts[:-1], starts[1:])]
         device = torch.device(device)
+
+        def put(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+            return to_device(torch.tensor(values, dtype=dtype, device="cpu"), device)
+
         return LoRABatch(
-            token_order=to_device(order, device),
-            order_slots=to_device(sorted_slots, device),
-            seg_starts=to_device(torch.tensor(starts, dtype=torch.int32, device="cpu"), device),
-            seg_slots=to_device(uniq.to(torch.int32), device),
-            max_seg_len=int(counts.max()) if len(counts) else 0,
+            token_order=put(rows, torch.int64),
+            order_slots=put(sorted_slots, torch.int64),
+            seg_starts=put(starts, torch.int32),
+            seg_slots=put(uniq, torch.int32),
+            max_seg_len=max((hi - lo for lo, hi in zip(starts[:-1], starts[1:])), default=0),
             host_starts=starts,
-            host_slots=uniq.tolist(),
+            host_slots=uniq,
             host_ranges=ranges,
-            num_segments=len(counts),
+            num_segments=len(uniq),
         )
 
     @staticmethod

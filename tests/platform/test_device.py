@@ -109,3 +109,30 @@ def test_serve_without_cuda_says_how_to_get_it(tiny_model_dir, capsys):
 
     assert main(["serve", str(tiny_model_dir), "--device", "cuda"]) == 2
     assert "sees no CUDA device" in capsys.readouterr().err
+
+
+def test_an_eager_step_reads_nothing_back(tiny_model_dir, tiny_adapters):
+    """The CUDA code path (Triton kernels, stacked slots) without graphs, prefill and decode,
+    under `NoHostSync`: no op reads a tensor's values on the host (item, bool(), nonzero, boolean
+    masks). The sampled ids come back through `tolist`, the one read a step makes; logprobs,
+    which read their rows back, are left out of this workload."""
+    from loraplex.platform.device import NoHostSync
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    cases = [SamplingParams(temperature=0, max_tokens=6),
+             SamplingParams(temperature=0.9, top_k=20, top_p=0.8, min_p=0.05, seed=3, max_tokens=6,
+                            repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.2, n=2),
+             SamplingParams(temperature=1.0, seed=1, max_tokens=5, logit_bias={7: 3.0}, min_tokens=3),
+             SamplingParams(temperature=0, max_tokens=12, min_tokens=2, structured=StructuredOutputs(json=schema))]
+    with dispatch.forced_backend("triton"):
+        llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32", num_kv_blocks=64, max_num_seqs=8,
+                  max_loras=2, max_num_batched_tokens=16, lora_modules={"a0": str(tiny_adapters[0])})
+        engine = llm.engine
+        for i, params in enumerate(cases):
+            engine.add_request(f"r{i}", {"prompt_token_ids": list(range(5, 25 + i))}, params, ["a0", None][i % 2])
+        steps = 0
+        with NoHostSync():
+            while engine.has_unfinished() and steps < 200:
+                engine.step()
+                steps += 1
+    assert not engine.has_unfinished() and steps > 5
