@@ -279,8 +279,10 @@ class GrammarManager:
             else:
                 for grammar, i in items:
                     grammar.fill_bitmask(bitmask, i)
-        xgr.apply_token_bitmask_inplace(logits, _on(bitmask, logits.device), vocab_size=vocab_size,
-                                        indices=rows)
+        if logits.device.type == "cpu":
+            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows)
+        else:  # plain tensor ops on the device: no kernel build, no host read
+            apply_bitmask(logits, _on(bitmask, logits.device), rows, vocab_size)
         steer = [i for i in rows if closing is not None and closing[i]]
         if steer:
             self._steer_to_closing(logits, steer)
@@ -296,6 +298,15 @@ class GrammarManager:
         steered = torch.full_like(masked, float("-inf"))
         steered[:, closers] = kept
         logits[index] = torch.where(torch.isfinite(kept).any(dim=1, keepdim=True), steered, masked)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:
+    """What `xgr.apply_token_bitmask_inplace` does: -inf where bit k of word j (token 32*j + k)
+    is 0, in the listed rows and the first `vocab_size` columns."""
+    index = _on(torch.tensor(rows, dtype=torch.long, device="cpu"), logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask[index][:, :, None] >> shifts) & 1).flatten(1).bool()[:, :vocab_size]
+    logits[index, :vocab_size] = logits[index, :vocab_size].masked_fill(~allowed, float("-inf"))
 
 
 def _on(host: torch.Tensor, device: torch.device) -> torch.Tensor:

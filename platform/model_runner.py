@@ -86,8 +86,9 @@ class ModelRunner:
         """Capture the decode graphs (every padded size, with and without LoRA when `null_slot`
         is given); from then on decode steps that fit replay them."""
         max_blocks = -(-max_model_len // self.block_size)
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, capture_sizes(max_num_seqs), max_blocks,
-                                   self.block_size, max_model_len, null_slot, capture)
+        with torch.inference_mode():  # as the steps that replay them run
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, capture_sizes(max_num_seqs), max_blocks,
+                                       self.block_size, max_model_len, null_slot, capture)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, adapter_slots: dict[str, int] | None = None

@@ -164,3 +164,21 @@ def test_a_compile_past_its_timeout_frees_its_worker(tiny_model_dir, monkeypatch
             time.sleep(0.05)
     else:
         raise AssertionError("the abandoned compiles never gave their places back")
+
+
+def test_the_device_bitmask_masks_as_xgrammar_does():
+    """The bitmask as applied on a CUDA device (plain tensor ops) equals xgrammar's CPU kernel
+    (columns past the vocab, a padded lm_head's, untouched by both)."""
+    import xgrammar as xgr
+
+    from loraplex.grammar.manager import apply_bitmask
+
+    g = torch.Generator().manual_seed(0)
+    vocab, width = 100, 104  # a padded lm_head: 4 columns past the vocab
+    bitmask = torch.randint(-2**31, 2**31 - 1, (5, -(-vocab // 32)), dtype=torch.int32, generator=g)
+    logits = torch.randn(5, width, generator=g)
+    expected, got = logits.clone(), logits.clone()
+    xgr.apply_token_bitmask_inplace(expected, bitmask, vocab_size=vocab, indices=[0, 2, 3])
+    apply_bitmask(got, bitmask, [0, 2, 3], vocab)
+    assert torch.equal(got, expected)
+    assert torch.isinf(got[[0, 2, 3], :vocab]).any() and torch.equal(got[[1, 4]], logits[[1, 4]])
