@@ -50,9 +50,7 @@ def quantize(weight: torch.Tensor, kind: str, group: int | None = None) -> Quant
         d = (high - low) / 15
         inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
         q = ((groups - low[..., None]) * inv[..., None] + 0.5).floor().clamp(0, 15).to(torch.uint8)
-        packed = q[..., :16] | (q[..., 16:] << 4)
-        return QuantizedWeight("q4", packed.reshape(n, k // 2).contiguous(), d.contiguous(), low.contiguous(),
-                               Q4_GROUP, (n, k))
+        return q4_from_values(q.reshape(n, k), d, low)
     if kind == "q8":
         group = group or k
         if k % group or group % 8:
@@ -63,6 +61,16 @@ def quantize(weight: torch.Tensor, kind: str, group: int | None = None) -> Quant
         q = (groups * inv[..., None]).round().clamp(-127, 127).to(torch.int8)
         return QuantizedWeight("q8", q.reshape(n, k).contiguous(), d.contiguous(), None, group, (n, k))
     raise ValueError(f"unknown quantization {kind!r}")
+
+
+def q4_from_values(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> QuantizedWeight:
+    """q4 from its values q [N, K] in 0..15 and each group of 32's d, m [N, K / 32] (w = d q + m),
+    packed in GGUF's nibble order."""
+    n, k = q.shape
+    groups = q.to(torch.uint8).reshape(n, k // Q4_GROUP, Q4_GROUP)
+    packed = groups[..., :16] | (groups[..., 16:] << 4)
+    return QuantizedWeight("q4", packed.reshape(n, k // 2).contiguous(), d.float().contiguous(),
+                           m.float().contiguous(), Q4_GROUP, (n, k))
 
 
 def from_gguf(raw: np.ndarray, type_name: str, k: int) -> QuantizedWeight:

@@ -32,10 +32,12 @@ class ModelConfig:
     qkv_bias: bool
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
+    prequantized: tuple[str, int, bool] | None = None  # a GPTQ / AWQ checkpoint: (method, group, v1 zeros)
 
     @staticmethod
     def from_folder(path: str | Path) -> "ModelConfig":
         from loraplex.platform.models import SUPPORTED_ARCHITECTURES
+        from loraplex.platform.models.quantized import checkpoint_quantization
 
         raw = json.loads((Path(path) / "config.json").read_text())
         archs = raw.get("architectures") or [raw.get("model_type", "unknown")]
@@ -71,6 +73,7 @@ class ModelConfig:
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
             sliding_window=window,
             eos_token_ids=_as_tuple(raw.get("eos_token_id")),
+            prequantized=checkpoint_quantization(raw.get("quantization_config")),
         )
 
 

@@ -58,6 +58,10 @@ class Engine:
 
         self.model_config = ModelConfig.from_folder(config.model)
         self.device = device = config.torch_device
+        if self.model_config.prequantized and config.quantization == "none":  # as vLLM reads it from the checkpoint
+            print(f"[loraplex] {self.model_config.prequantized[0]} 4-bit checkpoint: quantization -> q4 (its bits kept)",
+                  file=sys.stderr)
+            config = dataclasses.replace(config, quantization="q4")
         if config.quantization != "none" and device.type != "cpu":
             raise ValueError(f"quantization {config.quantization} runs CPU kernels; on {device} use quantization none")
         if config.dtype == "auto" and config.quantization != "none":  # the quantized kernels take float32

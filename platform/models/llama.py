@@ -19,7 +19,7 @@ from loraplex.kernels.sgmv import LoRABatch
 from loraplex.platform.config import ModelConfig
 from loraplex.platform.models import FUSED_PROJECTIONS
 from loraplex.platform.models.linear import PackedLinear, can_pack
-from loraplex.platform.models.quantized import quantize_model
+from loraplex.platform.models.quantized import quantize_model, read_prequantized
 from loraplex.platform.models.lora_linear import LoRAContext, LoRALinear
 
 
@@ -161,8 +161,8 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     @torch.no_grad()
-    def load_weights(self, folder: str | Path) -> None:
-        tensors = _read_safetensors(Path(folder))
+    def load_weights(self, folder: str | Path, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        tensors = _read_safetensors(Path(folder)) if tensors is None else tensors
         params = dict(self.named_parameters())
         loaded: set[str] = set()
 
@@ -223,14 +223,19 @@ def load_model(folder: str | Path, config: ModelConfig, dtype: torch.dtype, max_
         model = LlamaForCausalLM(config, max_len)
     model = model.to_empty(device=device)
     model.rope = RotaryEmbedding(config, max_len).to(device)  # buffers are computed, not loaded
-    model.load_weights(folder)
+    tensors = _read_safetensors(Path(folder))
+    blocks = read_prequantized(tensors, config) if config.prequantized else None  # GPTQ / AWQ: bits kept
+    if blocks is not None and quantization != "q4":
+        raise ValueError(f"{Path(folder).name} is a {config.prequantized[0]} 4-bit checkpoint: serve it with "
+                         f"quantization q4 (its bits as they are), not {quantization}")
+    model.load_weights(folder, tensors)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     # never trained here: without this, a matmul outside inference_mode on an unpacked weight
     # (prompt logprobs in bfloat16 on CPU, anything on CUDA) fails on the step's inference tensors
     model = model.to(dtype).eval().requires_grad_(False)
     if quantization != "none":
-        quantize_model(model, quantization, gguf)
+        quantize_model(model, quantization, gguf, blocks)
     elif pack_weights and can_pack(dtype) and device.type == "cpu":
         for module in model.modules():
             if isinstance(module, PackedLinear):
