@@ -466,3 +466,21 @@ int q8_matmul(const float *x, int64_t M, int64_t K, const int8_t *q, const float
     const int64_t groups = K / G;
     QUANT_TILES(dequant_q8_row(q + n * K, d + n * groups, K, G, w + j * K))
 }
+
+/* RMSNorm of M rows of K floats: out = x / sqrt(mean(x^2) + eps) * w, the sum in float32 as
+   F.rms_norm computes it. One call per layer norm at decode sizes costs what the op dispatch of
+   F.rms_norm costs several times over (benchmarks: 17-36 us per 1 x 576 row there). */
+int rms_norm_f32(const float *x, const float *w, int64_t M, int64_t K, float eps, float *out)
+{
+    for (int64_t i = 0; i < M; i++) {
+        const float *row = x + i * K;
+        float *dst = out + i * K;
+        float sum = 0.0f;
+        for (int64_t j = 0; j < K; j++)
+            sum += row[j] * row[j];
+        float inv = 1.0f / sqrtf(sum / (float)K + eps);
+        for (int64_t j = 0; j < K; j++)
+            dst[j] = row[j] * inv * w[j];
+    }
+    return 0;
+}

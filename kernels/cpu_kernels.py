@@ -94,8 +94,9 @@ def _load(path: Path) -> ctypes.CDLL:
         fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr]
     lib.q4_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr]
     lib.q8_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr]
+    lib.rms_norm_f32.argtypes = [ptr, ptr, i64, i64, ctypes.c_float, ptr]
     for fn in (lib.paged_attention_f32, lib.sgmv_lora_table_f32, lib.sgmv_lora_table_bf16, lib.q4_matmul,
-               lib.q8_matmul):
+               lib.q8_matmul, lib.rms_norm_f32):
         fn.restype = ctypes.c_int
     return lib
 
@@ -142,6 +143,14 @@ def paged_attention_c(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if status != 0:
         raise MemoryError("C paged attention could not allocate its score buffer")
     return out.to(dtype)
+
+
+def rms_norm_c(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """F.rms_norm over the last dimension of a contiguous float32 CPU tensor, in one C call."""
+    out = torch.empty_like(x)
+    library().rms_norm_f32(x.data_ptr(), weight.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps,
+                           out.data_ptr())
+    return out
 
 
 def sgmv_lora_table_c(x: torch.Tensor, table, tokens: torch.Tensor, token_slots: torch.Tensor,
