@@ -38,6 +38,11 @@ class LoRASlots:
         self.layers: list[dict[str, LoRATable | StackedLoRA]] = [
             {fused: table(fused) for fused in FUSED_PROJECTIONS} for _ in range(config.num_layers)]
 
+    @property
+    def null_slot(self) -> int | None:
+        """The slot index of tokens without an adapter in a stacked batch (rank 0), else None."""
+        return self.max_loras if self.stacked else None
+
     def load(self, slot: int, lora: LoRAWeights) -> None:
         for index, layer in enumerate(self.layers):
             for fused, table in layer.items():

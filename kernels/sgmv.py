@@ -272,10 +272,6 @@ class StackedLoRA:
     def max_rank(self) -> int:
         return self.b.shape[2]
 
-    @property
-    def null_slot(self) -> int:
-        return self.a.shape[0]
-
     def set(self, slot: int, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
         """`a` [n_slices * r, in] and `b` = B transposed [r, out_total], as `LoRATable.set` takes them."""
         rank = b.shape[0]
@@ -297,8 +293,9 @@ class StackedLoRA:
 
 def sgmv_lora_stacked(x: torch.Tensor, table: StackedLoRA, batch: LoRABatch, y: torch.Tensor) -> torch.Tensor:
     """y += scale[s] * (x A[s]^T) B[s]^T per token, over the stacked layout: shrink into an fp32
-    buffer, expand into y (Triton on CUDA or when forced; the reference otherwise)."""
-    h = torch.zeros(x.shape[0], table.a.shape[1], dtype=torch.float32, device=x.device)
+    buffer, expand into y (Triton on CUDA or when forced; the reference otherwise). Both read
+    only the columns below each token's rank that the shrink wrote: no memset of the buffer."""
+    h = torch.empty(x.shape[0], table.a.shape[1], dtype=torch.float32, device=x.device)
     if use_triton(x):
         from loraplex.kernels.sgmv_triton import sgmv_expand_triton, sgmv_shrink_triton
 

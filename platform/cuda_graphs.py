@@ -7,7 +7,7 @@ A graph replays the kernels it recorded on the buffers it recorded, so everythin
 pass reads lives in those buffers: token ids, positions, slot mapping, block tables (padded to
 max_model_len), sequence lengths, and each token's adapter slot (one SGMV segment per token, the
 null slot for tokens without one: `LoRABatch.per_token`). Padding rows write no KV (slot -1)
-and attend to one cached position. The capture itself is a parameter: `cuda_capture` on CUDA,
+and attend to one cached position. The capture itself is a parameter: `CudaCapture` on CUDA,
 `FakeCapture` on CPU, which replays by running the function again and refuses host syncs while
 capturing, as a real capture does.
 """

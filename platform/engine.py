@@ -95,7 +95,8 @@ class Engine:
                                    self.grammars.new_grammar)
         self.runner = ModelRunner(self.model, self.model_config, self.kv, config.torch_kv_dtype, device)
         if device.type == "cuda" and not config.enforce_eager:
-            self.runner.enable_graphs(CudaCapture(), config.max_num_seqs, self.max_model_len, self._null_slot())
+            self.runner.enable_graphs(CudaCapture(), config.max_num_seqs, self.max_model_len,
+                                      self.adapters.slots.null_slot)
         self.sampler = Sampler(self.model_config.vocab_size, self.eos_token_ids, config.seed, self.grammars,
                                config.json_close_window, device)
         self.inputs = InputProcessor(self.tokenizer, Limits(self.model_config.vocab_size, self.max_model_len,
@@ -104,10 +105,6 @@ class Engine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.num_jump_forward_tokens = 0
         self._log_kv_size(num_blocks, config.torch_kv_dtype)
-
-    def _null_slot(self) -> int | None:
-        """The adapter slot of tokens without one in a captured decode graph (stacked slots only)."""
-        return self.max_loras if self.adapters.slots.stacked else None
 
     def _num_kv_blocks(self, memory_before: tuple[int, int] | None) -> int:
         """As given; on CUDA what `gpu_memory_utilization` leaves after a profiling pass at

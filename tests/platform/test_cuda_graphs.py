@@ -51,7 +51,7 @@ def test_decode_graphs_give_the_eager_tokens(tiny_model_dir, tiny_adapters):
         base_only = _generate(llm, prompts[:2], [None, None])
         capture = FakeCapture()
         runner = llm.engine.runner
-        runner.enable_graphs(capture, 8, llm.engine.max_model_len, llm.engine._null_slot())
+        runner.enable_graphs(capture, 8, llm.engine.max_model_len, llm.engine.adapters.slots.null_slot)
         assert capture.captured == 2 * len(capture_sizes(8))  # with and without LoRA
         graphed = {n: _generate(llm, prompts[:n], names[:n]) for n in (1, 3, 5)}
         assert _generate(llm, prompts[:2], [None, None]) == base_only

@@ -80,7 +80,7 @@ def test_no_step_tensor_without_a_device(tiny_model_dir, tiny_adapters, kernels)
                   max_loras=2, lora_modules={"a0": str(tiny_adapters[0]), "a1": str(tiny_adapters[1])})
         engine = llm.engine
         if kernels == "triton":
-            engine.runner.enable_graphs(FakeCapture(), 8, engine.max_model_len, engine._null_slot())
+            engine.runner.enable_graphs(FakeCapture(), 8, engine.max_model_len, engine.adapters.slots.null_slot)
         _workload(engine, ["a0", None, "a1"])
         audit = DeviceAudit(engine.device)
         steps = 0
