@@ -23,16 +23,6 @@ int kv_f16_supported(void)
 #endif
 }
 
-/* Ask for the row `ahead` positions on (block tables scatter a request's rows, so the hardware
- * prefetcher loses the stream at every block boundary). */
-static inline void prefetch_row(const void *cache, const int64_t *table, int64_t pos, int64_t ctx,
-                                int64_t block_size, int64_t row_bytes)
-{
-    if (pos >= ctx) return;
-    const char *p = (const char *)cache + (table[pos / block_size] * block_size + pos % block_size) * row_bytes;
-    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + b);
-}
-
 /* One K or V row of n values: float32 rows are used in place; float16 and bfloat16 rows are
  * converted into buf (bfloat16 is the top half of a float32: a shift, exact). */
 static inline const float *kv_row(const void *cache, int64_t offset, int64_t n, int kind, float *buf)
@@ -65,14 +55,204 @@ static inline const float *kv_row(const void *cache, int64_t offset, int64_t n, 
  * PyTorch path must first gather them into a padded copy, which at decode costs more than the
  * attention itself (BENCHMARKS.md, "Engine speed").
  *
- * One task per query token, all heads: each K and V row (all kv heads, contiguous) is read
- * once and serves the Hq / Hkv query heads of each group. Scores for the whole context go to
- * a per-task buffer, then softmax, then the weighted sum of V rows. Causal, lower-right aligned: query i of
- * a request with query_len n and context seq_len sees keys 0 .. seq_len - n + i.
+ * One task per (query token, kv head): the Hq / Hkv query heads of the group share each K and V
+ * row. One pass over the context in chunks of ATT_CHUNK positions with an online softmax (the
+ * chunk's scores in L1, the running max and sum rescaled once per chunk, exp vectorized): no
+ * score buffer per context length, and no scalar expf per score, which cost more than the dots.
+ * Causal, lower-right aligned: query i of a request with query_len n and context seq_len sees
+ * keys 0 .. seq_len - n + i. The query and output are float32 or bfloat16 (q_kind); the math is
+ * float32.
  */
+#define ATT_CHUNK 32
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* e^x for 8 floats: Cephes' polynomial (as in avx_mathfun), relative error about 2e-7 */
+static inline __m256 exp8(__m256 x)
+{
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365447505531f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(0x7f)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+static inline float dot_f32(const float *a, const float *b, int64_t n)
+{
+    int64_t i = 0;
+    float tail = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    }
+    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    __m256 s = _mm256_add_ps(s0, s1);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    tail = _mm_cvtss_f32(h);
+#endif
+    for (; i < n; ++i) tail += a[i] * b[i];
+    return tail;
+}
+
+/* s[i] = e^(s[i] - shift) for i < n; returns their sum */
+static inline float exp_shifted(float *s, int64_t n, float shift)
+{
+    int64_t i = 0;
+    float sum = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps(), sh = _mm256_set1_ps(shift);
+    for (; i + 8 <= n; i += 8) {
+        __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), sh));
+        _mm256_storeu_ps(s + i, p);
+        acc = _mm256_add_ps(acc, p);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    for (int j = 0; j < 8; ++j) sum += lanes[j];
+#endif
+    for (; i < n; ++i) {
+        s[i] = expf(s[i] - shift);
+        sum += s[i];
+    }
+    return sum;
+}
+
+static inline float bf16_to_f32(uint16_t h)
+{
+    union { uint32_t u; float f; } v = { (uint32_t)h << 16 };
+    return v.f;
+}
+
+static inline uint16_t bf16_round(float f)
+{
+    union { float f; uint32_t u; } v = { f };
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u); /* quiet NaN */
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* Ask for rows [0, n) of a block (one head's d values each, `row` apart) before they are read:
+ * block tables scatter a request's blocks, so the hardware prefetcher loses the stream at each one */
+static inline void prefetch_block(const char *first, int64_t n, int64_t row_bytes, int64_t head_bytes)
+{
+    for (int64_t p = 0; p < n; ++p)
+        for (int64_t b = 0; b < head_bytes; b += 64) __builtin_prefetch(first + p * row_bytes + b);
+}
+
+/* o[D] += sum_p w[p] * rows[p, :] for n rows `stride` floats apart: o's vectors stay in registers
+ * across the rows (a load and an FMA per 8 values, no store until the end) */
+static inline void add_weighted_rows(float *o, const float *w, const float *rows, int64_t n, int64_t stride, int64_t D)
+{
+    int64_t d = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; d + 32 <= D; d += 32) {
+        __m256 a0 = _mm256_loadu_ps(o + d), a1 = _mm256_loadu_ps(o + d + 8);
+        __m256 a2 = _mm256_loadu_ps(o + d + 16), a3 = _mm256_loadu_ps(o + d + 24);
+        for (int64_t p = 0; p < n; ++p) {
+            const __m256 wp = _mm256_set1_ps(w[p]);
+            const float *r = rows + p * stride + d;
+            a0 = _mm256_fmadd_ps(wp, _mm256_loadu_ps(r), a0);
+            a1 = _mm256_fmadd_ps(wp, _mm256_loadu_ps(r + 8), a1);
+            a2 = _mm256_fmadd_ps(wp, _mm256_loadu_ps(r + 16), a2);
+            a3 = _mm256_fmadd_ps(wp, _mm256_loadu_ps(r + 24), a3);
+        }
+        _mm256_storeu_ps(o + d, a0);
+        _mm256_storeu_ps(o + d + 8, a1);
+        _mm256_storeu_ps(o + d + 16, a2);
+        _mm256_storeu_ps(o + d + 24, a3);
+    }
+    for (; d + 8 <= D; d += 8) {
+        __m256 a = _mm256_loadu_ps(o + d);
+        for (int64_t p = 0; p < n; ++p) a = _mm256_fmadd_ps(_mm256_set1_ps(w[p]), _mm256_loadu_ps(rows + p * stride + d), a);
+        _mm256_storeu_ps(o + d, a);
+    }
+#endif
+    for (; d < D; ++d) {
+        float a = o[d];
+        for (int64_t p = 0; p < n; ++p) a += w[p] * rows[p * stride + d];
+        o[d] = a;
+    }
+}
+
+/* n rows of one head's D values, `row` elements apart from `first`, as float32 rows: float32 in
+ * place (*stride = row), else converted into buf [n, D] (*stride = D) */
+static inline const float *kv_rows(const void *cache, int64_t first, int64_t n, int64_t row, int64_t D, int kind,
+                                   float *buf, int64_t *stride)
+{
+    if (kind == KV_F32) {
+        *stride = row;
+        return (const float *)cache + first;
+    }
+    for (int64_t p = 0; p < n; ++p) kv_row(cache, first + p * row, D, kind, buf + p * D);
+    *stride = D;
+    return buf;
+}
+
+/* o[G, D] = softmax(q K^T) V over positions 0..ctx-1 of one kv head (head_off into each row);
+ * q [G, D] already scaled. A chunk of rows inside one block at a time (contiguous rows, no
+ * division per row), converted once for the G heads. */
+static void attend_kv_head(const float *q, int64_t G, int64_t D, const void *k_cache, const void *v_cache,
+                           const int64_t *table, int64_t ctx, int64_t block_size, int64_t row, int64_t head_off,
+                           int kv_kind, float *o)
+{
+    float best[G], total[G], s[G * ATT_CHUNK], buf[ATT_CHUNK * D];
+    const int64_t elem = kv_kind == KV_F32 ? 4 : 2, row_bytes = row * elem, head_bytes = D * elem;
+    for (int64_t g = 0; g < G; ++g) {
+        best[g] = -INFINITY;
+        total[g] = 0.f;
+    }
+    for (int64_t i = 0; i < G * D; ++i) o[i] = 0.f;
+    for (int64_t c0 = 0, n = 0; c0 < ctx; c0 += n) {
+        /* a chunk stays inside one block: ATT_CHUNK positions or the rest of the block */
+        const int64_t in_block = c0 % block_size, left = block_size - in_block;
+        n = ctx - c0 < ATT_CHUNK ? ctx - c0 : ATT_CHUNK;
+        n = n < left ? n : left;
+        const int64_t first = (table[c0 / block_size] * block_size + in_block) * row + head_off;
+        const int64_t next = c0 + n;
+        if (next < ctx) {  /* the next chunk's K and V while this one is computed */
+            const int64_t at = ((table[next / block_size] * block_size + next % block_size) * row + head_off) * elem;
+            int64_t rows = ctx - next < ATT_CHUNK ? ctx - next : ATT_CHUNK;
+            rows = rows < block_size - next % block_size ? rows : block_size - next % block_size;
+            prefetch_block((const char *)k_cache + at, rows, row_bytes, head_bytes);
+            prefetch_block((const char *)v_cache + at, rows, row_bytes, head_bytes);
+        }
+        int64_t stride;
+        const float *k = kv_rows(k_cache, first, n, row, D, kv_kind, buf, &stride);
+        for (int64_t p = 0; p < n; ++p)
+            for (int64_t g = 0; g < G; ++g) s[g * ATT_CHUNK + p] = dot_f32(q + g * D, k + p * stride, D);
+        for (int64_t g = 0; g < G; ++g) {
+            float *sg = s + g * ATT_CHUNK, top = best[g];
+            for (int64_t p = 0; p < n; ++p) top = sg[p] > top ? sg[p] : top;
+            if (top > best[g]) {  /* rescale what was summed under the old max */
+                const float alpha = expf(best[g] - top);
+                for (int64_t d = 0; d < D; ++d) o[g * D + d] *= alpha;
+                total[g] *= alpha;
+                best[g] = top;
+            }
+            total[g] += exp_shifted(sg, n, best[g]);
+        }
+        const float *v = kv_rows(v_cache, first, n, row, D, kv_kind, buf, &stride);
+        for (int64_t g = 0; g < G; ++g) add_weighted_rows(o + g * D, s + g * ATT_CHUNK, v, n, stride, D);
+    }
+    for (int64_t g = 0; g < G; ++g) {
+        const float inv = total[g] > 0.f ? 1.f / total[g] : 0.f;
+        for (int64_t d = 0; d < D; ++d) o[g * D + d] *= inv;
+    }
+}
 
 int paged_attention_f32(
-    const float *query,         /* [T, Hq, D] */
+    const void *query,          /* [T, Hq, D], float32 or bfloat16 (q_kind) */
     const void *k_cache,        /* [num_blocks, block_size, Hkv, D], float32, float16 or bfloat16 (kv_kind) */
     const void *v_cache,        /* same */
     const int64_t *block_tables, /* [B, table_width] */
@@ -81,69 +261,31 @@ int paged_attention_f32(
     const int64_t *query_start, /* [B + 1] */
     const int64_t *token_request, /* [T] request index of each query token */
     int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, float scale, int kv_kind,
-    float *out)                 /* [T, Hq, D] */
+    int64_t block_size, float scale, int kv_kind, int q_kind,
+    void *out)                  /* [T, Hq, D], q_kind */
 {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row = num_kv_heads * head_dim; /* one token's K (or V) row, all heads */
-    int failed = 0;
 
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t t = 0; t < num_tokens; ++t) {
+    for (int64_t task = 0; task < num_tokens * num_kv_heads; ++task) {
+        const int64_t t = task / num_kv_heads, h = task % num_kv_heads;
         const int64_t b = token_request[t];
         const int64_t query_len = query_start[b + 1] - query_start[b];
         const int64_t ctx = seq_lens[b] - query_len + (t - query_start[b]) + 1;
-        const int64_t *table = block_tables + b * table_width;
-        const float *q = query + t * num_heads * head_dim;
-        float *o = out + t * num_heads * head_dim;
-        float *scores = malloc(sizeof(float) * num_heads * (ctx > 0 ? ctx : 1)); /* [Hq, ctx] */
-        if (!scores) {
-            failed = 1;
-            continue;
+        const int64_t first = (t * num_heads + h * group) * head_dim, n = group * head_dim;
+        float q[n], o[n];
+        for (int64_t i = 0; i < n; ++i)
+            q[i] = scale * (q_kind == KV_BF16 ? bf16_to_f32(((const uint16_t *)query)[first + i])
+                                              : ((const float *)query)[first + i]);
+        attend_kv_head(q, group, head_dim, k_cache, v_cache, block_tables + b * table_width, ctx, block_size, row,
+                       h * head_dim, kv_kind, o);
+        for (int64_t i = 0; i < n; ++i) {
+            if (q_kind == KV_BF16) ((uint16_t *)out)[first + i] = bf16_round(o[i]);
+            else ((float *)out)[first + i] = o[i];
         }
-        float best[num_heads], total[num_heads], row_buf[row];
-        for (int64_t j = 0; j < num_heads; ++j) best[j] = -INFINITY;
-        const int64_t row_bytes = row * (kv_kind == KV_F32 ? 4 : 2), ahead = 4;
-        for (int64_t pos = 0; pos < ctx; ++pos) {
-            prefetch_row(k_cache, table, pos + ahead, ctx, block_size, row_bytes);
-            const float *k = kv_row(k_cache, (table[pos / block_size] * block_size + pos % block_size) * row, row,
-                                    kv_kind, row_buf);
-            for (int64_t j = 0; j < num_heads; ++j) {
-                const float *qj = q + j * head_dim, *kj = k + (j / group) * head_dim;
-                float dot = 0.f;
-                for (int64_t d = 0; d < head_dim; ++d) dot += qj[d] * kj[d];
-                dot *= scale;
-                scores[j * ctx + pos] = dot;
-                if (dot > best[j]) best[j] = dot;
-            }
-        }
-        for (int64_t j = 0; j < num_heads; ++j) {
-            float sum = 0.f;
-            for (int64_t pos = 0; pos < ctx; ++pos) {
-                const float p = expf(scores[j * ctx + pos] - best[j]);
-                scores[j * ctx + pos] = p;
-                sum += p;
-            }
-            total[j] = sum;
-        }
-        for (int64_t i = 0; i < num_heads * head_dim; ++i) o[i] = 0.f;
-        for (int64_t pos = 0; pos < ctx; ++pos) {
-            prefetch_row(v_cache, table, pos + ahead, ctx, block_size, row_bytes);
-            const float *v = kv_row(v_cache, (table[pos / block_size] * block_size + pos % block_size) * row, row,
-                                    kv_kind, row_buf);
-            for (int64_t j = 0; j < num_heads; ++j) {
-                const float p = scores[j * ctx + pos], *vj = v + (j / group) * head_dim;
-                float *oj = o + j * head_dim;
-                for (int64_t d = 0; d < head_dim; ++d) oj[d] += p * vj[d];
-            }
-        }
-        for (int64_t j = 0; j < num_heads; ++j) {
-            const float inv = total[j] > 0.f ? 1.f / total[j] : 0.f;
-            for (int64_t d = 0; d < head_dim; ++d) o[j * head_dim + d] *= inv;
-        }
-        free(scores);
     }
-    return failed ? -1 : 0;
+    return 0;
 }
 
 /* Multi-LoRA delta for tokens of many adapters with a few tokens each (decode batches):
@@ -161,12 +303,6 @@ static inline float bf16_load(const uint16_t *p, int64_t i)
     return v.f;
 }
 
-static inline uint16_t bf16_round(float f)
-{
-    union { float f; uint32_t u; } v = { f };
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u); /* quiet NaN */
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
 
 static inline float f32_load(const float *p, int64_t i) { return p[i]; }
 
@@ -467,20 +603,155 @@ int q8_matmul(const float *x, int64_t M, int64_t K, const int8_t *q, const float
     QUANT_TILES(dequant_q8_row(q + n * K, d + n * groups, K, G, w + j * K))
 }
 
-/* RMSNorm of M rows of K floats: out = x / sqrt(mean(x^2) + eps) * w, the sum in float32 as
-   F.rms_norm computes it. One call per layer norm at decode sizes costs what the op dispatch of
-   F.rms_norm costs several times over (benchmarks: 17-36 us per 1 x 576 row there). */
-int rms_norm_f32(const float *x, const float *w, int64_t M, int64_t K, float eps, float *out)
+/* ---- the small per-layer ops, fused: one call each where PyTorch dispatches several ops ------------
+ * At decode sizes a layer's norms, RoPE, KV write and SiLU cost more in op dispatch than in arithmetic
+ * (a bfloat16 RMSNorm alone is seven ops). Each kernel takes float32 or bfloat16 tensors (kind) and
+ * rounds where PyTorch's bfloat16 ops round, so the two paths give the same values. */
+
+static inline float load_kind(const void *p, int64_t i, int kind)
+{
+    return kind == KV_BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* v as the kind stores it (bfloat16: rounded to nearest even) */
+static inline float as_kind(float v, int kind)
+{
+    return kind == KV_BF16 ? bf16_to_f32(bf16_round(v)) : v;
+}
+
+static inline void store_kind(void *p, int64_t i, float v, int kind)
+{
+    if (kind == KV_BF16) ((uint16_t *)p)[i] = bf16_round(v);
+#ifdef __F16C__
+    else if (kind == KV_F16) ((uint16_t *)p)[i] = _cvtss_sh(v, 0);
+#endif
+    else ((float *)p)[i] = v;
+}
+
+/* out = RMSNorm(x) * w over M rows of K; with residual: residual += x first (in place, rounded to
+ * the kind) and the norm is of that sum (vLLM's fused add). float32: x * inv * w as F.rms_norm;
+ * bfloat16: w * round(x * inv) with the statistics in float32, as the reference model computes. */
+int add_rms_norm(const void *x, void *residual, const void *w, int64_t M, int64_t K, float eps, int kind,
+                 void *out)
 {
     for (int64_t i = 0; i < M; i++) {
-        const float *row = x + i * K;
-        float *dst = out + i * K;
+        const int64_t row = i * K;
+        const void *src = x;
         float sum = 0.0f;
+        if (residual) {
+            for (int64_t j = 0; j < K; j++) {
+                const float v = as_kind(load_kind(residual, row + j, kind) + load_kind(x, row + j, kind), kind);
+                store_kind(residual, row + j, v, kind);
+                sum += v * v;
+            }
+            src = residual;
+        } else {
+            for (int64_t j = 0; j < K; j++) {
+                const float v = load_kind(x, row + j, kind);
+                sum += v * v;
+            }
+        }
+        const float inv = 1.0f / sqrtf(sum / (float)K + eps);
         for (int64_t j = 0; j < K; j++)
-            sum += row[j] * row[j];
-        float inv = 1.0f / sqrtf(sum / (float)K + eps);
-        for (int64_t j = 0; j < K; j++)
-            dst[j] = row[j] * inv * w[j];
+            store_kind(out, row + j, as_kind(load_kind(src, row + j, kind) * inv, kind) * load_kind(w, j, kind), kind);
+    }
+    return 0;
+}
+
+/* RoPE (rotate-half) on the q and k heads of each token's fused qkv row, q written to q_out
+ * [T, Hq, D], rotated k and v written into the caches at slots[t] (-1: not written) in cache_kind
+ * (the model's kind, or float16 under a float32 model). cos, sin [T, D] in the model's kind. */
+int rope_write_kv(const void *qkv, const void *cos, const void *sin, int64_t T, int64_t Hq, int64_t Hkv,
+                  int64_t D, const int64_t *slots, void *k_cache, void *v_cache, int cache_kind, int kind,
+                  void *q_out)
+{
+    const int64_t half = D / 2, width = (Hq + 2 * Hkv) * D;
+#pragma omp parallel for schedule(static) if (T > 16)
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t slot = slots[t];
+        for (int64_t h = 0; h < Hq + Hkv; h++) {
+            const int64_t src = t * width + h * D;
+            void *dst = h < Hq ? q_out : k_cache;
+            const int64_t at = h < Hq ? (t * Hq + h) * D : (slot * Hkv + h - Hq) * D;
+            const int dst_kind = h < Hq ? kind : cache_kind;
+            if (h >= Hq && slot < 0) continue;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = load_kind(qkv, src + i, kind), b = load_kind(qkv, src + i + half, kind);
+                const int64_t c = t * D + i;
+                /* x * cos + rotate_half(x) * sin, each product rounded as the reference's ops round */
+                const float lo = as_kind(a * load_kind(cos, c, kind), kind) + as_kind(-b * load_kind(sin, c, kind), kind);
+                const float hi = as_kind(b * load_kind(cos, c + half, kind), kind) +
+                                 as_kind(a * load_kind(sin, c + half, kind), kind);
+                store_kind(dst, at + i, lo, dst_kind);
+                store_kind(dst, at + i + half, hi, dst_kind);
+            }
+        }
+        if (slot < 0) continue;
+        for (int64_t j = 0; j < Hkv * D; j++)
+            store_kind(v_cache, slot * Hkv * D + j, load_kind(qkv, t * width + (Hq + Hkv) * D + j, kind), cache_kind);
+    }
+    return 0;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* 8 bfloat16 values as float32 lanes, and back (round to nearest even; NaN stays NaN) */
+static inline __m256 bf16x8_load(const uint16_t *p)
+{
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline __m256i bf16x8_rounded_bits(__m256 v)
+{
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+}
+
+static inline __m256 bf16x8_round(__m256 v)
+{
+    return _mm256_castsi256_ps(_mm256_and_si256(bf16x8_rounded_bits(v), _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+static inline void bf16x8_store(uint16_t *p, __m256 v)
+{
+    const __m256i top = _mm256_srli_epi32(bf16x8_rounded_bits(v), 16);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1)));
+}
+#endif
+
+/* out [T, I] = silu(gate) * up from the fused gate_up rows [T, 2I]; bfloat16 rounds silu's result
+ * before the product, as the two ops do. */
+int silu_mul(const void *gate_up, int64_t T, int64_t I, int kind, void *out)
+{
+#pragma omp parallel for schedule(static) if (T > 4)
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t row = t * 2 * I;
+        int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        if (kind == KV_F32) {
+            const float *g = (const float *)gate_up + row, *u = g + I;
+            float *o = (float *)out + t * I;
+            for (; i + 8 <= I; i += 8) {
+                const __m256 x = _mm256_loadu_ps(g + i);
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+                const __m256 act = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+                _mm256_storeu_ps(o + i, _mm256_mul_ps(act, _mm256_loadu_ps(u + i)));
+            }
+        } else {
+            const uint16_t *g = (const uint16_t *)gate_up + row, *u = g + I;
+            uint16_t *o = (uint16_t *)out + t * I;
+            for (; i + 8 <= I; i += 8) {
+                const __m256 x = bf16x8_load(g + i);
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+                const __m256 act = bf16x8_round(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+                bf16x8_store(o + i, _mm256_mul_ps(act, bf16x8_load(u + i)));
+            }
+        }
+#endif
+        for (; i < I; i++) {
+            const float g = load_kind(gate_up, row + i, kind);
+            store_kind(out, t * I + i, as_kind(g / (1.0f + expf(-g)), kind) * load_kind(gate_up, row + I + i, kind), kind);
+        }
     }
     return 0;
 }

@@ -1,7 +1,9 @@
 """CPU kernels in C (`cpu_kernels.c`): paged attention for short query chunks, the
-multi-LoRA delta for decode-like batches, and weight-only 4/8-bit matmuls (`quant.py`). Built once per machine with the system C compiler
-into the loraplex cache, called through ctypes on float32 tensors (the multi-LoRA delta also on
-bfloat16 ones, accumulating in float32).
+multi-LoRA delta for decode-like batches, weight-only 4/8-bit matmuls (`quant.py`), and a
+layer's small ops fused (residual add + RMSNorm, RoPE + KV write, SiLU * up). Built once per
+machine with the system C compiler into the loraplex cache, called through ctypes on float32
+tensors (attention, the multi-LoRA delta and the fused layer ops also on bfloat16 ones, with
+float32 math).
 
 No compiler, or a failed build: `library()` returns None (logged once) and callers keep the
 PyTorch path. `LORAPLEX_CC` names the compiler (default `cc`).
@@ -87,16 +89,18 @@ def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.paged_attention_f32.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64,
-                                        ctypes.c_float, ctypes.c_int, ptr]
+                                        ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr]
     lib.kv_f16_supported.argtypes = []
     lib.kv_f16_supported.restype = ctypes.c_int
     for fn in (lib.sgmv_lora_table_f32, lib.sgmv_lora_table_bf16):
         fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr]
     lib.q4_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr]
     lib.q8_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr]
-    lib.rms_norm_f32.argtypes = [ptr, ptr, i64, i64, ctypes.c_float, ptr]
+    lib.add_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int, ptr]
+    lib.rope_write_kv.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ptr]
+    lib.silu_mul.argtypes = [ptr, i64, i64, ctypes.c_int, ptr]
     for fn in (lib.paged_attention_f32, lib.sgmv_lora_table_f32, lib.sgmv_lora_table_bf16, lib.q4_matmul,
-               lib.q8_matmul, lib.rms_norm_f32):
+               lib.q8_matmul, lib.add_rms_norm, lib.rope_write_kv, lib.silu_mul):
         fn.restype = ctypes.c_int
     return lib
 
@@ -129,27 +133,63 @@ def paged_attention_c(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     token_request [T] is each query token's request row."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
-    dtype, query = query.dtype, query.float().contiguous()
+    dtype = query.dtype
+    query = (query if dtype == torch.bfloat16 else query.float()).contiguous()  # bf16 read and written in place
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("C paged attention needs contiguous K/V caches")
     tables, seq_lens, query_start_loc, token_request = (
-        t.to(torch.int64).contiguous() for t in (block_tables, seq_lens, query_start_loc, token_request))
+        t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
+        for t in (block_tables, seq_lens, query_start_loc, token_request))
     out = torch.empty_like(query)
-    status = library().paged_attention_f32(
+    library().paged_attention_f32(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
         seq_lens.data_ptr(), query_start_loc.data_ptr(), token_request.data_ptr(),
         num_tokens, num_heads, num_kv_heads, head_dim, k_cache.shape[1], scale,
-        KV_KINDS[k_cache.dtype], out.data_ptr())
-    if status != 0:
-        raise MemoryError("C paged attention could not allocate its score buffer")
+        KV_KINDS[k_cache.dtype], KV_KINDS[query.dtype], out.data_ptr())
     return out.to(dtype)
 
 
-def rms_norm_c(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """F.rms_norm over the last dimension of a contiguous float32 CPU tensor, in one C call."""
+LAYER_DTYPES = (torch.float32, torch.bfloat16)  # the fused per-layer kernels' kinds
+
+
+def add_rms_norm_c(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dimension of a contiguous CPU tensor (float32 or bfloat16, rounded
+    as the PyTorch ops round), in one C call. With `residual`: residual += x in place first and
+    the norm is of that sum."""
     out = torch.empty_like(x)
-    library().rms_norm_f32(x.data_ptr(), weight.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps,
-                           out.data_ptr())
+    library().add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                           x.numel() // x.shape[-1], x.shape[-1], eps, KV_KINDS[x.dtype], out.data_ptr())
+    return out
+
+
+def rope_write_kv_c(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                    slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """The fused qkv rows [T, (Hq + 2 Hkv) D] -> rotated q [T, Hq, D]; rotated k and v written
+    into the caches [blocks, block_size, Hkv, D] at slot_mapping (-1: skipped). cos, sin [T, D]
+    in qkv's dtype."""
+    num_tokens, head_dim = qkv.shape[0], cos.shape[-1]
+    q = qkv.new_empty(num_tokens, num_heads, head_dim)
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)
+    library().rope_write_kv(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), num_tokens, num_heads, num_kv_heads,
+                            head_dim, slots.contiguous().data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                            KV_KINDS[k_cache.dtype], KV_KINDS[qkv.dtype], q.data_ptr())
+    return q
+
+
+def usable_rope_kv(qkv: torch.Tensor, cos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """The model's kind in the caches, or float16 caches under a float32 model where F16C converts."""
+    same = k_cache.dtype == qkv.dtype or (qkv.dtype == torch.float32 and k_cache.dtype == torch.float16 and _f16c())
+    return (same and k_cache.dtype == v_cache.dtype and cos.dtype == qkv.dtype
+            and usable(qkv, cos, dtypes=LAYER_DTYPES) and usable_kv(k_cache, v_cache))
+
+
+def silu_mul_c(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] -> silu(gate) * up [..., I] in one C call (float32 or bfloat16)."""
+    inter = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], inter)
+    library().silu_mul(gate_up.data_ptr(), gate_up.numel() // gate_up.shape[-1], inter, KV_KINDS[gate_up.dtype],
+                       out.data_ptr())
     return out
 
 

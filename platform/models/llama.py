@@ -31,10 +31,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """RMSNorm(x); with `residual`: (RMSNorm(residual + x), residual + x), the sum written into
+        `residual` (vLLM's fused add: the layer's residual add and the next norm in one pass)."""
+        if use_cpu_kernel(x) and cpu_kernels.usable(x, self.weight, dtypes=cpu_kernels.LAYER_DTYPES) and \
+                x.dtype == self.weight.dtype and (residual is None or residual.dtype == x.dtype and residual.is_contiguous()):
+            out = cpu_kernels.add_rms_norm_c(x, self.weight, self.eps, residual)  # one call, not 2-8 ops
+            return out if residual is None else (out, residual)
+        if residual is not None:
+            x = residual = residual + x
+        out = self._norm(x)
+        return out if residual is None else (out, residual)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            if use_cpu_kernel(x) and cpu_kernels.usable(x, self.weight):  # 4-5x F.rms_norm at decode sizes
-                return cpu_kernels.rms_norm_c(x, self.weight, self.eps)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one op, same numbers as below
         # float32 statistics, as the reference implementation does
         h = x.float()
@@ -92,13 +102,18 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache, meta: PagedAttentionMetadata):
-        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        # q and k rotate together: one pass over both instead of one each
-        qk = apply_rope(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
         k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if use_cpu_kernel(qkv) and cpu_kernels.usable_rope_kv(qkv, rope[0], k_cache, v_cache):
+            # RoPE, the KV write and q's copy in one call instead of about ten ops
+            q = cpu_kernels.rope_write_kv_c(qkv, *rope, self.num_heads, self.num_kv_heads, meta.slot_mapping,
+                                            k_cache, v_cache)
+        else:
+            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            # q and k rotate together: one pass over both instead of one each
+            qk = apply_rope(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+            write_kv(k, v.view(-1, self.num_kv_heads, self.head_dim), k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -110,7 +125,10 @@ class MLP(nn.Module):
         self.down_proj = LoRALinear(config.intermediate_size, config.hidden_size, False, lora)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if use_cpu_kernel(gate_up) and cpu_kernels.usable(gate_up, dtypes=cpu_kernels.LAYER_DTYPES):
+            return self.down_proj(cpu_kernels.silu_mul_c(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -122,9 +140,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, lora)
 
-    def forward(self, x, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, kv_cache, meta):
+        """-> (this layer's MLP output, the residual stream before adding it); the add happens in
+        the next norm (fused with it)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, rope, kv_cache, meta), residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -146,11 +170,11 @@ class LlamaForCausalLM(nn.Module):
         slot (None: no token uses one), read by every LoRA layer of this pass."""
         self.lora_context.batch = lora
         try:
-            x = self.embed_tokens(input_ids)
+            x, residual = self.embed_tokens(input_ids), None
             rope = self.rope.at(positions, x.dtype)
             for layer, kv_cache in zip(self.layers, kv_caches):
-                x = layer(x, rope, kv_cache, meta)
-            return self.norm(x)
+                x, residual = layer(x, residual, rope, kv_cache, meta)
+            return self.norm(x, residual)[0]
         finally:
             self.lora_context.batch = None
 

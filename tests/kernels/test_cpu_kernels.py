@@ -169,13 +169,3 @@ def test_float16_kv_cache_matches_the_reference_on_the_same_values(seed, qlens, 
     torch.testing.assert_close(out, reference(query, kc16, vc16, meta, dim ** -0.5), atol=1e-5, rtol=1e-5)
     # and close to float32 K/V: only the rounding of the cached values differs
     torch.testing.assert_close(out, reference(query, kc, vc, meta, dim ** -0.5), atol=5e-3, rtol=5e-3)
-
-
-@pytest.mark.parametrize("rows", [1, 7, 300])
-def test_rms_norm_matches_torch(rows):
-    import torch.nn.functional as F
-
-    g = torch.Generator().manual_seed(rows)
-    x, w = torch.randn(rows, 576, generator=g) * 3, torch.randn(576, generator=g)
-    torch.testing.assert_close(cpu_kernels.rms_norm_c(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5),
-                               rtol=1e-5, atol=1e-5)

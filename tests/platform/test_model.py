@@ -121,3 +121,29 @@ def test_packed_weights_give_the_same_logits_without_a_plain_copy(tmp_path, tied
     assert (model.lm_head.weight is model.embed_tokens.weight) if tied else model.lm_head.weight is None
     assert model.layers[0].mlp.down_proj.dense_weight().shape == (model.config.hidden_size,
                                                                    model.config.intermediate_size)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_layer_kernels_run_and_match_the_pytorch_ops(tiny_model_dir, dtype, monkeypatch):
+    """On CPU each layer's residual add + norm, RoPE + KV write and SiLU * up run as single C
+    calls; the logits equal those of the PyTorch ops they replace (float32: to rounding order;
+    bfloat16: they round where those ops round)."""
+    from loraplex.kernels import cpu_kernels
+    import loraplex.platform.models.llama as llama
+
+    if cpu_kernels.library() is None:
+        pytest.skip("no C compiler here")
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), dtype=dtype, num_kv_blocks=16))
+    ids = list(range(3, 40))
+    calls = []
+    for name in ("add_rms_norm_c", "rope_write_kv_c", "silu_mul_c"):
+        kernel = getattr(cpu_kernels, name)
+        monkeypatch.setattr(cpu_kernels, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
+    fused = prompt_logits(engine, ids, 16).float()
+    layers = engine.model.config.num_layers
+    assert calls.count("rope_write_kv_c") == calls.count("silu_mul_c") == 3 * layers  # 3 chunks of 16 / 16 / 5
+    assert calls.count("add_rms_norm_c") == 3 * (2 * layers + 1)
+    monkeypatch.setattr(llama, "use_cpu_kernel", lambda x: False)
+    plain = prompt_logits(engine, ids, 16).float()
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == "float32" else dict(atol=5e-2, rtol=0)
+    torch.testing.assert_close(fused, plain, **tol)

@@ -1,0 +1,94 @@
+"""The fused per-layer C kernels (residual add + RMSNorm, RoPE + KV write, SiLU * up) against the
+PyTorch ops they replace, in float32 and in bfloat16 (where they must round as those ops round)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loraplex.kernels import cpu_kernels
+from loraplex.kernels.paged_attention import write_kv_reference
+
+needs_kernel = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler here")
+DTYPES = [torch.float32, torch.bfloat16]
+# float32: summation order only; bfloat16: at most one unit in the last place where that order
+# tips a rounding
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=8e-3)}
+
+
+def torch_rms_norm(x, w, eps):
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, w.shape, w, eps)
+    h = x.float()
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_rms_norm_and_fused_residual_add(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=g) * 3).to(dtype)
+    delta = torch.randn(rows, 576, generator=g).to(dtype)
+    w = torch.randn(576, generator=g).to(dtype)
+    torch.testing.assert_close(cpu_kernels.add_rms_norm_c(x, w, 1e-5), torch_rms_norm(x, w, 1e-5), **TOL[dtype])
+    residual = x.clone()
+    out = cpu_kernels.add_rms_norm_c(delta, w, 1e-5, residual)
+    assert torch.equal(residual, x + delta)  # the sum, rounded as torch's add rounds
+    torch.testing.assert_close(out, torch_rms_norm(x + delta, w, 1e-5), **TOL[dtype])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_rope_and_kv_write(dtype, tokens):
+    heads, kv_heads, dim, block_size, blocks = 9, 3, 64, 16, 8
+    g = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    angles = torch.rand(tokens, dim // 2, generator=g) * 100
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    slots = torch.randperm(blocks * block_size, generator=g)[:tokens]
+    if tokens > 1:
+        slots[tokens // 2] = -1  # a padding token: nothing written for it
+    caches = [torch.zeros(blocks, block_size, kv_heads, dim, dtype=dtype) for _ in range(4)]
+    q = cpu_kernels.rope_write_kv_c(qkv, cos[:, None], sin[:, None], heads, kv_heads, slots, caches[0], caches[1])
+    # the PyTorch ops of the model's fallback
+    qk, v = qkv.split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)
+    qk = qk.view(tokens, heads + kv_heads, dim)
+    qk = qk * cos[:, None] + rotate_half(qk) * sin[:, None]
+    write_kv_reference(qk[:, heads:], v.view(tokens, kv_heads, dim), caches[2], caches[3], slots)
+    torch.testing.assert_close(q, qk[:, :heads], **TOL[dtype])
+    torch.testing.assert_close(caches[0], caches[2], **TOL[dtype])
+    assert torch.equal(caches[1], caches[3])  # v copied as it is
+    assert caches[0].view(-1, kv_heads, dim)[slots[slots >= 0]].abs().sum() > 0
+
+
+@needs_kernel
+def test_rope_writes_a_float16_cache_under_a_float32_model():
+    if not cpu_kernels._f16c():
+        pytest.skip("this CPU has no F16C")
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(3, 5 * 16, generator=g)
+    cos, sin = torch.rand(3, 1, 16, generator=g), torch.rand(3, 1, 16, generator=g)
+    caches = [torch.zeros(2, 4, 1, 16, dtype=torch.float16) for _ in range(2)]
+    q = cpu_kernels.rope_write_kv_c(qkv, cos, sin, 3, 1, torch.tensor([5, 0, 2]), *caches)
+    qk = qkv[:, :64].view(3, 4, 16)
+    qk = qk * cos + rotate_half(qk) * sin
+    torch.testing.assert_close(q, qk[:, :3])
+    torch.testing.assert_close(caches[0].view(-1, 16)[[5, 0, 2]], qk[:, 3].half())
+    torch.testing.assert_close(caches[1].view(-1, 16)[[5, 0, 2]], qkv[:, 64:].half())
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 3, 64])
+def test_silu_mul(dtype, tokens):
+    g = torch.Generator().manual_seed(tokens)
+    gate_up = (torch.randn(tokens, 2 * 1540, generator=g) * 4).to(dtype)  # 1540: a tail past the vector width
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu_kernels.silu_mul_c(gate_up), F.silu(gate) * up, **TOL[dtype])
