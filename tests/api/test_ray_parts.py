@@ -134,7 +134,7 @@ def test_an_evicted_adapter_is_unloaded_once_its_requests_end(tiny_model_dir, ti
 
     async def run():
         replica = object.__new__(engine_replica(2))  # its state only: no Ray, no engine
-        replica.front, replica.replica = types.SimpleNamespace(adapters=registry), "r1"
+        replica.front, replica.replica = types.SimpleNamespace(adapters=registry, shutdown=lambda: None), "r1"
         replica.held, replica.loop = {"a", "b", "c"}, asyncio.get_running_loop()
 
         def evict(name: str) -> None:  # as Ray does it: off the event loop
