@@ -7,6 +7,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -55,8 +58,8 @@ static inline const float *kv_row(const void *cache, int64_t offset, int64_t n, 
  * PyTorch path must first gather them into a padded copy, which at decode costs more than the
  * attention itself (BENCHMARKS.md, "Engine speed").
  *
- * One task per (query token, kv head): the Hq / Hkv query heads of the group share each K and V
- * row. One pass over the context in chunks of ATT_CHUNK positions with an online softmax (the
+ * One task per query token (per (token, kv head) when there are few tokens): the Hq / Hkv query
+ * heads of a group share each K and V row. One pass over the context in chunks of ATT_CHUNK positions with an online softmax (the
  * chunk's scores in L1, the running max and sum rescaled once per chunk, exp vectorized): no
  * score buffer per context length, and no scalar expf per score, which cost more than the dots.
  * Causal, lower-right aligned: query i of a request with query_len n and context seq_len sees
@@ -142,14 +145,6 @@ static inline uint16_t bf16_round(float f)
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
-/* Ask for rows [0, n) of a block (one head's d values each, `row` apart) before they are read:
- * block tables scatter a request's blocks, so the hardware prefetcher loses the stream at each one */
-static inline void prefetch_block(const char *first, int64_t n, int64_t row_bytes, int64_t head_bytes)
-{
-    for (int64_t p = 0; p < n; ++p)
-        for (int64_t b = 0; b < head_bytes; b += 64) __builtin_prefetch(first + p * row_bytes + b);
-}
-
 /* o[D] += sum_p w[p] * rows[p, :] for n rows `stride` floats apart: o's vectors stay in registers
  * across the rows (a load and an FMA per 8 values, no store until the end) */
 static inline void add_weighted_rows(float *o, const float *w, const float *rows, int64_t n, int64_t stride, int64_t D)
@@ -200,24 +195,31 @@ static inline const float *kv_rows(const void *cache, int64_t first, int64_t n, 
 }
 
 /* The next chunk of a request's context from c0: it stays inside one block, ATT_CHUNK positions or
- * the rest of the block. Returns its length and sets *first to its first row's element offset; the
- * chunk after it is prefetched while this one is computed. */
-static inline int64_t context_chunk(const void *k_cache, const void *v_cache, const int64_t *table, int64_t c0,
-                                    int64_t ctx, int64_t block_size, int64_t row, int64_t head_off, int64_t D,
-                                    int64_t elem, int64_t *first)
+ * the rest of the block. Returns its length and sets *first to its first row's element offset, and
+ * *ahead to the chunk after it (-1: none), which the caller prefetches a row at a time while it
+ * computes this one (block tables scatter a request's blocks, so the hardware prefetcher loses the
+ * stream at each block; one burst of prefetches for a whole chunk stalls on the miss buffers). */
+static inline int64_t context_chunk(const int64_t *table, int64_t c0, int64_t ctx, int64_t block_size, int64_t row,
+                                    int64_t head_off, int64_t *first, int64_t *ahead)
 {
     int64_t n = ctx - c0 < ATT_CHUNK ? ctx - c0 : ATT_CHUNK;
     n = n < block_size - c0 % block_size ? n : block_size - c0 % block_size;
     *first = (table[c0 / block_size] * block_size + c0 % block_size) * row + head_off;
     const int64_t next = c0 + n;
-    if (next < ctx) {
-        const int64_t at = ((table[next / block_size] * block_size + next % block_size) * row + head_off) * elem;
-        int64_t rows = ctx - next < ATT_CHUNK ? ctx - next : ATT_CHUNK;
-        rows = rows < block_size - next % block_size ? rows : block_size - next % block_size;
-        prefetch_block((const char *)k_cache + at, rows, row * elem, D * elem);
-        prefetch_block((const char *)v_cache + at, rows, row * elem, D * elem);
-    }
+    *ahead = next < ctx ? (table[next / block_size] * block_size + next % block_size) * row + head_off : -1;
     return n;
+}
+
+/* Ask for row p of the chunk at `ahead` (one head's bytes of K and of V) before it is read */
+static inline void prefetch_row(const void *k_cache, const void *v_cache, int64_t ahead, int64_t p, int64_t row,
+                                int64_t head_bytes, int64_t elem)
+{
+    if (ahead < 0) return;
+    const int64_t at = (ahead + p * row) * elem;
+    for (int64_t b = 0; b < head_bytes; b += 64) {
+        __builtin_prefetch((const char *)k_cache + at + b);
+        __builtin_prefetch((const char *)v_cache + at + b);
+    }
 }
 
 /* Online softmax over one chunk's scores s [G, ATT_CHUNK] (n used): exponentiated in place under the
@@ -245,32 +247,39 @@ static inline void normalize_heads(float *o, const float *total, int64_t G, int6
     }
 }
 
-/* o[G, D] = softmax(q K^T) V over positions 0..ctx-1 of one kv head (head_off into each row);
- * q [G, D] already scaled. A chunk of rows inside one block at a time (contiguous rows, no
- * division per row), converted once for the G heads. */
-static void attend_kv_head(const float *q, int64_t G, int64_t D, const void *k_cache, const void *v_cache,
-                           const int64_t *table, int64_t ctx, int64_t block_size, int64_t row, int64_t head_off,
-                           int kv_kind, float *o)
+/* o[H * G, D] = softmax(q K^T) V over positions 0..ctx-1 of H adjacent kv heads (the first at
+ * head_off in each row), G query heads each; q [H * G, D] already scaled. A chunk of rows inside
+ * one block at a time (contiguous rows, no division per row), converted once for the G heads. */
+static void attend_kv_heads(const float *q, int64_t H, int64_t G, int64_t D, const void *k_cache,
+                            const void *v_cache, const int64_t *table, int64_t ctx, int64_t block_size, int64_t row,
+                            int64_t head_off, int kv_kind, float *o)
 {
-    float best[G], total[G], s[G * ATT_CHUNK], buf[ATT_CHUNK * D];
+    float best[H * G], total[H * G], s[H * G * ATT_CHUNK], buf[ATT_CHUNK * D];
     const int64_t elem = kv_kind == KV_F32 ? 4 : 2;
-    for (int64_t g = 0; g < G; ++g) {
+    for (int64_t g = 0; g < H * G; ++g) {
         best[g] = -INFINITY;
         total[g] = 0.f;
     }
-    for (int64_t i = 0; i < G * D; ++i) o[i] = 0.f;
+    for (int64_t i = 0; i < H * G * D; ++i) o[i] = 0.f;
     for (int64_t c0 = 0, n = 0; c0 < ctx; c0 += n) {
-        int64_t first;
-        n = context_chunk(k_cache, v_cache, table, c0, ctx, block_size, row, head_off, D, elem, &first);
-        int64_t stride;
-        const float *k = kv_rows(k_cache, first, n, row, D, kv_kind, buf, &stride);
-        for (int64_t p = 0; p < n; ++p)
-            for (int64_t g = 0; g < G; ++g) s[g * ATT_CHUNK + p] = dot_f32(q + g * D, k + p * stride, D);
-        softmax_chunk(s, n, G, D, best, total, o);
-        const float *v = kv_rows(v_cache, first, n, row, D, kv_kind, buf, &stride);
-        for (int64_t g = 0; g < G; ++g) add_weighted_rows(o + g * D, s + g * ATT_CHUNK, v, n, stride, D);
+        int64_t first, ahead;
+        n = context_chunk(table, c0, ctx, block_size, row, head_off, &first, &ahead);
+        for (int64_t h = 0; h < H; ++h) {
+            const int64_t hg = h * G;
+            int64_t stride;
+            const float *k = kv_rows(k_cache, first + h * D, n, row, D, kv_kind, buf, &stride);
+            for (int64_t p = 0; p < n; ++p) {
+                prefetch_row(k_cache, v_cache, ahead + h * D, p, row, D * elem, elem);
+                for (int64_t g = 0; g < G; ++g)
+                    s[(hg + g) * ATT_CHUNK + p] = dot_f32(q + (hg + g) * D, k + p * stride, D);
+            }
+            softmax_chunk(s + hg * ATT_CHUNK, n, G, D, best + hg, total + hg, o + hg * D);
+            const float *v = kv_rows(v_cache, first + h * D, n, row, D, kv_kind, buf, &stride);
+            for (int64_t g = 0; g < G; ++g)
+                add_weighted_rows(o + (hg + g) * D, s + (hg + g) * ATT_CHUNK, v, n, stride, D);
+        }
     }
-    normalize_heads(o, total, G, D);
+    normalize_heads(o, total, H * G, D);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)
@@ -307,48 +316,55 @@ static inline void add_weighted_rows16(float *o, const float *w, const float *ro
     }
 }
 
-/* attend_kv_head for bf16 q (unscaled, [G, D]) and K/V; D a multiple of 32 up to 128, G up to 8 */
-static void attend_kv_head_bf16(const uint16_t *q, int64_t G, int64_t D, float scale, const uint16_t *k_cache,
-                                const uint16_t *v_cache, const int64_t *table, int64_t ctx, int64_t block_size,
-                                int64_t row, int64_t head_off, float *o)
+/* attend_kv_heads for bf16 q (unscaled, [H * G, D]) and K/V; D a multiple of 32 up to 128,
+ * H * G up to ATT_MAX_HEADS */
+#define ATT_MAX_HEADS 64
+static void attend_kv_heads_bf16(const uint16_t *q, int64_t H, int64_t G, int64_t D, float scale,
+                                 const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table, int64_t ctx,
+                                 int64_t block_size, int64_t row, int64_t head_off, float *o)
 {
-    float best[G], total[G], s[G * ATT_CHUNK], buf[ATT_CHUNK * D];
-    __m512i qv[8][4];
+    float best[H * G], total[H * G], s[H * G * ATT_CHUNK], buf[ATT_CHUNK * D];
+    __m512i qv[ATT_MAX_HEADS][4];
     const int64_t parts = D / 32;
-    for (int64_t g = 0; g < G; ++g) {
+    for (int64_t g = 0; g < H * G; ++g) {
         best[g] = -INFINITY;
         total[g] = 0.f;
         for (int64_t i = 0; i < parts; ++i) qv[g][i] = _mm512_loadu_si512(q + g * D + 32 * i);
     }
-    for (int64_t i = 0; i < G * D; ++i) o[i] = 0.f;
+    for (int64_t i = 0; i < H * G * D; ++i) o[i] = 0.f;
     for (int64_t c0 = 0, n = 0; c0 < ctx; c0 += n) {
-        int64_t first;
-        n = context_chunk(k_cache, v_cache, table, c0, ctx, block_size, row, head_off, D, 2, &first);
-        for (int64_t p0 = 0; p0 < n; p0 += 8) {  /* s rows hold ATT_CHUNK: a full 8-store always fits */
-            for (int64_t g = 0; g < G; ++g) {
-                __m256 r[8];
-                for (int64_t j = 0; j < 8; ++j) {
-                    __m512 acc = _mm512_setzero_ps();
-                    if (p0 + j < n) {
-                        const uint16_t *kr = k_cache + first + (p0 + j) * row;
-                        for (int64_t i = 0; i < parts; ++i)
-                            acc = _mm512_dpbf16_ps(acc, (__m512bh)qv[g][i], (__m512bh)_mm512_loadu_si512(kr + 32 * i));
+        int64_t first, ahead;
+        n = context_chunk(table, c0, ctx, block_size, row, head_off, &first, &ahead);
+        for (int64_t h = 0; h < H; ++h) {
+            const int64_t hg = h * G, at = first + h * D;
+            for (int64_t p0 = 0; p0 < n; p0 += 8) {  /* s rows hold ATT_CHUNK: a full 8-store always fits */
+                for (int64_t g = hg; g < hg + G; ++g) {
+                    __m256 r[8];
+                    for (int64_t j = 0; j < 8; ++j) {
+                        __m512 acc = _mm512_setzero_ps();
+                        if (p0 + j < n) {
+                            const uint16_t *kr = k_cache + at + (p0 + j) * row;
+                            for (int64_t i = 0; i < parts; ++i)
+                                acc = _mm512_dpbf16_ps(acc, (__m512bh)qv[g][i],
+                                                       (__m512bh)_mm512_loadu_si512(kr + 32 * i));
+                        }
+                        r[j] = sum_halves(acc);
                     }
-                    r[j] = sum_halves(acc);
+                    _mm256_storeu_ps(s + g * ATT_CHUNK + p0, _mm256_mul_ps(sum8x8(r), _mm256_set1_ps(scale)));
                 }
-                _mm256_storeu_ps(s + g * ATT_CHUNK + p0, _mm256_mul_ps(sum8x8(r), _mm256_set1_ps(scale)));
             }
+            softmax_chunk(s + hg * ATT_CHUNK, n, G, D, best + hg, total + hg, o + hg * D);
+            for (int64_t p = 0; p < n; ++p) {
+                prefetch_row(k_cache, v_cache, ahead + h * D, p, row, 2 * D, 2);
+                const uint16_t *vr = v_cache + at + p * row;
+                for (int64_t d = 0; d < D; d += 16)
+                    _mm512_storeu_ps(buf + p * D + d, _mm512_castsi512_ps(_mm512_slli_epi32(
+                        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr + d))), 16)));
+            }
+            for (int64_t g = hg; g < hg + G; ++g) add_weighted_rows16(o + g * D, s + g * ATT_CHUNK, buf, n, D);
         }
-        softmax_chunk(s, n, G, D, best, total, o);
-        for (int64_t p = 0; p < n; ++p) {
-            const uint16_t *vr = v_cache + first + p * row;
-            for (int64_t d = 0; d < D; d += 16)
-                _mm512_storeu_ps(buf + p * D + d, _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr + d))), 16)));
-        }
-        for (int64_t g = 0; g < G; ++g) add_weighted_rows16(o + g * D, s + g * ATT_CHUNK, buf, n, D);
     }
-    normalize_heads(o, total, G, D);
+    normalize_heads(o, total, H * G, D);
 }
 #endif
 
@@ -367,19 +383,32 @@ int paged_attention_f32(
 {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row = num_kv_heads * head_dim; /* one token's K (or V) row, all heads */
+    /* Enough tokens to share the threads: one task per token over all its kv heads, so a task
+     * reads whole rows (blocks stream contiguously, no line fetched by one core and used by the
+     * other). Few tokens: a task per (token, kv head), so every thread has work. */
+    int threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    const int64_t heads = num_tokens >= 4 * threads ? num_kv_heads : 1; /* kv heads per task */
+    int bf16_dot = 0;
+#ifdef ATT_BF16_DOT
+    bf16_dot = q_kind == KV_BF16 && kv_kind == KV_BF16 && head_dim % 32 == 0 && head_dim <= 128 &&
+               heads * group <= ATT_MAX_HEADS;
+#endif
 
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t task = 0; task < num_tokens * num_kv_heads; ++task) {
-        const int64_t t = task / num_kv_heads, h = task % num_kv_heads;
+    for (int64_t task = 0; task < num_tokens * (num_kv_heads / heads); ++task) {
+        const int64_t t = task / (num_kv_heads / heads), h = task % (num_kv_heads / heads) * heads;
         const int64_t b = token_request[t];
         const int64_t query_len = query_start[b + 1] - query_start[b];
         const int64_t ctx = seq_lens[b] - query_len + (t - query_start[b]) + 1;
-        const int64_t first = (t * num_heads + h * group) * head_dim, n = group * head_dim;
+        const int64_t first = (t * num_heads + h * group) * head_dim, n = heads * group * head_dim;
         float q[n], o[n];
 #ifdef ATT_BF16_DOT
-        if (q_kind == KV_BF16 && kv_kind == KV_BF16 && head_dim % 32 == 0 && head_dim <= 128 && group <= 8) {
-            attend_kv_head_bf16((const uint16_t *)query + first, group, head_dim, scale, k_cache, v_cache,
-                                block_tables + b * table_width, ctx, block_size, row, h * head_dim, o);
+        if (bf16_dot) {
+            attend_kv_heads_bf16((const uint16_t *)query + first, heads, group, head_dim, scale, k_cache, v_cache,
+                                 block_tables + b * table_width, ctx, block_size, row, h * head_dim, o);
             for (int64_t i = 0; i < n; ++i) ((uint16_t *)out)[first + i] = bf16_round(o[i]);
             continue;
         }
@@ -387,8 +416,8 @@ int paged_attention_f32(
         for (int64_t i = 0; i < n; ++i)
             q[i] = scale * (q_kind == KV_BF16 ? bf16_to_f32(((const uint16_t *)query)[first + i])
                                               : ((const float *)query)[first + i]);
-        attend_kv_head(q, group, head_dim, k_cache, v_cache, block_tables + b * table_width, ctx, block_size, row,
-                       h * head_dim, kv_kind, o);
+        attend_kv_heads(q, heads, group, head_dim, k_cache, v_cache, block_tables + b * table_width, ctx, block_size,
+                        row, h * head_dim, kv_kind, o);
         for (int64_t i = 0; i < n; ++i) {
             if (q_kind == KV_BF16) ((uint16_t *)out)[first + i] = bf16_round(o[i]);
             else ((float *)out)[first + i] = o[i];

@@ -67,6 +67,22 @@ def test_bf16_kv_is_read_in_place_with_fp32_math(seed, qlens, clens, heads, kv_h
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_token_attends_the_same_in_any_batch(dtype):
+    """Many tokens run one task per token over all kv heads, a few one task per (token, kv head):
+    each head's arithmetic is the same either way, so a request's output does not depend on
+    the batch around it (bit for bit)."""
+    query, kc, vc, meta, _, _ = make_case(7, [1] * 24, list(range(3, 240, 10)), 9, 3, 64, 16, dtype)
+    rows = torch.arange(24)
+    batch = cpu_kernels.paged_attention_c(query, kc, vc, meta.block_tables, meta.seq_lens,
+                                          meta.query_start_loc, rows, 0.125)
+    for b in (0, 11, 23):
+        alone = cpu_kernels.paged_attention_c(query[b:b + 1], kc, vc, meta.block_tables[b:b + 1],
+                                              meta.seq_lens[b:b + 1], torch.tensor([0, 1]), torch.tensor([0]), 0.125)
+        assert torch.equal(alone[0], batch[b])
+
+
+@needs_kernel
 def test_split_metadata_is_derived_once_per_step():
     _, _, _, meta, _, _ = make_case(4, [1, 100, 1], [50, 0, 300], 9, 3, 64, 16, torch.float32)
     short, long = meta.cpu_parts()
