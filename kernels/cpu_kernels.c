@@ -59,14 +59,15 @@ static inline const float *kv_row(const void *cache, int64_t offset, int64_t n, 
  * attention itself (BENCHMARKS.md, "Engine speed").
  *
  * One task per query token (per (token, kv head) when there are few tokens): the Hq / Hkv query
- * heads of a group share each K and V row. One pass over the context in chunks of ATT_CHUNK positions with an online softmax (the
- * chunk's scores in L1, the running max and sum rescaled once per chunk, exp vectorized): no
+ * heads of a group share each K and V row. One pass over the context in chunks of ATT_CHUNK
+ * positions with an online softmax (the chunk's scores in L1, the running max and sum rescaled once per chunk, exp vectorized): no
  * score buffer per context length, and no scalar expf per score, which cost more than the dots.
  * Causal, lower-right aligned: query i of a request with query_len n and context seq_len sees
  * keys 0 .. seq_len - n + i. The query and output are float32 or bfloat16 (q_kind); the math is
  * float32.
  */
 #define ATT_CHUNK 32
+#define ATT_MAX_HEADS 64 /* query heads one task takes at most */
 
 #if defined(__AVX2__) && defined(__FMA__)
 /* e^x for 8 floats: Cephes' polynomial (as in avx_mathfun), relative error about 2e-7 */
@@ -318,7 +319,6 @@ static inline void add_weighted_rows16(float *o, const float *w, const float *ro
 
 /* attend_kv_heads for bf16 q (unscaled, [H * G, D]) and K/V; D a multiple of 32 up to 128,
  * H * G up to ATT_MAX_HEADS */
-#define ATT_MAX_HEADS 64
 static void attend_kv_heads_bf16(const uint16_t *q, int64_t H, int64_t G, int64_t D, float scale,
                                  const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table, int64_t ctx,
                                  int64_t block_size, int64_t row, int64_t head_off, float *o)
@@ -390,11 +390,11 @@ int paged_attention_f32(
 #ifdef _OPENMP
     threads = omp_get_max_threads();
 #endif
-    const int64_t heads = num_tokens >= 4 * threads ? num_kv_heads : 1; /* kv heads per task */
+    const int64_t heads = num_tokens >= 4 * threads && num_heads <= ATT_MAX_HEADS ? num_kv_heads : 1; /* per task */
     int bf16_dot = 0;
 #ifdef ATT_BF16_DOT
     bf16_dot = q_kind == KV_BF16 && kv_kind == KV_BF16 && head_dim % 32 == 0 && head_dim <= 128 &&
-               heads * group <= ATT_MAX_HEADS;
+               group <= ATT_MAX_HEADS;
 #endif
 
 #pragma omp parallel for schedule(dynamic, 1)
