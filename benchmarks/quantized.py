@@ -5,7 +5,8 @@
 For none / q4 / int8 on the default model, and q4 quantized at load from the float folder
 instead of taken from the GGUF ("q4-float"): bytes of the linear weights kept, decode step and
 tok/s per batch size (prefix caching off, the same prompts for all), perplexity on
-benchmarks/data/perplexity.txt (from prompt logprobs); q4 and none with 16 distinct adapters
+benchmarks/data/perplexity.txt (from prompt logprobs; again with every quantized matmul on int8
+activations, the path decode at batch 1 takes); q4 and none with 16 distinct adapters
 at batch 16 against their own base. Beside them in the same run: transformers `generate` in
 float32 on the same prompts (`--skip-hf` to leave it out), and at batch 1 llama.cpp through
 llama-cpp-python (if installed) on the same GGUF file.
@@ -15,14 +16,18 @@ from __future__ import annotations
 
 import argparse
 import math
+import multiprocessing
 import os
 import shutil
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import torch
 
+from loraplex.kernels import quant
 from loraplex.platform import LLM, SamplingParams
 from loraplex.platform.model_store import _gguf_path, default_model_dir
 from loraplex.platform.models.linear import PackedLinear
@@ -44,18 +49,52 @@ def weight_bytes(llm: LLM) -> int:
     return total
 
 
-def perplexity(llm: LLM) -> float:
+def perplexity(llm: LLM, int8_activations: bool = False) -> float:
+    """From prompt logprobs, so from prefill-sized matmuls, which keep float32 activations;
+    `int8_activations` sends every matmul through the int8-activation kernels that decode at
+    batch 1 takes, to measure what rounding x to 8 bits costs."""
     ids = llm.get_tokenizer()(TEXT.read_text())["input_ids"]
-    (out,) = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0))
+    default = quant.INT8_ACTIVATION_TOKENS
+    quant.INT8_ACTIVATION_TOKENS = len(ids) if int8_activations else default
+    try:
+        (out,) = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0))
+    finally:
+        quant.INT8_ACTIVATION_TOKENS = default
     logprobs = [entry[token].logprob for token, entry in zip(ids[1:], out.prompt_logprobs[1:])]
     return math.exp(-sum(logprobs) / len(logprobs))
 
 
 def bench_llama_cpp(new_tokens: int, prompts: list[list[int]], threads: int) -> dict | None:
+    """In a child process: ggml's AMX path segfaults on some CPUs (seen on a Xeon with amx_int8,
+    llama-cpp-python 0.3.36), so a crash is retried without ggml's extra buffer types (AMX and
+    weight repacking; Q4_1 has no CPU repack, so only AMX is lost) and said so."""
     try:
-        from llama_cpp import Llama
+        import llama_cpp  # noqa: F401
     except ImportError:
         return None
+    for extra_bufts in (True, False):
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            try:
+                tok_s = pool.submit(_llama_cpp_run, new_tokens, prompts, threads, extra_bufts).result()
+            except BrokenProcessPool:
+                print(f"llama.cpp crashed (extra buffer types {'on' if extra_bufts else 'off'})", flush=True)
+                continue
+        return {"tok_s": tok_s, "extra_bufts": extra_bufts}
+    return None
+
+
+def _llama_cpp_run(new_tokens: int, prompts: list[list[int]], threads: int, extra_bufts: bool) -> float:
+    from llama_cpp import Llama, llama_cpp
+
+    if not extra_bufts:  # Llama() reads its defaults from the low-level module
+        defaults = llama_cpp.llama_model_default_params
+
+        def no_extra_bufts():
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        llama_cpp.llama_model_default_params = no_extra_bufts
     llm = Llama(model_path=str(_gguf_path()), n_ctx=2048, n_threads=threads, n_batch=512, verbose=False)
     tok_s = []
     for ids in prompts[:3]:
@@ -67,7 +106,7 @@ def bench_llama_cpp(new_tokens: int, prompts: list[list[int]], threads: int) -> 
             if produced == new_tokens:
                 break
         tok_s.append(produced / (time.perf_counter() - start))
-    return {"tok_s": sorted(tok_s)[len(tok_s) // 2]}
+    return sorted(tok_s)[len(tok_s) // 2]
 
 
 def main() -> None:
@@ -90,7 +129,8 @@ def main() -> None:
             llm = LLM(str(folder), quantization=method.split("-")[0], dtype="float32", enable_prefix_caching=False,
                       max_model_len=4096)
             tokenizer = llm.get_tokenizer()
-            row = {"method": method, "bytes": weight_bytes(llm), "ppl": perplexity(llm)}
+            row = {"method": method, "bytes": weight_bytes(llm), "ppl": perplexity(llm),
+                   "ppl_x8": perplexity(llm, int8_activations=True) if method != "none" else None}
             bench_loraplex(llm, make_prompts(tokenizer, 2, seed=99), 8)  # warm-up
             for batch in args.batch_sizes:
                 row[batch] = bench_loraplex(llm, make_prompts(tokenizer, batch, seed=batch), args.new_tokens)
@@ -118,11 +158,13 @@ def main() -> None:
         shutil.rmtree(adapter_dir, ignore_errors=True)
 
     none = next((r for r in rows if r["method"] == "none"), None)
-    print(f"\nSmolLM2-135M-Instruct, float32 activations, {args.new_tokens} new tokens, greedy, no prefix cache, "
+    print(f"\nSmolLM2-135M-Instruct, float32 activations (int8 in single-token quantized matmuls), "
+          f"{args.new_tokens} new tokens, greedy, no prefix cache, "
           f"{torch.get_num_threads()} threads\n")
     head = " | ".join(f"batch {b} tok/s (step ms)" for b in args.batch_sizes)
-    print(f"| weights | linear weight MiB | perplexity | {head} | 16 adapters / own base at batch 16 |")
-    print("| --- | --- | --- | " + " | ".join("---" for _ in args.batch_sizes) + " | --- |")
+    print(f"| weights | linear weight MiB | perplexity | perplexity, int8 activations | {head} "
+          "| 16 adapters / own base at batch 16 |")
+    print("| --- | --- | --- | --- | " + " | ".join("---" for _ in args.batch_sizes) + " | --- |")
     for r in rows:
         cells = " | ".join(f"{r[b]['tok_s']:.1f} ({r[b]['step_ms']:.1f})" for b in args.batch_sizes)
         ppl = "-" if r["ppl"] is None else \
@@ -130,13 +172,16 @@ def main() -> None:
         size = "-" if r["bytes"] is None else f"{r['bytes'] / 2**20:.1f}"
         mixed = f"{r['adapters'][1]:.1f} / {r['adapters'][0]:.1f} = {r['adapters'][1] / r['adapters'][0]:.2f}x" \
             if "adapters" in r else "-"
-        print(f"| {r['method']} | {size} | {ppl} | {cells} | {mixed} |")
+        ppl_x8 = "-" if r.get("ppl_x8") is None else \
+            f"{r['ppl_x8']:.3f}" + (f" ({100 * (r['ppl_x8'] / none['ppl'] - 1):+.2f}%)" if none else "")
+        print(f"| {r['method']} | {size} | {ppl} | {ppl_x8} | {cells} | {mixed} |")
     if cpp is None:
         print("\nllama.cpp: not measured (pip install llama-cpp-python, built on this machine)")
     else:
         q4 = next((r for r in rows if r["method"] == "q4"), None)
         ratio = f"; q4 batch 1 / llama.cpp = {q4[1]['tok_s'] / cpp['tok_s']:.2f}x" if q4 and 1 in q4 else ""
-        print(f"\nllama.cpp (llama-cpp-python, same GGUF, batch 1): {cpp['tok_s']:.1f} tok/s{ratio}")
+        how = "" if cpp["extra_bufts"] else " (ggml's extra buffer types off: its AMX path crashed here)"
+        print(f"\nllama.cpp (llama-cpp-python, same GGUF, batch 1){how}: {cpp['tok_s']:.1f} tok/s{ratio}")
 
 
 if __name__ == "__main__":

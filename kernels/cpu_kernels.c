@@ -741,6 +741,226 @@ int q8_matmul(const float *x, int64_t M, int64_t K, const int8_t *q, const float
     QUANT_TILES(dequant_q8_row(q + n * K, d + n * groups, K, G, w + j * K))
 }
 
+/* ---- the same matmuls on activations quantized to int8 (llama.cpp's Q8_0 / Q8_1 for its Q4_1 and Q8_0
+ * weights): each token's x in groups of 32, x ~ dx * qx with qx in -127..127 (dx = max |x| / 127), and
+ * sx = dx * sum(qx) for the q4 min term. A group's dot product is then one u8 x s8 integer instruction
+ * (AVX-512 VNNI / AVX-VNNI, or AVX2's maddubs) instead of dequantizing 32 weights to float: at decode
+ * batch sizes the float kernels above are bound by that dequantizing, not by reading the weights. */
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define X8_DOT 1
+static inline __m256i dot_u8s8(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
+#elif defined(__AVXVNNI__)
+#define X8_DOT 1
+static inline __m256i dot_u8s8(__m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define X8_DOT 1
+static inline __m256i dot_u8s8(__m256i u, __m256i s)
+{   /* u <= 127 and |s| <= 127: the int16 pair sums cannot saturate */
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+#endif
+
+int x8_supported(void)
+{
+#ifdef X8_DOT
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* x [M, K] -> qx [M, K] int8, dx and sx [M, K / 32]; rounding to nearest even, like torch.round */
+static void quantize_x8(const float *x, int64_t M, int64_t K, int8_t *qx, float *dx, float *sx)
+{
+    for (int64_t i = 0; i < M * (K / 32); i++) {
+        const float *v = x + i * 32;
+        float amax = 0.0f;
+        for (int t = 0; t < 32; t++) amax = fmaxf(amax, fabsf(v[t]));
+        const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int t = 0; t < 32; t++) {
+            const int q = (int)nearbyintf(v[t] * inv);
+            qx[i * 32 + t] = (int8_t)q;
+            sum += q;
+        }
+        dx[i] = d;
+        sx[i] = d * (float)sum;
+    }
+}
+
+#ifdef X8_DOT
+static inline __m256i q4_bytes(const uint8_t *b)
+{   /* a group's 16 bytes of nibbles as its 32 values in order: low nibbles (0..15), then high (16..31) */
+    const __m128i low = _mm_set1_epi8(0x0F), bytes = _mm_loadu_si128((const __m128i *)b);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low));
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* Two groups per 512-bit instruction, eight groups' scales multiplied at once and spread to their
+ * halves by a permute; the groups left over (K = 576 has 18) take the 256-bit path. */
+#define X8_WIDE 1
+static inline __m512 pair_scale(__m256 s8, int k)
+{
+    const __m512i idx = _mm512_set_epi32(2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1,
+                                         2 * k + 1, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k);
+    return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(s8));
+}
+
+static inline __m512i q4_pair_bytes(const uint8_t *b)
+{   /* two groups' 32 bytes -> [g0 low, g0 high, g1 low, g1 high] nibbles: the values in order */
+    const __m256i low = _mm256_set1_epi8(0x0F), bytes = _mm256_loadu_si256((const __m256i *)b);
+    const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, low)),
+                                         _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low), 1);
+    return _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+/* rows n0..n0+nb-1 over groups [0, g8), g8 a multiple of 8: their dot products and q4 min terms */
+static void q4_x8_wide(const int8_t *qx, const float *dx, const float *sx, int64_t K, const uint8_t *q,
+                       const float *d, const float *m, int64_t n0, int nb, int64_t g8, float *dots, float *mins)
+{
+    const int64_t groups = K / 32;
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m256 macc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t g = 0; g < g8; g += 8) {
+        const __m256 dx8 = _mm256_loadu_ps(dx + g), sx8 = _mm256_loadu_ps(sx + g);
+        __m512i xg[4];
+        for (int k = 0; k < 4; k++) xg[k] = _mm512_loadu_si512((const void *)(qx + (g + 2 * k) * 32));
+        for (int j = 0; j < nb; j++) {
+            const int64_t at = (n0 + j) * groups + g;
+            const __m256 s8 = _mm256_mul_ps(_mm256_loadu_ps(d + at), dx8);
+            macc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(m + at), sx8, macc[j]);
+            const uint8_t *row = q + (n0 + j) * (K / 2) + g * 16;
+            for (int k = 0; k < 4; k++) {
+                const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q4_pair_bytes(row + k * 32), xg[k]);
+                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), pair_scale(s8, k), acc[j]);
+            }
+        }
+    }
+    for (int j = 0; j < nb; j++) {
+        dots[j] = _mm512_reduce_add_ps(acc[j]);
+        mins[j] = hsum8(macc[j]);
+    }
+}
+
+static void q8_x8_wide(const int8_t *qx, const float *dx, int64_t K, const int8_t *q, const float *d, int64_t G,
+                       int64_t n0, int nb, int64_t g8, float *dots)
+{
+    const int64_t per = G / 32;
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t g = 0; g < g8; g += 8) {
+        const __m256 dx8 = _mm256_loadu_ps(dx + g);
+        __m512i xg[4];
+        for (int k = 0; k < 4; k++) xg[k] = _mm512_loadu_si512((const void *)(qx + (g + 2 * k) * 32));
+        for (int j = 0; j < nb; j++) {
+            const float *dn = d + (n0 + j) * (K / G);
+            float wd[8];
+            for (int t = 0; t < 8; t++) wd[t] = dn[(g + t) / per];
+            const __m256 s8 = _mm256_mul_ps(_mm256_loadu_ps(wd), dx8);
+            const int8_t *row = q + (n0 + j) * K + g * 32;
+            for (int k = 0; k < 4; k++) {
+                const __m512i w = _mm512_loadu_si512((const void *)(row + k * 64));
+                /* |w| times x with w's sign: AVX-512 has no sign_epi8, so x is negated where w < 0 */
+                const __m512i xs = _mm512_mask_sub_epi8(xg[k], _mm512_movepi8_mask(w), _mm512_setzero_si512(), xg[k]);
+                const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(w), xs);
+                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), pair_scale(s8, k), acc[j]);
+            }
+        }
+    }
+    for (int j = 0; j < nb; j++) dots[j] = _mm512_reduce_add_ps(acc[j]);
+}
+#endif
+
+static void q4_x8_rows(const int8_t *qx, const float *dx, const float *sx, int64_t K, const uint8_t *q,
+                       const float *d, const float *m, float *out, int64_t n0, int nb)
+{
+    const int64_t groups = K / 32;
+    float dots[4] = {0.0f, 0.0f, 0.0f, 0.0f}, mins[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int64_t g0 = 0;
+#ifdef X8_WIDE
+    g0 = groups / 8 * 8;
+    if (g0) q4_x8_wide(qx, dx, sx, K, q, d, m, n0, nb, g0, dots, mins);
+#endif
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t g = g0; g < groups; g++) {
+        const __m256i xg = _mm256_loadu_si256((const __m256i *)(qx + g * 32));
+        for (int j = 0; j < nb; j++) {
+            const int64_t at = (n0 + j) * groups + g;
+            const __m256i p = dot_u8s8(q4_bytes(q + (n0 + j) * (K / 2) + g * 16), xg);
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[at] * dx[g]), acc[j]);
+            mins[j] += m[at] * sx[g];
+        }
+    }
+    for (int j = 0; j < nb; j++) out[n0 + j] = dots[j] + hsum8(acc[j]) + mins[j];
+}
+
+static void q8_x8_rows(const int8_t *qx, const float *dx, int64_t K, const int8_t *q, const float *d, int64_t G,
+                       float *out, int64_t n0, int nb)
+{
+    const int64_t groups = K / 32, per = G / 32;
+    float dots[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int64_t g0 = 0;
+#ifdef X8_WIDE
+    g0 = groups / 8 * 8;
+    if (g0) q8_x8_wide(qx, dx, K, q, d, G, n0, nb, g0, dots);
+#endif
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t g = g0; g < groups; g++) {
+        const __m256i xg = _mm256_loadu_si256((const __m256i *)(qx + g * 32));
+        for (int j = 0; j < nb; j++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(q + (n0 + j) * K + g * 32));
+            /* u8 x s8 needs one unsigned side: |w| times x with w's sign (w is never -128) */
+            const __m256i p = dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xg, w));
+            const float scale = d[(n0 + j) * (K / G) + g / per] * dx[g];
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(scale), acc[j]);
+        }
+    }
+    for (int j = 0; j < nb; j++) out[n0 + j] = dots[j] + hsum8(acc[j]);
+}
+#endif
+
+/* Every token against four weight rows at a time; returns -3 where the CPU has no integer dot path. */
+#define X8_MATMUL(ROWS)                                                                            \
+    int8_t *qx = malloc(M * K);                                                                    \
+    float *dx = malloc(sizeof(float) * M * (K / 32)), *sx = malloc(sizeof(float) * M * (K / 32));  \
+    if (!qx || !dx || !sx) {                                                                       \
+        free(qx), free(dx), free(sx);                                                              \
+        return -1;                                                                                 \
+    }                                                                                              \
+    quantize_x8(x, M, K, qx, dx, sx);                                                              \
+    _Pragma("omp parallel for schedule(static)")                                                   \
+    for (int64_t n0 = 0; n0 < N; n0 += 4)                                                          \
+        for (int64_t r = 0; r < M; r++) {                                                          \
+            const int nb = N - n0 < 4 ? (int)(N - n0) : 4;                                         \
+            ROWS;                                                                                  \
+        }                                                                                          \
+    free(qx), free(dx), free(sx);                                                                  \
+    return 0;
+
+int q4_matmul_x8(const float *x, int64_t M, int64_t K, const uint8_t *q, const float *d, const float *m,
+                 int64_t N, float *out)
+{
+    if (K % 32) return -2;
+#ifdef X8_DOT
+    X8_MATMUL(q4_x8_rows(qx + r * K, dx + r * (K / 32), sx + r * (K / 32), K, q, d, m, out + r * N, n0, nb))
+#else
+    (void)x, (void)M, (void)q, (void)d, (void)m, (void)N, (void)out;
+    return -3;
+#endif
+}
+
+int q8_matmul_x8(const float *x, int64_t M, int64_t K, const int8_t *q, const float *d, int64_t G, int64_t N,
+                 float *out)
+{
+    if (K % 32 || G <= 0 || G % 32 || K % G) return -2;
+#ifdef X8_DOT
+    X8_MATMUL(q8_x8_rows(qx + r * K, dx + r * (K / 32), K, q, d, G, out + r * N, n0, nb))
+#else
+    (void)x, (void)M, (void)q, (void)d, (void)N, (void)out;
+    return -3;
+#endif
+}
+
 /* ---- the small per-layer ops, fused: one call each where PyTorch dispatches several ops ------------
  * At decode sizes a layer's norms, RoPE, KV write and SiLU cost more in op dispatch than in arithmetic
  * (a bfloat16 RMSNorm alone is seven ops). Each kernel takes float32 or bfloat16 tensors (kind) and

@@ -96,11 +96,15 @@ def _load(path: Path) -> ctypes.CDLL:
         fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr]
     lib.q4_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr]
     lib.q8_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr]
+    lib.q4_matmul_x8.argtypes = lib.q4_matmul.argtypes
+    lib.q8_matmul_x8.argtypes = lib.q8_matmul.argtypes
+    lib.x8_supported.argtypes = []
     lib.add_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int, ptr]
     lib.rope_write_kv.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ptr]
     lib.silu_mul.argtypes = [ptr, i64, i64, ctypes.c_int, ptr]
     for fn in (lib.paged_attention_f32, lib.sgmv_lora_table_f32, lib.sgmv_lora_table_bf16, lib.q4_matmul,
-               lib.q8_matmul, lib.add_rms_norm, lib.rope_write_kv, lib.silu_mul):
+               lib.q8_matmul, lib.q4_matmul_x8, lib.q8_matmul_x8, lib.x8_supported, lib.add_rms_norm,
+               lib.rope_write_kv, lib.silu_mul):
         fn.restype = ctypes.c_int
     return lib
 

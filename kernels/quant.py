@@ -22,6 +22,9 @@ import torch
 from loraplex.kernels import cpu_kernels
 
 Q4_GROUP = 32
+# Calls of at most this many tokens (decode at batch 1) multiply int8 activations: there the float
+# kernel is bound by dequantizing weights, not reading them (BENCHMARKS.md, "Quantized weights").
+INT8_ACTIVATION_TOKENS = 1
 
 
 @dataclass
@@ -119,25 +122,46 @@ def dequantize(w: QuantizedWeight) -> torch.Tensor:
     return (q * w.d[..., None]).reshape(n, k)
 
 
-def reference_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    return x.float() @ dequantize(w).T
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """The float values the int8-activation kernels multiply: x [..., K] in groups of 32, each
+    rounded to dx * q with q in -127..127 and dx = max |x| / 127 (llama.cpp's Q8_0)."""
+    groups = x.float().reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+    d = groups.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(groups * inv) * d).reshape(x.shape)
 
 
-def quantized_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    """x [..., K] float32 -> [..., N]: the C kernel where it is built, else the reference."""
+def reference_matmul(x: torch.Tensor, w: QuantizedWeight, int8_activations: bool = False) -> torch.Tensor:
+    return (quantize_activations(x) if int8_activations else x.float()) @ dequantize(w).T
+
+
+def int8_activations_fit(w: QuantizedWeight) -> bool:
+    return w.shape[1] % 32 == 0 and (w.kind == "q4" or w.group % 32 == 0)
+
+
+def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, int8_activations: bool | None = None) -> torch.Tensor:
+    """x [..., K] float32 -> [..., N]: the C kernel where it is built, else the reference.
+
+    `int8_activations` (default: for calls of at most `INT8_ACTIVATION_TOKENS` tokens, where the
+    CPU has an integer dot product and the groups are whole 32s) quantizes x per group of 32 and
+    multiplies in integers, as llama.cpp does for these formats; otherwise x stays float32."""
     lib = cpu_kernels.library()
     if lib is None or x.dtype != torch.float32 or x.device.type != "cpu":
         return reference_matmul(x, w)
     flat = x.reshape(-1, w.shape[1]).contiguous()
     out = torch.empty(flat.shape[0], w.shape[0], dtype=torch.float32)
-    if w.kind == "q4":
-        status = lib.q4_matmul(flat.data_ptr(), flat.shape[0], w.shape[1], w.q.data_ptr(), w.d.data_ptr(),
-                               w.m.data_ptr(), w.shape[0], out.data_ptr())
-    else:
-        status = lib.q8_matmul(flat.data_ptr(), flat.shape[0], w.shape[1], w.q.data_ptr(), w.d.data_ptr(), w.group,
-                               w.shape[0], out.data_ptr())
+    if int8_activations is None:
+        int8_activations = flat.shape[0] <= INT8_ACTIVATION_TOKENS
+    args = (flat.data_ptr(), flat.shape[0], w.shape[1], w.q.data_ptr(), w.d.data_ptr())
+    status = -3
+    if int8_activations and int8_activations_fit(w):
+        status = lib.q4_matmul_x8(*args, w.m.data_ptr(), w.shape[0], out.data_ptr()) if w.kind == "q4" else \
+            lib.q8_matmul_x8(*args, w.group, w.shape[0], out.data_ptr())
+    if status == -3:  # float32 activations, asked for or the only way this CPU has
+        status = lib.q4_matmul(*args, w.m.data_ptr(), w.shape[0], out.data_ptr()) if w.kind == "q4" else \
+            lib.q8_matmul(*args, w.group, w.shape[0], out.data_ptr())
     if status == -1:
-        raise MemoryError(f"{w.kind} kernel could not allocate its row buffer")
+        raise MemoryError(f"{w.kind} kernel could not allocate its buffers")
     if status != 0:
         raise RuntimeError(f"{w.kind} kernel refused shape {w.shape} (group {w.group})")
     return out.reshape(*x.shape[:-1], w.shape[0])

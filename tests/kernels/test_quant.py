@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from loraplex.kernels import cpu_kernels
+from loraplex.kernels import cpu_kernels, quant
 from loraplex.kernels.quant import (concat, dequantize, from_gguf, quantize, quantized_matmul, reference_matmul,
                                     rows)
 
@@ -23,9 +23,43 @@ def test_kernel_matches_dequantize_then_matmul(kind, group, m):
     weight = torch.randn(37, 192, generator=gen) * 0.05  # 37 rows: not a multiple of the kernel's 4
     w = quantize(weight, kind, group)
     x = torch.randn(m, 192, generator=gen)
-    torch.testing.assert_close(quantized_matmul(x, w), reference_matmul(x, w), atol=2e-5, rtol=1e-5)
+    got = quantized_matmul(x, w, int8_activations=False)
+    torch.testing.assert_close(got, reference_matmul(x, w), atol=2e-5, rtol=1e-5)
     x3 = torch.randn(2, 5, 192, generator=gen)  # any leading shape
     assert quantized_matmul(x3, w).shape == (2, 5, 37)
+
+
+@pytest.mark.parametrize("kind,group", FORMATS)
+@pytest.mark.parametrize("m,k", [(1, 192), (1, 576), (3, 1536), (2, 288)])
+def test_int8_activation_kernel_matches_its_reference(kind, group, m, k):
+    """K = 576: two 8-group blocks on the 512-bit path and two groups left over for the 256-bit
+    one; 1536: whole blocks; 192 and 288: the 256-bit path alone, or after one block."""
+    if cpu_kernels.library() is None or not cpu_kernels.library().x8_supported():
+        pytest.fail("no integer dot product path (AVX2 is on every x86 machine this project runs on)")
+    gen = torch.Generator().manual_seed(k + m)
+    weight = torch.randn(37, k, generator=gen) * 0.05
+    w = quantize(weight, kind, group)
+    x = torch.randn(m, k, generator=gen) * torch.rand(m, k // 32, 1, generator=gen).repeat(1, 1, 32).reshape(m, k)
+    x[0, :32] = 0  # an all-zero group: scale 0, no division by it
+    got = quantized_matmul(x, w, int8_activations=True)
+    torch.testing.assert_close(got, reference_matmul(x, w, int8_activations=True), atol=2e-5, rtol=1e-5)
+    # what rounding x to 8 bits costs: within a few of its steps per output, not a different answer
+    float_out = reference_matmul(x, w)
+    step = (x.abs().amax() / 127) * dequantize(w).abs().sum(1).amax()
+    assert (got - float_out).abs().max() < 0.5 * step
+
+
+def test_decode_sized_calls_take_int8_activations_and_larger_ones_float():
+    gen = torch.Generator().manual_seed(5)
+    w = quantize(torch.randn(16, 256, generator=gen), "q4")
+    one, two = torch.randn(1, 256, generator=gen), torch.randn(2, 256, generator=gen)
+    assert quant.INT8_ACTIVATION_TOKENS == 1
+    torch.testing.assert_close(quantized_matmul(one, w), reference_matmul(one, w, int8_activations=True),
+                               atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(quantized_matmul(two, w), reference_matmul(two, w), atol=2e-5, rtol=1e-5)
+    odd = quantize(torch.randn(16, 240, generator=gen), "q8", 48)  # groups of 48: not whole 32s
+    x = torch.randn(1, 240, generator=gen)
+    torch.testing.assert_close(quantized_matmul(x, odd), reference_matmul(x, odd), atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kind,group,bound", [("q4", None, 1 / 30), ("q8", None, 1 / 254), ("q8", 32, 1 / 254)])
