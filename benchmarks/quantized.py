@@ -2,14 +2,16 @@
 
     .venv/bin/python benchmarks/quantized.py [--batch-sizes 1 16 64 --new-tokens 64]
 
-For none / q4 / int8 on the default model, and q4 quantized at load from the float folder
-instead of taken from the GGUF ("q4-float"): bytes of the linear weights kept, decode step and
-tok/s per batch size (prefix caching off, the same prompts for all), perplexity on
-benchmarks/data/perplexity.txt (from prompt logprobs; again with every quantized matmul on int8
-activations, the path decode at batch 1 takes); q4 and none with 16 distinct adapters
-at batch 16 against their own base. Beside them in the same run: transformers `generate` in
-float32 on the same prompts (`--skip-hf` to leave it out), and at batch 1 llama.cpp through
-llama-cpp-python (if installed) on the same GGUF file.
+For none / q4 / int8 on the default model (float32 activations), q4 quantized at load from the
+float folder instead of taken from the GGUF ("q4-float"), and on a CPU with native bf16 the
+float model in bfloat16 ("none-bf16", what `dtype=auto` serves there): bytes of the linear
+weights kept, decode step and tok/s per batch size (prefix caching off, the same prompts for
+all), perplexity on benchmarks/data/perplexity.txt (from prompt logprobs, so prefill's matmuls:
+on a bf16 CPU q4's run as a bf16 GEMM; again with every quantized matmul on the int8-activation
+kernel that decode at batch 1 takes); q4 and none with 16 distinct adapters at batch 16 against
+their own base. Beside them in the same run: transformers `generate` in float32 on the same
+prompts (`--skip-hf` to leave it out), and at batch 1 llama.cpp through llama-cpp-python (if
+installed) on the same GGUF file and prompt.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 import torch
 
 from loraplex.kernels import quant
+from loraplex.kernels.cpu_kernels import native_bf16
 from loraplex.platform import LLM, SamplingParams
 from loraplex.platform.model_store import _gguf_path, default_model_dir
 from loraplex.platform.models.linear import PackedLinear
@@ -45,7 +48,7 @@ def weight_bytes(llm: LLM) -> int:
             if module.quantized is not None:
                 total += module.quantized.nbytes()
             elif module is not model.lm_head or not model.config.tie_word_embeddings:
-                total += module.in_features * module.out_features * 4
+                total += module.in_features * module.out_features * model.embed_tokens.weight.element_size()
     return total
 
 
@@ -113,7 +116,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--methods", nargs="+", default=["none", "q4", "int8", "q4-float"])
+    parser.add_argument("--methods", nargs="+", default=["none", "q4", "int8", "q4-float"] +
+                        (["none-bf16"] if native_bf16() else []))
     parser.add_argument("--adapters", type=int, default=16, help="distinct adapters at batch 16 (0: skip)")
     parser.add_argument("--skip-hf", action="store_true", help="no transformers row")
     args = parser.parse_args()
@@ -126,15 +130,19 @@ def main() -> None:
     try:
         for method in args.methods:
             folder = float_copy if method == "q4-float" else default_model_dir()
-            llm = LLM(str(folder), quantization=method.split("-")[0], dtype="float32", enable_prefix_caching=False,
+            dtype = "bfloat16" if method.endswith("-bf16") else "float32"  # none-bf16: `auto` on a bf16 CPU
+            llm = LLM(str(folder), quantization=method.split("-")[0], dtype=dtype, enable_prefix_caching=False,
                       max_model_len=4096)
             tokenizer = llm.get_tokenizer()
             row = {"method": method, "bytes": weight_bytes(llm), "ppl": perplexity(llm),
                    "ppl_x8": perplexity(llm, int8_activations=True) if method != "none" else None}
             bench_loraplex(llm, make_prompts(tokenizer, 2, seed=99), 8)  # warm-up
             for batch in args.batch_sizes:
-                row[batch] = bench_loraplex(llm, make_prompts(tokenizer, batch, seed=batch), args.new_tokens)
-            if adapters and method in ("none", "q4"):
+                prompts = make_prompts(tokenizer, batch, seed=batch)
+                # batch 1 is compared with llama.cpp: the median of three runs on the same prompt, as its is
+                runs = [bench_loraplex(llm, prompts, args.new_tokens) for _ in range(3 if batch == 1 else 1)]
+                row[batch] = sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
+            if adapters and method in ("none", "q4", "none-bf16"):
                 for i, folder in enumerate(adapters):
                     llm.load_adapter(f"a{i}", str(folder))
                 prompts = prompts_of(tokenizer, 16)
@@ -152,7 +160,7 @@ def main() -> None:
                          **{b: bench_hf(hf, tokenizer, make_prompts(tokenizer, b, seed=b), args.new_tokens)
                             for b in args.batch_sizes}})
             del hf
-        cpp = bench_llama_cpp(args.new_tokens, make_prompts(tokenizer, 3, seed=1), torch.get_num_threads())
+        cpp = bench_llama_cpp(args.new_tokens, make_prompts(tokenizer, 1, seed=1) * 3, torch.get_num_threads())
     finally:
         shutil.rmtree(float_copy.parent, ignore_errors=True)
         shutil.rmtree(adapter_dir, ignore_errors=True)

@@ -741,6 +741,38 @@ int q8_matmul(const float *x, int64_t M, int64_t K, const int8_t *q, const float
     QUANT_TILES(dequant_q8_row(q + n * K, d + n * groups, K, G, w + j * K))
 }
 
+/* The whole weight dequantized into out [N, K] (float32, or bfloat16 rounded to nearest even) for a
+ * dense GEMM: from prefill-sized calls on, oneDNN's GEMM on the dequantized weight beats the kernels
+ * above, whose per-tile dequantize and 2-3 token blocks stay far from the FMA peak. */
+int quant_dequantize(int kind, const void *q, const float *d, const float *m, int64_t G, int64_t N, int64_t K,
+                     int out_kind, void *out)
+{
+    if (K % 32 || (kind == 8 && (G <= 0 || K % G))) return -2;
+    const int64_t groups = K / (kind == 4 ? 32 : G);
+#pragma omp parallel
+    {
+        float row[K];
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            float *dst = out_kind == 0 ? (float *)out + n * K : row;
+            if (kind == 4)
+                dequant_q4_row((const uint8_t *)q + n * (K / 2), d + n * groups, m + n * groups, K, dst);
+            else
+                dequant_q8_row((const int8_t *)q + n * K, d + n * groups, K, G, dst);
+            if (out_kind != 0) {
+                uint16_t *o = (uint16_t *)out + n * K;
+                int64_t i = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+                for (; i + 16 <= K; i += 16)
+                    _mm256_storeu_si256((__m256i *)(o + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + i)));
+#endif
+                for (; i < K; i++) o[i] = bf16_round(row[i]);
+            }
+        }
+    }
+    return 0;
+}
+
 /* ---- the same matmuls on activations quantized to int8 (llama.cpp's Q8_0 / Q8_1 for its Q4_1 and Q8_0
  * weights): each token's x in groups of 32, x ~ dx * qx with qx in -127..127 (dx = max |x| / 127), and
  * sx = dx * sum(qx) for the q4 min term. A group's dot product is then one u8 x s8 integer instruction

@@ -99,14 +99,21 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.q4_matmul_x8.argtypes = lib.q4_matmul.argtypes
     lib.q8_matmul_x8.argtypes = lib.q8_matmul.argtypes
     lib.x8_supported.argtypes = []
+    lib.quant_dequantize.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ptr]
     lib.add_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int, ptr]
     lib.rope_write_kv.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ptr]
     lib.silu_mul.argtypes = [ptr, i64, i64, ctypes.c_int, ptr]
     for fn in (lib.paged_attention_f32, lib.sgmv_lora_table_f32, lib.sgmv_lora_table_bf16, lib.q4_matmul,
-               lib.q8_matmul, lib.q4_matmul_x8, lib.q8_matmul_x8, lib.x8_supported, lib.add_rms_norm,
+               lib.q8_matmul, lib.q4_matmul_x8, lib.q8_matmul_x8, lib.x8_supported, lib.quant_dequantize,
+               lib.add_rms_norm,
                lib.rope_write_kv, lib.silu_mul):
         fn.restype = ctypes.c_int
     return lib
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX); elsewhere it is emulated."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def usable(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:

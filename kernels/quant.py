@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from loraplex.kernels import cpu_kernels
 
@@ -25,6 +26,13 @@ Q4_GROUP = 32
 # Calls of at most this many tokens (decode at batch 1) multiply int8 activations: there the float
 # kernel is bound by dequantizing weights, not reading them (BENCHMARKS.md, "Quantized weights").
 INT8_ACTIVATION_TOKENS = 1
+# Calls of at least this many tokens (prefill, larger decode batches) dequantize the weight in C and
+# run oneDNN's GEMM on it: in bfloat16 where the CPU multiplies it natively (x, w and the output
+# rounded to bf16, float32 accumulation: what the bf16 engine does), else in float32 (same numbers
+# as the reference). Measured crossovers: BENCHMARKS.md, "Quantized weights".
+DENSE_TOKENS = {torch.bfloat16: 32, torch.float32: 96}
+DENSE_DTYPE: torch.dtype | None = None  # None: bfloat16 where native, else float32
+OUT_KINDS = {torch.float32: 0, torch.bfloat16: 2}  # quant_dequantize's out_kind
 
 
 @dataclass
@@ -131,8 +139,31 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(groups * inv) * d).reshape(x.shape)
 
 
-def reference_matmul(x: torch.Tensor, w: QuantizedWeight, int8_activations: bool = False) -> torch.Tensor:
+def reference_matmul(x: torch.Tensor, w: QuantizedWeight, int8_activations: bool = False,
+                     dense_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    if dense_dtype != torch.float32:  # the dense path's rounding: inputs and output in dense_dtype
+        return (x.to(dense_dtype).float() @ dequantize(w).to(dense_dtype).float().T).to(dense_dtype).float()
     return (quantize_activations(x) if int8_activations else x.float()) @ dequantize(w).T
+
+
+def dense_dtype() -> torch.dtype:
+    if DENSE_DTYPE is not None:
+        return DENSE_DTYPE
+    return torch.bfloat16 if cpu_kernels.native_bf16() else torch.float32
+
+
+def dequantized(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """dequantize(w) in `dtype` (float32 or bfloat16), by the C kernel where it is built."""
+    lib = cpu_kernels.library()
+    if lib is None:
+        return dequantize(w).to(dtype)
+    out = torch.empty(w.shape, dtype=dtype)
+    status = lib.quant_dequantize(4 if w.kind == "q4" else 8, w.q.data_ptr(), w.d.data_ptr(),
+                                  None if w.m is None else w.m.data_ptr(), w.group, *w.shape, OUT_KINDS[dtype],
+                                  out.data_ptr())
+    if status != 0:
+        raise RuntimeError(f"{w.kind} weight of shape {w.shape} (group {w.group}) cannot be dequantized")
+    return out
 
 
 def int8_activations_fit(w: QuantizedWeight) -> bool:
@@ -140,7 +171,8 @@ def int8_activations_fit(w: QuantizedWeight) -> bool:
 
 
 def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, int8_activations: bool | None = None) -> torch.Tensor:
-    """x [..., K] float32 -> [..., N]: the C kernel where it is built, else the reference.
+    """x [..., K] float32 -> [..., N]: the C kernel where it is built, else the reference;
+    from `DENSE_TOKENS` tokens on, a GEMM on the dequantized weight.
 
     `int8_activations` (default: for calls of at most `INT8_ACTIVATION_TOKENS` tokens, where the
     CPU has an integer dot product and the groups are whole 32s) quantizes x per group of 32 and
@@ -149,9 +181,13 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, int8_activations: bool
     if lib is None or x.dtype != torch.float32 or x.device.type != "cpu":
         return reference_matmul(x, w)
     flat = x.reshape(-1, w.shape[1]).contiguous()
-    out = torch.empty(flat.shape[0], w.shape[0], dtype=torch.float32)
     if int8_activations is None:
         int8_activations = flat.shape[0] <= INT8_ACTIVATION_TOKENS
+    dense = dense_dtype()
+    if not int8_activations and flat.shape[0] >= DENSE_TOKENS[dense]:
+        y = F.linear(flat.to(dense), dequantized(w, dense)).float()
+        return y.reshape(*x.shape[:-1], w.shape[0])
+    out = torch.empty(flat.shape[0], w.shape[0], dtype=torch.float32)
     args = (flat.data_ptr(), flat.shape[0], w.shape[1], w.q.data_ptr(), w.d.data_ptr())
     status = -3
     if int8_activations and int8_activations_fit(w):

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraplex.kernels.cpu_kernels import native_bf16
 from loraplex.kernels.quant import QuantizedWeight, dequantize, quantized_matmul
 
 
@@ -23,10 +24,6 @@ def can_pack(dtype: torch.dtype) -> bool:
     if dtype == torch.float32:
         return True
     return dtype == torch.bfloat16 and native_bf16()
-
-
-def native_bf16() -> bool:
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 class PackedLinear(nn.Linear):

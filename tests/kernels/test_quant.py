@@ -14,9 +14,13 @@ from loraplex.kernels.quant import (concat, dequantize, from_gguf, quantize, qua
 FORMATS = [("q4", None), ("q8", None), ("q8", 32)]
 
 
+KERNEL_ONLY = {torch.float32: 1 << 30, torch.bfloat16: 1 << 30}  # no call takes the dense GEMM
+
+
 @pytest.mark.parametrize("kind,group", FORMATS)
 @pytest.mark.parametrize("m", [1, 3, 16, 64])
-def test_kernel_matches_dequantize_then_matmul(kind, group, m):
+def test_kernel_matches_dequantize_then_matmul(kind, group, m, monkeypatch):
+    monkeypatch.setattr(quant, "DENSE_TOKENS", KERNEL_ONLY)
     if cpu_kernels.library() is None:
         pytest.fail("the C kernels did not build (a C compiler is part of the set-up)")
     gen = torch.Generator().manual_seed(m)
@@ -49,7 +53,27 @@ def test_int8_activation_kernel_matches_its_reference(kind, group, m, k):
     assert (got - float_out).abs().max() < 0.5 * step
 
 
-def test_decode_sized_calls_take_int8_activations_and_larger_ones_float():
+@pytest.mark.parametrize("kind,group", FORMATS)
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, {"atol": 1e-4, "rtol": 1e-5}),
+                                             (torch.bfloat16, {"atol": 1e-3, "rtol": 2 ** -7})])
+def test_dense_path_is_a_gemm_on_the_dequantized_weight(kind, group, dtype, tolerance, monkeypatch):
+    """Prefill-sized calls: the weight dequantized in C, then oneDNN; in bfloat16 (emulated where
+    the CPU lacks it) within one bf16 rounding of the same product rounded in the reference."""
+    monkeypatch.setattr(quant, "DENSE_DTYPE", dtype)
+    monkeypatch.setattr(quant, "DENSE_TOKENS", {dtype: 8})
+    gen = torch.Generator().manual_seed(7)
+    w = quantize(torch.randn(37, 576, generator=gen) * 0.05, kind, group)
+    torch.testing.assert_close(quant.dequantized(w), dequantize(w), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(quant.dequantized(w, torch.bfloat16), dequantize(w).bfloat16(), atol=1e-6, rtol=2 ** -8)
+    x = torch.randn(2, 5, 576, generator=gen)  # 10 tokens: dense
+    got = quantized_matmul(x, w)
+    assert got.shape == (2, 5, 37) and got.dtype == torch.float32
+    torch.testing.assert_close(got, reference_matmul(x, w, dense_dtype=dtype), **tolerance)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, reference_matmul(x, w), atol=1e-4, rtol=1e-5)
+
+
+def test_decode_sized_calls_take_int8_activations_and_larger_ones_float(monkeypatch):
     gen = torch.Generator().manual_seed(5)
     w = quantize(torch.randn(16, 256, generator=gen), "q4")
     one, two = torch.randn(1, 256, generator=gen), torch.randn(2, 256, generator=gen)
@@ -57,6 +81,12 @@ def test_decode_sized_calls_take_int8_activations_and_larger_ones_float():
     torch.testing.assert_close(quantized_matmul(one, w), reference_matmul(one, w, int8_activations=True),
                                atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(quantized_matmul(two, w), reference_matmul(two, w), atol=2e-5, rtol=1e-5)
+    many = torch.randn(40, 256, generator=gen)  # raised, the int8 bound wins over the dense GEMM's
+    monkeypatch.setattr(quant, "INT8_ACTIVATION_TOKENS", 64)
+    monkeypatch.setattr(quant, "DENSE_TOKENS", {torch.float32: 8, torch.bfloat16: 8})
+    torch.testing.assert_close(quantized_matmul(many, w), reference_matmul(many, w, int8_activations=True),
+                               atol=2e-5, rtol=1e-5)
+    monkeypatch.undo()
     odd = quantize(torch.randn(16, 240, generator=gen), "q8", 48)  # groups of 48: not whole 32s
     x = torch.randn(1, 240, generator=gen)
     torch.testing.assert_close(quantized_matmul(x, odd), reference_matmul(x, odd), atol=2e-5, rtol=1e-5)

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import make_peft_adapter, make_tiny_model, peft_greedy
+from loraplex.kernels import quant
 from loraplex.kernels.quant import dequantize
 from loraplex.platform import LLM
 from loraplex.platform.config import EngineConfig
@@ -52,7 +53,12 @@ def dequantized_folder(engine: Engine, src, dst):
 
 @pytest.mark.parametrize("method", ["q4", "int8"])
 @pytest.mark.parametrize("tied", [False, True])
-def test_quantized_logits_are_the_dequantized_models(tmp_path, method, tied):
+@pytest.mark.parametrize("dense", [False, True])
+def test_quantized_logits_are_the_dequantized_models(tmp_path, method, tied, dense, monkeypatch):
+    """The prompt's matmuls on the kernels, or on a float32 GEMM of the dequantized weights (the
+    bf16 GEMM's rounding is tested in tests/kernels/test_quant.py)."""
+    monkeypatch.setattr(quant, "DENSE_DTYPE", torch.float32)
+    monkeypatch.setattr(quant, "DENSE_TOKENS", {torch.float32: 1 if dense else 1 << 30})
     folder = make_tiny_model(tmp_path / "m", "llama", seed=3, tie_word_embeddings=tied)
     engine = Engine(EngineConfig(model=str(folder), num_kv_blocks=16, quantization=method))
     assert engine.config.dtype == "float32"  # auto resolves to the kernels' activations
