@@ -115,21 +115,26 @@ def read_peft_adapter(name: str, path: str | Path, config: ModelConfig, max_lora
 def _fuse(weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], rank: int,
           shapes: dict[str, tuple[int, int]], dtype: torch.dtype) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     """Per-module A/B -> per fused projection A [n * r, in] and B transposed, Bt [r, out_total]
-    (zeros where the adapter leaves a slice alone)."""
-    out = {}
-    for layer in sorted({layer for layer, _ in weights}):
-        for fused, parts in FUSED_PROJECTIONS.items():
-            present = [weights.get((layer, part)) for part in parts]
-            if all(p is None for p in present):
-                continue
-            offsets = fused_offsets(fused, shapes)
-            a = torch.zeros(len(parts) * rank, shapes[parts[0]][0], dtype=dtype)
-            b = torch.zeros(rank, offsets[-1], dtype=dtype)
-            for i, pair in enumerate(present):
-                if pair is not None:
-                    a[i * rank:(i + 1) * rank] = pair[0]
-                    b[:, offsets[i]:offsets[i + 1]] = pair[1].T
-            out[(layer, fused)] = (a, b)
+    (zeros where the adapter leaves a slice alone), all views of one buffer in the order a decode
+    step reads them: each token streams its own adapter, and one contiguous stream per layer reads
+    ~1.2x faster than separate allocations (TLB and hardware prefetch; benchmarks/multi_lora.py)."""
+    layout = [(layer, fused, parts, fused_offsets(fused, shapes))
+              for layer in sorted({layer for layer, _ in weights}) for fused, parts in FUSED_PROJECTIONS.items()
+              if any((layer, part) in weights for part in parts)]
+    buffer = torch.zeros(sum(rank * (len(parts) * shapes[parts[0]][0] + offsets[-1])
+                             for _, _, parts, offsets in layout), dtype=dtype)
+    out, at = {}, 0
+    for layer, fused, parts, offsets in layout:
+        present = [weights.get((layer, part)) for part in parts]  # the order a step reads them in
+        a_size, b_size = len(parts) * rank * shapes[parts[0]][0], rank * offsets[-1]
+        a = buffer[at:at + a_size].view(len(parts) * rank, shapes[parts[0]][0])
+        b = buffer[at + a_size:at + a_size + b_size].view(rank, offsets[-1])
+        at += a_size + b_size
+        for i, pair in enumerate(present):
+            if pair is not None:
+                a[i * rank:(i + 1) * rank] = pair[0]
+                b[:, offsets[i]:offsets[i + 1]] = pair[1].T
+        out[(layer, fused)] = (a, b)
     return out
 
 

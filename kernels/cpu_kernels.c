@@ -87,6 +87,14 @@ static inline __m256 exp8(__m256 x)
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(0x7f)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
+
+static inline float hsum8(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
 #endif
 
 static inline float dot_f32(const float *a, const float *b, int64_t n)
@@ -444,7 +452,73 @@ static inline float bf16_load(const uint16_t *p, int64_t i)
 
 static inline float f32_load(const float *p, int64_t i) { return p[i]; }
 
-#define SGMV_LORA_TABLE(NAME, T, LOAD, STORE)                                                       \
+/* The multi-LoRA delta's two inner loops per adapter weight type W (float32 or bfloat16): four
+ * rows of A dotted with a token's x (shrink), and four rows of Bt scaled into the output row
+ * (expand); x and the output row are float32 scratch, so the kernels below differ only in W. */
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8_bf16(const uint16_t *p)
+{
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define LORA_VECTOR_LOOPS(LOAD8)                                                                   \
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;                                    \
+    for (; d + 8 <= n; d += 8) {                                                                   \
+        const __m256 xv = _mm256_loadu_ps(x + d);                                                  \
+        s0 = _mm256_fmadd_ps(LOAD8(r0 + d), xv, s0);                                               \
+        s1 = _mm256_fmadd_ps(LOAD8(r1 + d), xv, s1);                                               \
+        s2 = _mm256_fmadd_ps(LOAD8(r2 + d), xv, s2);                                               \
+        s3 = _mm256_fmadd_ps(LOAD8(r3 + d), xv, s3);                                               \
+    }                                                                                              \
+    out[0] = hsum8(s0), out[1] = hsum8(s1), out[2] = hsum8(s2), out[3] = hsum8(s3);
+#define LORA_AXPY_LOOP(LOAD8)                                                                      \
+    const __m256 v0 = _mm256_set1_ps(h[0]), v1 = _mm256_set1_ps(h[1]);                             \
+    const __m256 v2 = _mm256_set1_ps(h[2]), v3 = _mm256_set1_ps(h[3]);                             \
+    for (; o + 8 <= hi; o += 8) {                                                                  \
+        __m256 a = _mm256_loadu_ps(acc + o);                                                       \
+        a = _mm256_fmadd_ps(v0, LOAD8(b0 + o), a);                                                 \
+        a = _mm256_fmadd_ps(v1, LOAD8(b1 + o), a);                                                 \
+        a = _mm256_fmadd_ps(v2, LOAD8(b2 + o), a);                                                 \
+        a = _mm256_fmadd_ps(v3, LOAD8(b3 + o), a);                                                 \
+        _mm256_storeu_ps(acc + o, a);                                                              \
+    }
+#else
+#define LORA_VECTOR_LOOPS(LOAD8) out[0] = out[1] = out[2] = out[3] = 0.f;
+#define LORA_AXPY_LOOP(LOAD8)
+#endif
+
+static inline void prefetch_bytes(const void *p, int64_t bytes)
+{
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i, 0, 3);
+}
+
+#define LORA_LOOPS(SUFFIX, W, WLOAD, LOAD8)                                                        \
+static void lora_dot4_##SUFFIX(const float *x, const W *r0, const W *r1, const W *r2, const W *r3, \
+                               int64_t n, float *out)                                              \
+{                                                                                                  \
+    int64_t d = 0;                                                                                 \
+    LORA_VECTOR_LOOPS(LOAD8)                                                                       \
+    for (; d < n; ++d) {                                                                           \
+        out[0] += WLOAD(r0, d) * x[d], out[1] += WLOAD(r1, d) * x[d];                              \
+        out[2] += WLOAD(r2, d) * x[d], out[3] += WLOAD(r3, d) * x[d];                              \
+    }                                                                                              \
+}                                                                                                  \
+static void lora_axpy4_##SUFFIX(float *acc, const float *h, const W *b0, const W *b1, const W *b2, \
+                                const W *b3, int64_t o, int64_t hi)                                \
+{                                                                                                  \
+    LORA_AXPY_LOOP(LOAD8)                                                                          \
+    for (; o < hi; ++o)                                                                            \
+        acc[o] += h[0] * WLOAD(b0, o) + h[1] * WLOAD(b1, o) + h[2] * WLOAD(b2, o) + h[3] * WLOAD(b3, o); \
+}
+LORA_LOOPS(f32, float, f32_load, load8_f32)
+LORA_LOOPS(bf16, uint16_t, bf16_load, load8_bf16)
+
+/* y[t] += scale[s] * (x[t] A[s]^T) Bt[s] for each listed token t with slot s: x and y of type T
+ * (widened into float32 scratch), the adapters' A and Bt of type W (SUFFIX: its loops above). */
+#define SGMV_LORA_TABLE(NAME, T, LOAD, STORE, W, SUFFIX)                                           \
 int NAME(                                                                                          \
     const T *x,                 /* [T, in] */                                                      \
     const int64_t *a_ptrs,      /* [S] address of slot s's A [num_slices * r_s, in] */             \
@@ -458,56 +532,48 @@ int NAME(                                                                       
     T *y)                       /* [T, out_total] */                                               \
 {                                                                                                  \
     const int64_t out_total = offsets[num_slices];                                                 \
+    const int64_t rows = num_slices * max_rank + 3; /* h padded to whole groups of four */         \
     int failed = 0;                                                                                \
     _Pragma("omp parallel")                                                                        \
     {                                                                                              \
-        float *acc = malloc(sizeof(float) * (out_total + num_slices * max_rank));                  \
-        float *h = acc + out_total;                                                                \
+        float *acc = malloc(sizeof(float) * (out_total + rows + in_features));                     \
+        float *h = acc + out_total, *xf = h + rows;                                                \
         if (!acc) failed = 1;                                                                      \
         _Pragma("omp for schedule(dynamic, 1)")                                                    \
         for (int64_t n = 0; n < num_tokens; ++n) {                                                 \
             const int64_t t = tokens[n], s = token_slots[n], r = ranks[s];                         \
             if (!acc || r <= 0 || r > max_rank) continue;                                          \
-            const T *a = (const T *)(intptr_t)a_ptrs[s];                                           \
-            const T *bt = (const T *)(intptr_t)b_ptrs[s];                                          \
-            const T *xt = x + t * in_features;                                                     \
+            const W *a = (const W *)(intptr_t)a_ptrs[s];                                           \
+            const W *bt = (const W *)(intptr_t)b_ptrs[s];                                          \
             T *yt = y + t * out_total;                                                             \
-            /* four rows at a time: x is loaded once for four independent FMA chains */         \
-            int64_t k = 0;                                                                         \
-            for (; k + 4 <= num_slices * r; k += 4) {                                              \
-                const T *r0 = a + k * in_features, *r1 = r0 + in_features;                         \
-                const T *r2 = r1 + in_features, *r3 = r2 + in_features;                            \
-                float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;                                      \
-                for (int64_t d = 0; d < in_features; ++d) {                                        \
-                    const float xv = LOAD(xt, d);                                                  \
-                    d0 += LOAD(r0, d) * xv; d1 += LOAD(r1, d) * xv;                                \
-                    d2 += LOAD(r2, d) * xv; d3 += LOAD(r3, d) * xv;                                \
-                }                                                                                  \
-                h[k] = d0 * scales[s]; h[k + 1] = d1 * scales[s];                                  \
-                h[k + 2] = d2 * scales[s]; h[k + 3] = d3 * scales[s];                              \
+            for (int64_t d = 0; d < in_features; ++d) xf[d] = LOAD(x + t * in_features, d);        \
+            const int64_t k_all = num_slices * r;                                                  \
+            for (int64_t k = 0; k < k_all; k += 4) { /* rows past k_all repeat the last one */     \
+                /* the next four rows (or Bt's first) on their way while these compute: each token  \
+                 * reads its own adapter, a stream too short for the hardware prefetcher */         \
+                const int64_t next = k_all - k - 4 < 4 ? k_all - k - 4 : 4;                        \
+                if (next > 0)                                                                      \
+                    prefetch_bytes(a + (k + 4) * in_features, sizeof(W) * in_features * next);      \
+                else                                                                               \
+                    prefetch_bytes(bt, sizeof(W) * out_total * (r < 4 ? r : 4));                   \
+                const W *r0 = a + k * in_features;                                                 \
+                const W *r1 = a + (k + 1 < k_all ? k + 1 : k) * in_features;                       \
+                const W *r2 = a + (k + 2 < k_all ? k + 2 : k) * in_features;                       \
+                const W *r3 = a + (k + 3 < k_all ? k + 3 : k) * in_features;                       \
+                lora_dot4_##SUFFIX(xf, r0, r1, r2, r3, in_features, h + k);                        \
             }                                                                                      \
-            for (; k < num_slices * r; ++k) {                                                      \
-                const T *row = a + k * in_features;                                                \
-                float dot = 0.f;                                                                   \
-                for (int64_t d = 0; d < in_features; ++d) dot += LOAD(row, d) * LOAD(xt, d);       \
-                h[k] = dot * scales[s];                                                            \
-            }                                                                                      \
+            for (int64_t k = 0; k < k_all; ++k) h[k] *= scales[s];                                 \
             for (int64_t o = 0; o < out_total; ++o) acc[o] = LOAD(yt, o);                          \
-            /* four rank rows of Bt per pass over the output row: a quarter of its loads/stores */ \
-            for (int64_t i = 0; i < num_slices; ++i) {                                             \
-                const float *hi = h + i * r;                                                       \
-                const int64_t lo = offsets[i], hi_o = offsets[i + 1];                              \
-                int64_t j = 0;                                                                     \
-                for (; j + 4 <= r; j += 4) {                                                       \
-                    const T *b0 = bt + j * out_total, *b1 = b0 + out_total;                        \
-                    const T *b2 = b1 + out_total, *b3 = b2 + out_total;                            \
-                    const float h0 = hi[j], h1 = hi[j + 1], h2 = hi[j + 2], h3 = hi[j + 3];        \
-                    for (int64_t o = lo; o < hi_o; ++o)                                            \
-                        acc[o] += h0 * LOAD(b0, o) + h1 * LOAD(b1, o) + h2 * LOAD(b2, o) + h3 * LOAD(b3, o); \
-                }                                                                                  \
-                for (; j < r; ++j) {                                                               \
-                    const T *row = bt + j * out_total;                                             \
-                    for (int64_t o = lo; o < hi_o; ++o) acc[o] += hi[j] * LOAD(row, o);            \
+            for (int64_t j = 0; j < r; j += 4) { /* Bt four whole rows at a time, in memory order */ \
+                const int64_t nj = r - j < 4 ? r - j : 4; /* missing rows weigh 0 */              \
+                if (j + 4 < r) prefetch_bytes(bt + (j + 4) * out_total,                            \
+                                              sizeof(W) * out_total * (r - j - 4 < 4 ? r - j - 4 : 4)); \
+                const W *b[4];                                                                     \
+                for (int q = 0; q < 4; ++q) b[q] = bt + (j + (q < nj ? q : 0)) * out_total;        \
+                for (int64_t i = 0; i < num_slices; ++i) {                                         \
+                    float w4[4] = {0.f, 0.f, 0.f, 0.f};                                            \
+                    for (int q = 0; q < nj; ++q) w4[q] = h[i * r + j + q];                         \
+                    lora_axpy4_##SUFFIX(acc, w4, b[0], b[1], b[2], b[3], offsets[i], offsets[i + 1]); \
                 }                                                                                  \
             }                                                                                      \
             for (int64_t o = 0; o < out_total; ++o) STORE(yt, o, acc[o]);                          \
@@ -519,8 +585,10 @@ int NAME(                                                                       
 
 #define F32_STORE(p, i, v) ((p)[i] = (v))
 #define BF16_STORE(p, i, v) ((p)[i] = bf16_round(v))
-SGMV_LORA_TABLE(sgmv_lora_table_f32, float, f32_load, F32_STORE)
-SGMV_LORA_TABLE(sgmv_lora_table_bf16, uint16_t, bf16_load, BF16_STORE)
+SGMV_LORA_TABLE(sgmv_lora_table_f32, float, f32_load, F32_STORE, float, f32)
+SGMV_LORA_TABLE(sgmv_lora_table_bf16, uint16_t, bf16_load, BF16_STORE, uint16_t, bf16)
+/* 16-bit adapters on a float32 model (a quantized base): half the bytes read per token */
+SGMV_LORA_TABLE(sgmv_lora_table_f32_bf16w, float, f32_load, F32_STORE, uint16_t, bf16)
 
 /* ---- weight-only quantized matmul: out[M, N] = x[M, K] @ dequant(W)[N, K]^T, float32 x ----------------
  * q4: groups of 32 along K, w = d * q + m (q in 0..15) in GGUF Q4_1's nibble order (byte j of a group
@@ -536,14 +604,6 @@ SGMV_LORA_TABLE(sgmv_lora_table_bf16, uint16_t, bf16_load, BF16_STORE)
 static inline __m256 q4_lanes(__m128i nibbles, int part)
 {   /* eight of the 16 nibbles (low or high half of the 16 bytes) as floats */
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part ? _mm_srli_si128(nibbles, 8) : nibbles));
-}
-
-static inline float hsum8(__m256 v)
-{
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 #endif
 

@@ -31,7 +31,9 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errn
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _tried = False
-SGMV_DTYPES = (torch.float32, torch.bfloat16)  # the multi-LoRA kernel's variants
+SGMV_DTYPES = (torch.float32, torch.bfloat16)  # x / y of the multi-LoRA kernel
+SGMV_KINDS = {(torch.float32, torch.float32): "sgmv_lora_table_f32", (torch.bfloat16, torch.bfloat16):
+              "sgmv_lora_table_bf16", (torch.float32, torch.bfloat16): "sgmv_lora_table_f32_bf16w"}  # (x, weights)
 _kv_f16 = False  # whether the built library reads float16 K/V (compiled with F16C)
 
 
@@ -92,7 +94,7 @@ def _load(path: Path) -> ctypes.CDLL:
                                         ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr]
     lib.kv_f16_supported.argtypes = []
     lib.kv_f16_supported.restype = ctypes.c_int
-    for fn in (lib.sgmv_lora_table_f32, lib.sgmv_lora_table_bf16):
+    for fn in (lib.sgmv_lora_table_f32, lib.sgmv_lora_table_bf16, lib.sgmv_lora_table_f32_bf16w):
         fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr]
     lib.q4_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr]
     lib.q8_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr]
@@ -103,7 +105,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.add_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int, ptr]
     lib.rope_write_kv.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ptr]
     lib.silu_mul.argtypes = [ptr, i64, i64, ctypes.c_int, ptr]
-    for fn in (lib.paged_attention_f32, lib.sgmv_lora_table_f32, lib.sgmv_lora_table_bf16, lib.q4_matmul,
+    for fn in (lib.paged_attention_f32, lib.sgmv_lora_table_f32, lib.sgmv_lora_table_bf16,
+               lib.sgmv_lora_table_f32_bf16w, lib.q4_matmul,
                lib.q8_matmul, lib.q4_matmul_x8, lib.q8_matmul_x8, lib.x8_supported, lib.quant_dequantize,
                lib.add_rms_norm,
                lib.rope_write_kv, lib.silu_mul):
@@ -208,17 +211,17 @@ def sgmv_lora_table_c(x: torch.Tensor, table, tokens: torch.Tensor, token_slots:
                       y: torch.Tensor) -> torch.Tensor:
     """y[t] += scale[s] * (x[t] A[s]^T) Bt[s], in place, for each token t in `tokens` with slot s
     in `token_slots`, reading each slot's weights where `table` (a `sgmv.LoRATable`) points.
-    x, y and the weights share one dtype, float32 or bfloat16; accumulation is float32."""
+    x and y share one dtype, float32 or bfloat16, and the weights x's or bfloat16 under float32
+    (`SGMV_KINDS`); accumulation is float32."""
     if not (x.is_contiguous() and y.is_contiguous()):
         raise ValueError("C SGMV needs contiguous inputs")
-    kernel = library().sgmv_lora_table_bf16 if x.dtype == torch.bfloat16 else library().sgmv_lora_table_f32
+    kernel = getattr(library(), SGMV_KINDS[(x.dtype, table.dtype)])
     if tokens.dtype != torch.int64 or token_slots.dtype != torch.int64:
         tokens, token_slots = tokens.to(torch.int64), token_slots.to(torch.int64)
     tokens, token_slots = tokens.contiguous(), token_slots.contiguous()
-    status = kernel(x.data_ptr(), table.a_ptrs.ctypes.data, table.b_ptrs.ctypes.data, table.ranks_arr.ctypes.data,
-                    table.scales_arr.ctypes.data, tokens.data_ptr(), token_slots.data_ptr(),
-                    table.offsets_arr.ctypes.data, len(tokens), x.shape[1], table.num_slices,
-                    int(table.ranks_arr.max()), y.data_ptr())
+    a_ptrs, b_ptrs, ranks, scales, offsets = table.c_arrays
+    status = kernel(x.data_ptr(), a_ptrs, b_ptrs, ranks, scales, tokens.data_ptr(), token_slots.data_ptr(), offsets,
+                    len(tokens), x.shape[1], table.num_slices, table.max_rank, y.data_ptr())
     if status != 0:
         raise MemoryError("C SGMV could not allocate its row buffer")
     return y

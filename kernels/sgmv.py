@@ -150,6 +150,12 @@ class LoRATable:
     ranks_arr: np.ndarray  # int64 [S]
     scales_arr: np.ndarray  # float32 [S]
     offsets_arr: np.ndarray  # int64 [num_slices + 1]
+    max_rank: int = 0  # the largest rank any slot was set to: the C kernel's scratch bound
+
+    def __post_init__(self) -> None:
+        # the arrays' addresses, read once: the kernel is called ~120 times a step
+        self.c_arrays = tuple(arr.ctypes.data for arr in (self.a_ptrs, self.b_ptrs, self.ranks_arr,
+                                                           self.scales_arr, self.offsets_arr))
 
     @staticmethod
     def empty(num_slots: int, offsets: list[int], dtype: torch.dtype = torch.float32) -> "LoRATable":
@@ -185,6 +191,7 @@ class LoRATable:
         self.a[slot], self.b[slot], self.ranks[slot], self.scales[slot] = a, b, rank, scale
         self.a_ptrs[slot], self.b_ptrs[slot] = a.data_ptr(), b.data_ptr()
         self.ranks_arr[slot], self.scales_arr[slot] = rank, scale
+        self.max_rank = max(self.max_rank, rank)
 
     def clear(self, slot: int) -> None:
         self.a[slot] = self.b[slot] = None
@@ -202,7 +209,8 @@ C_BELOW_MEAN_SEGMENT = 64
 def sgmv_lora_table(x: torch.Tensor, table: LoRATable, batch: LoRABatch, y: torch.Tensor) -> torch.Tensor:
     """y += scale[s] * (x A[s]^T) Bt[s] for each token's slot s, on the CPU: one LoRA layer."""
     if _mean_segment_below(batch, C_BELOW_MEAN_SEGMENT) and use_cpu_kernel(y) \
-            and cpu_kernels.usable(x, y, dtypes=cpu_kernels.SGMV_DTYPES) and x.dtype == y.dtype == table.dtype:
+            and cpu_kernels.usable(x, y, dtypes=cpu_kernels.SGMV_DTYPES) and x.dtype == y.dtype \
+            and (x.dtype, table.dtype) in cpu_kernels.SGMV_KINDS:
         # decode-shaped batches: the C kernel reads each token's A and B in place
         return cpu_kernels.sgmv_lora_table_c(x.contiguous(), table, batch.token_order, batch.order_slots, y)
     return sgmv_lora_table_torch(x, table, batch, y)
@@ -210,8 +218,9 @@ def sgmv_lora_table(x: torch.Tensor, table: LoRATable, batch: LoRABatch, y: torc
 
 def sgmv_lora_table_torch(x: torch.Tensor, table: LoRATable, batch: LoRABatch, y: torch.Tensor) -> torch.Tensor:
     """The PyTorch path: shrink and expand fused per segment (one GEMM pair per adapter), in the
-    model's dtype; a segment of contiguous rows (a prefill chunk) adds into y in place, others
-    gather their rows and `index_add_` once."""
+    model's dtype (16-bit adapters on a float32 model widened per segment); a segment of
+    contiguous rows (a prefill chunk) adds into y in place, others gather their rows and
+    `index_add_` once."""
     offsets = table.offsets
     for (slot, idx), rows in zip(batch.segments(), batch.host_ranges):
         r = table.ranks[slot]
@@ -219,14 +228,16 @@ def sgmv_lora_table_torch(x: torch.Tensor, table: LoRATable, batch: LoRABatch, y
             continue
         if rows is not None:  # one request's chunk: its rows in place, no gather or scatter
             lo, hi = rows
-            h = x[lo:hi] @ table.a[slot].T
+            h = x[lo:hi] @ table.a[slot].to(x.dtype).T
+            b = table.b[slot].to(x.dtype)
             for i, (o_lo, o_hi) in enumerate(zip(offsets[:-1], offsets[1:])):
-                y[lo:hi, o_lo:o_hi].addmm_(h[:, i * r:(i + 1) * r], table.b[slot][:, o_lo:o_hi], alpha=table.scales[slot])
+                y[lo:hi, o_lo:o_hi].addmm_(h[:, i * r:(i + 1) * r], b[:, o_lo:o_hi], alpha=table.scales[slot])
             continue
-        h = x.index_select(0, idx) @ table.a[slot].T
+        h = x.index_select(0, idx) @ table.a[slot].to(x.dtype).T
+        b = table.b[slot].to(x.dtype)
         delta = torch.empty(len(idx), y.shape[1], dtype=y.dtype, device=y.device)
         for i, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:])):
-            torch.matmul(h[:, i * r:(i + 1) * r], table.b[slot][:, lo:hi], out=delta[:, lo:hi])
+            torch.matmul(h[:, i * r:(i + 1) * r], b[:, lo:hi], out=delta[:, lo:hi])
         y.index_add_(0, idx, delta, alpha=table.scales[slot])
     return y
 

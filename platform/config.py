@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LORA_DTYPES = {name: (dtype, torch.bfloat16) if dtype == torch.float32 else (dtype,)  # what the LoRA paths multiply
+               for name, dtype in DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,10 @@ class EngineConfig:
     quantization: str = _setting("none", "weights kept quantized (float32 activations): q4 = 4-bit groups of 32 "
                                          "(the default model's GGUF Q4_1 bits as they are; other models quantized "
                                          "at load), int8 = 8-bit per output channel", choices=list(QUANTIZATIONS))
+    lora_dtype: str = _setting("auto", "adapter weights' dtype (vLLM's flag); auto: the model's, but bfloat16 on "
+                                       "a --quantization base (QLoRA-style: the base in 4/8 bits, adapters in 16); "
+                                       "bfloat16 under a float32 model halves the bytes each token's adapter "
+                                       "reads (CPU)", choices=["auto", "float32", "bfloat16"])
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -157,6 +163,11 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.quantization != "none" and self.dtype not in ("auto", "float32"):
             raise ValueError(f"quantization {self.quantization} runs float32 activations: use dtype float32 or auto")
+        if self.lora_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"lora_dtype must be auto, float32 or bfloat16, got {self.lora_dtype!r}")
+        if self.dtype != "auto" and self.lora_dtype != "auto" and self.torch_lora_dtype not in LORA_DTYPES[self.dtype]:
+            raise ValueError(f"lora_dtype {self.lora_dtype} under dtype {self.dtype}: adapters are in the model's "
+                             "dtype, or bfloat16 under float32")
         if not DEVICE_PATTERN.fullmatch(self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -185,11 +196,17 @@ class EngineConfig:
             return DTYPES[self.dtype]
         if self.torch_device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        from loraplex.platform.models.linear import native_bf16
+        from loraplex.kernels.cpu_kernels import native_bf16
 
         # the engine resolves auto by a probe (platform/dtype_probe.py) before anything reads
         # this; before that, the flags' guess: bf16 without AVX512-BF16/AMX runs 4-7x slower
         return torch.bfloat16 if native_bf16() else torch.float32
+
+    @property
+    def torch_lora_dtype(self) -> torch.dtype:
+        if self.lora_dtype == "auto":
+            return torch.bfloat16 if self.quantization != "none" else self.torch_dtype
+        return DTYPES[self.lora_dtype]
 
     @property
     def torch_kv_dtype(self) -> torch.dtype:
@@ -203,7 +220,7 @@ class EngineConfig:
             return self.max_loras, "set by max_loras"
         from loraplex.adapters.peft_format import adapter_bytes
 
-        worst = adapter_bytes(model, self.max_lora_rank, self.torch_dtype)
+        worst = adapter_bytes(model, self.max_lora_rank, self.torch_lora_dtype)
         fits = max(1, self.lora_memory // worst)
         chosen = min(fits, self.max_num_seqs, self.max_cpu_loras or fits)
         return chosen, (f"lora_memory={self.lora_memory / 2**20:.0f} MiB holds {fits} adapters of rank "

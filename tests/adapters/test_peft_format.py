@@ -9,6 +9,7 @@ import torch
 from conftest import make_peft_adapter, make_tiny_model
 from loraplex.adapters.peft_format import AdapterError, adapter_bytes, read_peft_adapter
 from loraplex.platform.config import ModelConfig
+from loraplex.platform.models import FUSED_PROJECTIONS
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +28,18 @@ def edit_config(folder, **changes):
     cfg = json.loads((folder / "adapter_config.json").read_text())
     cfg.update(changes)
     (folder / "adapter_config.json").write_text(json.dumps(cfg))
+
+
+def test_an_adapters_weights_lie_in_one_buffer_in_the_order_a_step_reads_them(config, tiny_adapters):
+    """Each token streams its own adapter: layer by layer, projection by projection, A then Bt."""
+    w = read_peft_adapter("a1", tiny_adapters[1], config, max_lora_rank=16, dtype=torch.bfloat16)
+    order = sorted(w.projections, key=lambda key: (key[0], list(FUSED_PROJECTIONS).index(key[1])))
+    pairs = [w.projections[key] for key in order]
+    storage = {t.untyped_storage().data_ptr() for pair in pairs for t in pair}
+    assert len(storage) == 1 and all(t.dtype == torch.bfloat16 and t.is_contiguous() for pair in pairs for t in pair)
+    starts = [t.data_ptr() for pair in pairs for t in pair]
+    ends = [t.data_ptr() + t.nbytes for pair in pairs for t in pair]
+    assert starts[1:] == ends[:-1]  # back to back, no gaps
 
 
 def test_reads_weights_rank_scaling_and_hash(config, tiny_adapters):
