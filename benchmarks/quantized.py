@@ -135,7 +135,7 @@ def main() -> None:
                       max_model_len=4096)
             tokenizer = llm.get_tokenizer()
             row = {"method": method, "bytes": weight_bytes(llm), "ppl": perplexity(llm),
-                   "ppl_x8": perplexity(llm, int8_activations=True) if method != "none" else None}
+                   "ppl_x8": perplexity(llm, int8_activations=True) if not method.startswith("none") else None}
             bench_loraplex(llm, make_prompts(tokenizer, 2, seed=99), 8)  # warm-up
             for batch in args.batch_sizes:
                 prompts = make_prompts(tokenizer, batch, seed=batch)

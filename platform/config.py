@@ -139,9 +139,11 @@ class EngineConfig:
     pack_weights: bool = _setting(True, "CPU: linear weights prepacked for oneDNN (~2x faster decode matmuls)")
     kv_cache_dtype: str = _setting("auto", "float16: twice the KV tokens in the same memory (auto: the model's "
                                            "dtype)", choices=["auto", "float16"])
-    quantization: str = _setting("none", "weights kept quantized (float32 activations): q4 = 4-bit groups of 32 "
-                                         "(the default model's GGUF Q4_1 bits as they are; other models quantized "
-                                         "at load), int8 = 8-bit per output channel", choices=list(QUANTIZATIONS))
+    quantization: str = _setting("none", "weights kept quantized (float32 activations between layers; int8 in "
+                                         "single-token matmuls, bf16 GEMMs for prefill where native): q4 = 4-bit "
+                                         "groups of 32 (the default model's GGUF Q4_1 bits as they are; other "
+                                         "models quantized at load), int8 = 8-bit per output channel",
+                                 choices=list(QUANTIZATIONS))
     lora_dtype: str = _setting("auto", "adapter weights' dtype (vLLM's flag); auto: the model's, but bfloat16 on "
                                        "a --quantization base (QLoRA-style: the base in 4/8 bits, adapters in 16); "
                                        "bfloat16 under a float32 model halves the bytes each token's adapter "
