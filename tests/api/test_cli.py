@@ -47,7 +47,8 @@ def test_every_engine_setting_is_a_serve_flag():
              "seed": 5, "max_loras": 3, "max_lora_rank": 8, "max_cpu_loras": 9, "lora_memory": 5 << 20,
              "lora_cycle_steps": 4, "grammar_backend": "outlines", "grammar_compile_timeout_s": 2.5,
              "jump_forward": False, "json_close_window": 8, "pack_weights": False, "kv_cache_dtype": "float16",
-             "quantization": "int8", "device": "cuda:1", "gpu_memory_utilization": 0.5, "enforce_eager": True}
+             "quantization": "int8", "device": "cuda:1", "gpu_memory_utilization": 0.5, "enforce_eager": True,
+             "lora_dtype": "bfloat16"}
     settable = {f.name for f in fields(EngineConfig)} - {"model"}
     assert set(given) == settable, "a new EngineConfig field: add it here with a non-default value"
     argv = ["serve", "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "7",
@@ -56,7 +57,8 @@ def test_every_engine_setting_is_a_serve_flag():
             "--max-lora-rank", "8", "--max-cpu-loras", "9", "--lora-memory", "5MiB", "--lora-cycle-steps", "4",
             "--grammar-backend", "outlines", "--grammar-compile-timeout", "2.5", "--no-jump-forward",
             "--json-close-window", "8",
-            "--no-pack-weights", "--kv-cache-dtype", "float16", "--quantization", "int8", "--device", "cuda:1",
+            "--no-pack-weights", "--kv-cache-dtype", "float16", "--quantization", "int8", "--lora-dtype", "bfloat16",
+            "--device", "cuda:1",
             "--gpu-memory-utilization", "0.5", "--enforce-eager"]
     config = engine_config(build_parser().parse_args(argv), "m")
     assert config == EngineConfig(model="m", **given)
