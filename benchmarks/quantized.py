@@ -166,7 +166,8 @@ def main() -> None:
         shutil.rmtree(adapter_dir, ignore_errors=True)
 
     none = next((r for r in rows if r["method"] == "none"), None)
-    print(f"\nSmolLM2-135M-Instruct, float32 activations (int8 in single-token quantized matmuls), "
+    print(f"\nSmolLM2-135M-Instruct, float32 activations (int8 in quantized matmuls of <= "
+          f"{quant.INT8_ACTIVATION_TOKENS} tokens), "
           f"{args.new_tokens} new tokens, greedy, no prefix cache, "
           f"{torch.get_num_threads()} threads\n")
     head = " | ".join(f"batch {b} tok/s (step ms)" for b in args.batch_sizes)

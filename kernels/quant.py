@@ -23,9 +23,10 @@ import torch.nn.functional as F
 from loraplex.kernels import cpu_kernels
 
 Q4_GROUP = 32
-# Calls of at most this many tokens (decode at batch 1) multiply int8 activations: there the float
-# kernel is bound by dequantizing weights, not reading them (BENCHMARKS.md, "Quantized weights").
-INT8_ACTIVATION_TOKENS = 1
+# Calls of at most this many tokens (decode at batch 1-4) multiply int8 activations: there the float
+# kernel is bound by dequantizing weights, not reading them; from ~6 tokens its 3-token register
+# blocks win (BENCHMARKS.md, "Quantized weights").
+INT8_ACTIVATION_TOKENS = 4
 # Calls of at least this many tokens (prefill, larger decode batches) dequantize the weight in C and
 # run oneDNN's GEMM on it: in bfloat16 where the CPU multiplies it natively (x, w and the output
 # rounded to bf16, float32 accumulation: what the bf16 engine does), else in float32 (same numbers

@@ -140,7 +140,7 @@ class EngineConfig:
     kv_cache_dtype: str = _setting("auto", "float16: twice the KV tokens in the same memory (auto: the model's "
                                            "dtype)", choices=["auto", "float16"])
     quantization: str = _setting("none", "weights kept quantized (float32 activations between layers; int8 in "
-                                         "single-token matmuls, bf16 GEMMs for prefill where native): q4 = 4-bit "
+                                         "matmuls of <= 4 tokens, bf16 GEMMs for prefill where native): q4 = 4-bit "
                                          "groups of 32 (the default model's GGUF Q4_1 bits as they are; other "
                                          "models quantized at load), int8 = 8-bit per output channel",
                                  choices=list(QUANTIZATIONS))
