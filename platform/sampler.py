@@ -104,7 +104,7 @@ class Sampler:
         return to_device(torch.tensor(values, dtype=dtype, device="cpu"), self.device)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        out = logits.argmax(dim=-1)
+        out = argmax(logits)
         picked = [i for i, r in enumerate(requests) if not r.params.greedy]
         if not picked:
             return out.tolist()
@@ -118,8 +118,14 @@ class Sampler:
         noise = torch.empty(probs.shape, dtype=probs.dtype, device="cpu")
         for j, r in enumerate(sampled):
             noise[j].exponential_(generator=r.generator or self.generator)
-        out[rows] = (probs / to_device(noise, probs.device)).argmax(dim=-1)
+        out[rows] = argmax(probs / to_device(noise, probs.device))
         return out.tolist()
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of each row's maximum, the first of ties (argmax's answer): on CPU `max` finds it
+    2.6-2.8x faster than `argmax` over a vocabulary-wide row (0.85 vs 2.2 ms at batch 64)."""
+    return x.max(dim=-1).indices
 
 
 def _edits_logits(params, num_output_tokens: int) -> bool:

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from loraplex.platform.request import Request, SamplingParams
-from loraplex.platform.sampler import Sampler, filter_and_softmax
+from loraplex.platform.sampler import Sampler, argmax, filter_and_softmax
 
 V = 50
 
@@ -23,6 +23,15 @@ def test_greedy_and_degenerate_filters_pick_the_argmax():
     reqs = [req(SamplingParams(temperature=0)), req(SamplingParams(top_k=1, seed=1)),
             req(SamplingParams(top_p=1e-6, seed=2)), req(SamplingParams(min_p=1.0, seed=3))]
     assert s(logits, reqs).token_ids == logits.argmax(-1).tolist()
+
+
+def test_argmax_is_torchs_including_ties_and_infinities():
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, 4, (64, 3000), generator=gen).float()  # many tied maxima per row
+    rows[0, 10] = rows[0, 20] = float("inf")
+    rows[1] = -float("inf")
+    assert torch.equal(argmax(rows), rows.argmax(dim=-1))
+    assert argmax(rows)[0] == 10 and argmax(rows)[1] == 0
 
 
 def test_filters_keep_exactly_the_expected_support():
