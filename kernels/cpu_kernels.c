@@ -516,8 +516,47 @@ static void lora_axpy4_##SUFFIX(float *acc, const float *h, const W *b0, const W
 LORA_LOOPS(f32, float, f32_load, load8_f32)
 LORA_LOOPS(bf16, uint16_t, bf16_load, load8_bf16)
 
+/* Four rows of A against four tokens of the same adapter: each row is read once for the four.
+ * out[q * stride + i] = row i . x[q]. */
+#if defined(__AVX2__) && defined(__FMA__)
+#define LORA_VECTOR_LOOPS4(LOAD8)                                                                  \
+    __m256 s[4][4];                                                                                \
+    for (int i = 0; i < 4; ++i)                                                                    \
+        for (int q = 0; q < 4; ++q) s[i][q] = _mm256_setzero_ps();                                 \
+    for (; d + 8 <= n; d += 8) {                                                                   \
+        const __m256 x0 = _mm256_loadu_ps(x[0] + d), x1 = _mm256_loadu_ps(x[1] + d);               \
+        const __m256 x2 = _mm256_loadu_ps(x[2] + d), x3 = _mm256_loadu_ps(x[3] + d);               \
+        for (int i = 0; i < 4; ++i) {                                                              \
+            const __m256 w = LOAD8(r[i] + d);                                                      \
+            s[i][0] = _mm256_fmadd_ps(w, x0, s[i][0]), s[i][1] = _mm256_fmadd_ps(w, x1, s[i][1]);  \
+            s[i][2] = _mm256_fmadd_ps(w, x2, s[i][2]), s[i][3] = _mm256_fmadd_ps(w, x3, s[i][3]);  \
+        }                                                                                          \
+    }                                                                                              \
+    for (int i = 0; i < 4; ++i)                                                                    \
+        for (int q = 0; q < 4; ++q) out[q * stride + i] = hsum8(s[i][q]);
+#else
+#define LORA_VECTOR_LOOPS4(LOAD8)                                                                  \
+    for (int i = 0; i < 4; ++i)                                                                    \
+        for (int q = 0; q < 4; ++q) out[q * stride + i] = 0.f;
+#endif
+#define LORA_LOOPS4(SUFFIX, W, WLOAD, LOAD8)                                                       \
+static void lora_dot4x4_##SUFFIX(const float *const *x, const W *const *r, int64_t n, float *out,  \
+                                 int64_t stride)                                                   \
+{                                                                                                  \
+    int64_t d = 0;                                                                                 \
+    LORA_VECTOR_LOOPS4(LOAD8)                                                                      \
+    for (; d < n; ++d)                                                                             \
+        for (int i = 0; i < 4; ++i)                                                                \
+            for (int q = 0; q < 4; ++q) out[q * stride + i] += WLOAD(r[i], d) * x[q][d];          \
+}
+LORA_LOOPS4(f32, float, f32_load, load8_f32)
+LORA_LOOPS4(bf16, uint16_t, bf16_load, load8_bf16)
+
 /* y[t] += scale[s] * (x[t] A[s]^T) Bt[s] for each listed token t with slot s: x and y of type T
- * (widened into float32 scratch), the adapters' A and Bt of type W (SUFFIX: its loops above). */
+ * (widened into float32 scratch), the adapters' A and Bt of type W (SUFFIX: its loops above).
+ * `tokens` come grouped by slot (LoRABatch.token_order): up to four consecutive tokens of one
+ * adapter are taken together, so its weights are read once for them, not once per token. */
+#define LORA_GROUP 4
 #define SGMV_LORA_TABLE(NAME, T, LOAD, STORE, W, SUFFIX)                                           \
 int NAME(                                                                                          \
     const T *x,                 /* [T, in] */                                                      \
@@ -533,20 +572,31 @@ int NAME(                                                                       
 {                                                                                                  \
     const int64_t out_total = offsets[num_slices];                                                 \
     const int64_t rows = num_slices * max_rank + 3; /* h padded to whole groups of four */         \
+    int64_t *starts = malloc(sizeof(int64_t) * (num_tokens + 1)), num_groups = 0;                  \
+    if (!starts) return -1;                                                                        \
+    for (int64_t n = 0; n < num_tokens; ++n)                                                       \
+        if (n == 0 || token_slots[n] != token_slots[n - 1] || n - starts[num_groups - 1] == LORA_GROUP) \
+            starts[num_groups++] = n;                                                              \
+    starts[num_groups] = num_tokens;                                                               \
     int failed = 0;                                                                                \
     _Pragma("omp parallel")                                                                        \
     {                                                                                              \
-        float *acc = malloc(sizeof(float) * (out_total + rows + in_features));                     \
-        float *h = acc + out_total, *xf = h + rows;                                                \
+        float *acc = malloc(sizeof(float) * LORA_GROUP * (out_total + rows + in_features));        \
+        float *h = acc + LORA_GROUP * out_total, *xf = h + LORA_GROUP * rows;                      \
         if (!acc) failed = 1;                                                                      \
         _Pragma("omp for schedule(dynamic, 1)")                                                    \
-        for (int64_t n = 0; n < num_tokens; ++n) {                                                 \
-            const int64_t t = tokens[n], s = token_slots[n], r = ranks[s];                         \
+        for (int64_t g = 0; g < num_groups; ++g) {                                                 \
+            const int64_t n0 = starts[g], nt = starts[g + 1] - n0, s = token_slots[n0], r = ranks[s]; \
             if (!acc || r <= 0 || r > max_rank) continue;                                          \
             const W *a = (const W *)(intptr_t)a_ptrs[s];                                           \
             const W *bt = (const W *)(intptr_t)b_ptrs[s];                                          \
-            T *yt = y + t * out_total;                                                             \
-            for (int64_t d = 0; d < in_features; ++d) xf[d] = LOAD(x + t * in_features, d);        \
+            const float *xs[LORA_GROUP];                                                           \
+            for (int q = 0; q < LORA_GROUP; ++q) { /* missing tokens repeat the first */           \
+                xs[q] = xf + (q < nt ? q : 0) * in_features;                                       \
+                if (q < nt)                                                                        \
+                    for (int64_t d = 0; d < in_features; ++d)                                      \
+                        xf[q * in_features + d] = LOAD(x + tokens[n0 + q] * in_features, d);       \
+            }                                                                                      \
             const int64_t k_all = num_slices * r;                                                  \
             for (int64_t k = 0; k < k_all; k += 4) { /* rows past k_all repeat the last one */     \
                 /* the next four rows (or Bt's first) on their way while these compute: each token  \
@@ -556,30 +606,40 @@ int NAME(                                                                       
                     prefetch_bytes(a + (k + 4) * in_features, sizeof(W) * in_features * next);      \
                 else                                                                               \
                     prefetch_bytes(bt, sizeof(W) * out_total * (r < 4 ? r : 4));                   \
-                const W *r0 = a + k * in_features;                                                 \
-                const W *r1 = a + (k + 1 < k_all ? k + 1 : k) * in_features;                       \
-                const W *r2 = a + (k + 2 < k_all ? k + 2 : k) * in_features;                       \
-                const W *r3 = a + (k + 3 < k_all ? k + 3 : k) * in_features;                       \
-                lora_dot4_##SUFFIX(xf, r0, r1, r2, r3, in_features, h + k);                        \
+                const W *rk[4];                                                                    \
+                for (int i = 0; i < 4; ++i) rk[i] = a + (k + i < k_all ? k + i : k) * in_features; \
+                if (nt == 1)                                                                       \
+                    lora_dot4_##SUFFIX(xf, rk[0], rk[1], rk[2], rk[3], in_features, h + k);         \
+                else                                                                               \
+                    lora_dot4x4_##SUFFIX(xs, rk, in_features, h + k, rows);                        \
             }                                                                                      \
-            for (int64_t k = 0; k < k_all; ++k) h[k] *= scales[s];                                 \
-            for (int64_t o = 0; o < out_total; ++o) acc[o] = LOAD(yt, o);                          \
+            for (int64_t q = 0; q < nt; ++q) {                                                     \
+                for (int64_t k = 0; k < k_all; ++k) h[q * rows + k] *= scales[s];                  \
+                const T *yt = y + tokens[n0 + q] * out_total;                                      \
+                for (int64_t o = 0; o < out_total; ++o) acc[q * out_total + o] = LOAD(yt, o);      \
+            }                                                                                      \
             for (int64_t j = 0; j < r; j += 4) { /* Bt four whole rows at a time, in memory order */ \
                 const int64_t nj = r - j < 4 ? r - j : 4; /* missing rows weigh 0 */              \
                 if (j + 4 < r) prefetch_bytes(bt + (j + 4) * out_total,                            \
                                               sizeof(W) * out_total * (r - j - 4 < 4 ? r - j - 4 : 4)); \
                 const W *b[4];                                                                     \
                 for (int q = 0; q < 4; ++q) b[q] = bt + (j + (q < nj ? q : 0)) * out_total;        \
-                for (int64_t i = 0; i < num_slices; ++i) {                                         \
-                    float w4[4] = {0.f, 0.f, 0.f, 0.f};                                            \
-                    for (int q = 0; q < nj; ++q) w4[q] = h[i * r + j + q];                         \
-                    lora_axpy4_##SUFFIX(acc, w4, b[0], b[1], b[2], b[3], offsets[i], offsets[i + 1]); \
-                }                                                                                  \
+                for (int64_t q = 0; q < nt; ++q) /* the same four rows, from L1 after the first */ \
+                    for (int64_t i = 0; i < num_slices; ++i) {                                     \
+                        float w4[4] = {0.f, 0.f, 0.f, 0.f};                                        \
+                        for (int e = 0; e < nj; ++e) w4[e] = h[q * rows + i * r + j + e];          \
+                        lora_axpy4_##SUFFIX(acc + q * out_total, w4, b[0], b[1], b[2], b[3], offsets[i], \
+                                            offsets[i + 1]);                                       \
+                    }                                                                              \
             }                                                                                      \
-            for (int64_t o = 0; o < out_total; ++o) STORE(yt, o, acc[o]);                          \
+            for (int64_t q = 0; q < nt; ++q) {                                                     \
+                T *yt = y + tokens[n0 + q] * out_total;                                            \
+                for (int64_t o = 0; o < out_total; ++o) STORE(yt, o, acc[q * out_total + o]);     \
+            }                                                                                      \
         }                                                                                          \
         free(acc);                                                                                 \
     }                                                                                              \
+    free(starts);                                                                                  \
     return failed ? -1 : 0;                                                                        \
 }
 

@@ -143,6 +143,53 @@ def test_c_sgmv_matches_reference(seed, tokens, slots, max_rank, widths, dtype, 
 
 
 @needs_kernel
+@pytest.mark.parametrize("c_kernel", [True, False])
+def test_bf16_adapters_under_float32_activations(c_kernel, monkeypatch):
+    """16-bit adapters on a float32 model (a quantized base's default): the C kernel and the
+    PyTorch path widen the weights, so the result is the float32 one on the same (bf16) values."""
+    from lora_case import lora_case, reference, table_from_stacked
+
+    from loraplex.kernels import sgmv
+    from loraplex.kernels.sgmv import LoRABatch, sgmv_lora_table
+
+    s, ranks, x, a, b, scales, offsets = lora_case(0, 16, 16, 16, 64, [96, 32, 32], torch.float32)
+    a, b = a.bfloat16().float(), b.bfloat16().float()  # the values bf16 holds exactly
+    y0 = torch.randn(16, 160)
+    expected = reference(x, a, b, ranks, scales, offsets, s, y0)
+    table = table_from_stacked(a.bfloat16(), b.bfloat16(), ranks, scales, offsets)
+    assert table.dtype == torch.bfloat16
+    calls = []
+    kernel = cpu_kernels.sgmv_lora_table_c
+    monkeypatch.setattr(cpu_kernels, "sgmv_lora_table_c", lambda *args: calls.append(1) or kernel(*args))
+    if not c_kernel:
+        monkeypatch.setattr(sgmv, "C_BELOW_MEAN_SEGMENT", 0)
+    got = sgmv_lora_table(x, table, LoRABatch.build(s), y0.clone())
+    assert got.dtype == torch.float32 and calls == ([1] if c_kernel else [])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_sgmv_takes_an_adapters_tokens_together_in_any_group_size(dtype):
+    """Tokens of one adapter go through the kernel up to four at a time (its weights read once
+    for them): groups of 1 to 5 tokens, shuffled in the batch, ranks 1-5 (partial groups of rows)."""
+    from lora_case import lora_case, reference, table_from_stacked
+
+    from loraplex.kernels.sgmv import LoRABatch
+
+    _, ranks, x, a, b, scales, offsets = lora_case(5, 15, 5, 5, 40, [24, 8], dtype, rank_choices=[5, 3, 1, 4, 5])
+    slots = [i for i in range(5) for _ in range(i + 1)]  # 1, 2, 3, 4 and 5 tokens
+    slots = [slots[j] for j in torch.randperm(15, generator=torch.Generator().manual_seed(0)).tolist()]
+    y0 = torch.randn(15, 32).to(dtype)
+    expected = reference(x, a, b, ranks, scales, offsets, slots, y0)
+    batch = LoRABatch.build(slots)
+    got = cpu_kernels.sgmv_lora_table_c(x, table_from_stacked(a, b, ranks, scales, offsets), batch.token_order,
+                                        batch.order_slots, y0.clone())
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=8e-3)
+    torch.testing.assert_close(got.float(), expected.float(), **tol)
+
+
+@needs_kernel
 def test_c_sgmv_bf16_rounds_to_nearest_even_like_torch():
     """One token, one rank-1 adapter with unit weights: the kernel's only error is the final rounding."""
     from loraplex.kernels.sgmv import LoRABatch, LoRATable, sgmv_lora_table
