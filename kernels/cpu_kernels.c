@@ -1093,6 +1093,7 @@ int q4_matmul_x8(const float *x, int64_t M, int64_t K, const uint8_t *q, const f
                  int64_t N, float *out)
 {
     if (K % 32) return -2;
+    if (M <= 0) return 0;
 #ifdef X8_DOT
     X8_MATMUL(q4_x8_rows(qx + r * K, dx + r * (K / 32), sx + r * (K / 32), K, q, d, m, out + r * N, n0, nb))
 #else
@@ -1105,6 +1106,7 @@ int q8_matmul_x8(const float *x, int64_t M, int64_t K, const int8_t *q, const fl
                  float *out)
 {
     if (K % 32 || G <= 0 || G % 32 || K % G) return -2;
+    if (M <= 0) return 0;
 #ifdef X8_DOT
     X8_MATMUL(q8_x8_rows(qx + r * K, dx + r * (K / 32), K, q, d, G, out + r * N, n0, nb))
 #else

@@ -35,10 +35,11 @@ SGMV_DTYPES = (torch.float32, torch.bfloat16)  # x / y of the multi-LoRA kernel
 SGMV_KINDS = {(torch.float32, torch.float32): "sgmv_lora_table_f32", (torch.bfloat16, torch.bfloat16):
               "sgmv_lora_table_bf16", (torch.float32, torch.bfloat16): "sgmv_lora_table_f32_bf16w"}  # (x, weights)
 _kv_f16 = False  # whether the built library reads float16 K/V (compiled with F16C)
+_x8 = False  # whether it has an integer dot product for int8 activations (AVX2 and up)
 
 
 def library() -> ctypes.CDLL | None:
-    global _library, _tried, _kv_f16
+    global _library, _tried, _kv_f16, _x8
     if _tried:  # every kernel call asks: no lock once the build was tried
         return _library
     with _lock:
@@ -46,6 +47,7 @@ def library() -> ctypes.CDLL | None:
             try:
                 _library = _load(_build())
                 _kv_f16 = bool(_library.kv_f16_supported())
+                _x8 = bool(_library.x8_supported())
             except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
                 log.warning("C kernels unavailable (%s); using the PyTorch path", exc)
             _tried = True
@@ -133,6 +135,11 @@ def usable_kv(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     converts it (F16C)."""
     kinds = (torch.float32, torch.bfloat16, torch.float16) if _f16c() else (torch.float32, torch.bfloat16)
     return usable(k_cache, v_cache, dtypes=kinds) and k_cache.dtype == v_cache.dtype
+
+
+def int8_dot_supported() -> bool:
+    """Whether the quantized matmuls can take int8 activations on this CPU (else float32 ones)."""
+    return library() is not None and _x8
 
 
 def _f16c() -> bool:

@@ -191,10 +191,10 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, int8_activations: bool
     out = torch.empty(flat.shape[0], w.shape[0], dtype=torch.float32)
     args = (flat.data_ptr(), flat.shape[0], w.shape[1], w.q.data_ptr(), w.d.data_ptr())
     status = -3
-    if int8_activations and int8_activations_fit(w):
+    if int8_activations and int8_activations_fit(w) and cpu_kernels.int8_dot_supported():
         status = lib.q4_matmul_x8(*args, w.m.data_ptr(), w.shape[0], out.data_ptr()) if w.kind == "q4" else \
             lib.q8_matmul_x8(*args, w.group, w.shape[0], out.data_ptr())
-    if status == -3:  # float32 activations, asked for or the only way this CPU has
+    if status == -3:  # float32 activations: asked for, or the only way these groups / this CPU have
         status = lib.q4_matmul(*args, w.m.data_ptr(), w.shape[0], out.data_ptr()) if w.kind == "q4" else \
             lib.q8_matmul(*args, w.group, w.shape[0], out.data_ptr())
     if status == -1:
