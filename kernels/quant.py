@@ -1,4 +1,4 @@
-"""Weight-only quantized matmul for CPU: float32 activations times 4- or 8-bit weights.
+"""Quantized matmul for CPU: float32 activations times 4- or 8-bit weights.
 
 Formats (`QuantizedWeight`), both grouped along the input dimension K:
 - `q4`: groups of 32, asymmetric, w = d * q + m with q in 0..15 (GGUF Q4_1's math and nibble
@@ -7,9 +7,12 @@ Formats (`QuantizedWeight`), both grouped along the input dimension K:
 - `q8`: groups of `group` (32 for GGUF Q8_0, K for per-channel int8), symmetric, w = d * q with q
   in -127..127.
 
-`quantized_matmul` runs the C kernel (`cpu_kernels.c`, dequantizing each weight row once per
-call into L1 and taking every token's dot product with it) and falls back to the reference,
-`x @ dequantize(w).T`, which tests compare it with.
+`quantized_matmul` picks per call, by its number of tokens: up to `INT8_ACTIVATION_TOKENS`
+(decode), x rounded to int8 per group of 32 and integer dot products (`cpu_kernels.c`, as
+llama.cpp does); a few more, the C kernel on float32 x (each weight row dequantized once per call
+into L1, every token's dot product taken with it); from `DENSE_TOKENS` (prefill), the weight
+dequantized in C and oneDNN's GEMM, in bf16 where native. Without the C kernels: the reference,
+`x @ dequantize(w).T`; tests compare each path with the reference that rounds as it does.
 """
 
 from __future__ import annotations
