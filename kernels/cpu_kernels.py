@@ -12,6 +12,7 @@ PyTorch path. `LORAPLEX_CC` names the compiler (default `cc`).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -116,6 +117,7 @@ def _load(path: Path) -> ctypes.CDLL:
     return lib
 
 
+@functools.cache  # asked per quantized matmul; the CPU does not change
 def native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX); elsewhere it is emulated."""
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()

@@ -38,6 +38,7 @@ class LoRABatch:
     host_slots: list[int]
     host_ranges: list[tuple[int, int] | None]  # per segment: its rows [lo, hi) when contiguous (prefill)
     num_segments: int
+    num_tokens: int  # len(token_order), kept as an int: every LoRA layer of the step asks
 
     @staticmethod
     def build(token_slots: list[int] | torch.Tensor, device: torch.device | str = "cpu") -> "LoRABatch":
@@ -66,6 +67,7 @@ class LoRABatch:
             host_slots=uniq,
             host_ranges=ranges,
             num_segments=len(uniq),
+            num_tokens=len(rows),
         )
 
     @staticmethod
@@ -75,7 +77,7 @@ class LoRABatch:
         `token_slots` [N] int32 (the null slot for tokens without an adapter), `token_order`
         arange(N), `seg_starts` arange(N + 1) int32. Triton kernels only (no host copy)."""
         n = len(token_order)
-        return LoRABatch(token_order, token_slots, seg_starts, token_slots, 1 if n else 0, [], [], [], n)
+        return LoRABatch(token_order, token_slots, seg_starts, token_slots, 1 if n else 0, [], [], [], n, n)
 
     def segments(self):
         """(slot, token indices) per segment, for the PyTorch path."""
@@ -243,7 +245,7 @@ def sgmv_lora_table_torch(x: torch.Tensor, table: LoRATable, batch: LoRABatch, y
 
 
 def _mean_segment_below(batch: LoRABatch, tokens: int) -> bool:
-    return len(batch.token_order) < tokens * batch.num_segments
+    return batch.num_tokens < tokens * batch.num_segments
 
 
 # ---- stacked layout on the device: what the Triton kernels read ----------------------------------
