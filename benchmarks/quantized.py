@@ -53,9 +53,9 @@ def weight_bytes(llm: LLM) -> int:
 
 
 def perplexity(llm: LLM, int8_activations: bool = False) -> float:
-    """From prompt logprobs, so from prefill-sized matmuls, which keep float32 activations;
-    `int8_activations` sends every matmul through the int8-activation kernels that decode at
-    batch 1 takes, to measure what rounding x to 8 bits costs."""
+    """From prompt logprobs, so from prefill-sized matmuls (a bf16 GEMM for q4 / int8 on a bf16
+    CPU, float32 elsewhere); `int8_activations` sends every matmul through the int8-activation
+    kernels that decode takes, to measure what rounding x to 8 bits costs."""
     ids = llm.get_tokenizer()(TEXT.read_text())["input_ids"]
     default = quant.INT8_ACTIVATION_TOKENS
     quant.INT8_ACTIVATION_TOKENS = len(ids) if int8_activations else default

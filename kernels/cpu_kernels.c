@@ -908,7 +908,7 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) { return _mm256_dpbusd_avx_
 #elif defined(__AVX2__) && defined(__FMA__)
 #define X8_DOT 1
 static inline __m256i dot_u8s8(__m256i u, __m256i s)
-{   /* u <= 127 and |s| <= 127: the int16 pair sums cannot saturate */
+{   /* u <= 128 and |s| <= 127: the int16 pair sums (at most 32512) cannot saturate */
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 #endif
@@ -1061,7 +1061,7 @@ static void q8_x8_rows(const int8_t *qx, const float *dx, int64_t K, const int8_
         const __m256i xg = _mm256_loadu_si256((const __m256i *)(qx + g * 32));
         for (int j = 0; j < nb; j++) {
             const __m256i w = _mm256_loadu_si256((const __m256i *)(q + (n0 + j) * K + g * 32));
-            /* u8 x s8 needs one unsigned side: |w| times x with w's sign (w is never -128) */
+            /* u8 x s8 needs one unsigned side: |w| times x with w's sign (|-128| reads as 128 unsigned) */
             const __m256i p = dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xg, w));
             const float scale = d[(n0 + j) * (K / G) + g / per] * dx[g];
             acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(scale), acc[j]);

@@ -109,10 +109,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.rope_write_kv.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ptr]
     lib.silu_mul.argtypes = [ptr, i64, i64, ctypes.c_int, ptr]
     for fn in (lib.paged_attention_f32, lib.sgmv_lora_table_f32, lib.sgmv_lora_table_bf16,
-               lib.sgmv_lora_table_f32_bf16w, lib.q4_matmul,
-               lib.q8_matmul, lib.q4_matmul_x8, lib.q8_matmul_x8, lib.x8_supported, lib.quant_dequantize,
-               lib.add_rms_norm,
-               lib.rope_write_kv, lib.silu_mul):
+               lib.sgmv_lora_table_f32_bf16w, lib.q4_matmul, lib.q8_matmul, lib.q4_matmul_x8, lib.q8_matmul_x8,
+               lib.x8_supported, lib.quant_dequantize, lib.add_rms_norm, lib.rope_write_kv, lib.silu_mul):
         fn.restype = ctypes.c_int
     return lib
 

@@ -18,7 +18,7 @@ import torch
 from loraplex.adapters.registry import AdapterRegistry
 from loraplex.grammar.manager import GrammarManager
 from loraplex.kernels.dispatch import backend as kernel_backend, to_device
-from loraplex.platform.config import LORA_DTYPES, EngineConfig, ModelConfig
+from loraplex.platform.config import EngineConfig, ModelConfig
 from loraplex.platform.cuda_graphs import CudaCapture
 from loraplex.platform.device import DeviceMemory, cuda_used_bytes, kv_blocks_for
 from loraplex.platform.dtype_probe import resolve_dtype
@@ -80,11 +80,10 @@ class Engine:
         self.max_loras, why = config.resolve_max_loras(self.model_config)
         # the Triton kernels read adapters stacked on the device; the CPU paths read them in place
         stacked = device.type == "cuda" or kernel_backend() == "triton"
-        lora_dtype = config.torch_lora_dtype
-        if lora_dtype not in LORA_DTYPES[config.dtype] or stacked and lora_dtype != dtype:
-            raise ValueError(f"lora_dtype {lora_dtype} under dtype {dtype}"
-                             + (" on the Triton / CUDA path: adapters there are in the model's dtype" if stacked else
-                                ": adapters are in the model's dtype, or bfloat16 under float32"))
+        lora_dtype = config.torch_lora_dtype  # the model's or bf16 under float32: checked by EngineConfig
+        if stacked and lora_dtype != dtype:
+            raise ValueError(f"lora_dtype {lora_dtype} under dtype {dtype} on the Triton / CUDA path: adapters "
+                             "there are in the model's dtype")
         self.adapters = AdapterRegistry(self.model_config, self.max_loras, config.max_lora_rank,
                                         config.max_cpu_loras, lora_dtype, config.lora_memory, device, stacked)
         self.model.attach_lora(self.adapters.slots)
