@@ -4,12 +4,13 @@
 
 For none / q4 / int8 on the default model (float32 activations), q4 quantized at load from the
 float folder instead of taken from the GGUF ("q4-float"), and on a CPU with native bf16 the
-float model in bfloat16 ("none-bf16", what `dtype=auto` serves there): bytes of the linear
+float model and q4 in bfloat16 ("none-bf16", "q4-bf16": what `dtype=auto` serves there, without
+and with `--quantization q4`): bytes of the linear
 weights kept, decode step and tok/s per batch size (prefix caching off, the same prompts for
 all), perplexity on benchmarks/data/perplexity.txt (from prompt logprobs, so prefill's matmuls:
 on a bf16 CPU q4's run as a bf16 GEMM; again with every quantized matmul on the int8-activation
 kernel that decode at batch 1 takes); q4 and none with 16 distinct adapters at batch 16 against
-their own base. Beside them in the same run: transformers `generate` in float32 on the same
+their own base (and q4-bf16). Beside them in the same run: transformers `generate` in float32 on the same
 prompts (`--skip-hf` to leave it out), and at batch 1 llama.cpp through llama-cpp-python (if
 installed) on the same GGUF file and prompt.
 """
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from loraplex.kernels import quant
+from loraplex.kernels import cpu_kernels, quant
 from loraplex.kernels.cpu_kernels import native_bf16
 from loraplex.platform import LLM, SamplingParams
 from loraplex.platform.model_store import _gguf_path, default_model_dir
@@ -117,7 +118,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--methods", nargs="+", default=["none", "q4", "int8", "q4-float"] +
-                        (["none-bf16"] if native_bf16() else []))
+                        (["none-bf16", "q4-bf16"] if native_bf16() else []))
     parser.add_argument("--adapters", type=int, default=16, help="distinct adapters at batch 16 (0: skip)")
     parser.add_argument("--skip-hf", action="store_true", help="no transformers row")
     args = parser.parse_args()
@@ -142,7 +143,7 @@ def main() -> None:
                 # batch 1 is compared with llama.cpp: the median of three runs on the same prompt, as its is
                 runs = [bench_loraplex(llm, prompts, args.new_tokens) for _ in range(3 if batch == 1 else 1)]
                 row[batch] = sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
-            if adapters and method in ("none", "q4", "none-bf16"):
+            if adapters and method in ("none", "q4", "q4-bf16", "none-bf16"):
                 for i, folder in enumerate(adapters):
                     llm.load_adapter(f"a{i}", str(folder))
                 prompts = prompts_of(tokenizer, 16)
@@ -166,8 +167,9 @@ def main() -> None:
         shutil.rmtree(adapter_dir, ignore_errors=True)
 
     none = next((r for r in rows if r["method"] == "none"), None)
-    print(f"\nSmolLM2-135M-Instruct, float32 activations (int8 in quantized matmuls of <= "
-          f"{quant.INT8_ACTIVATION_TOKENS} tokens), "
+    amx = f", AMX tiles for {quant.AMX_TOKENS[0]}-{quant.AMX_TOKENS[1] - 1}" if cpu_kernels.amx_supported() else ""
+    print(f"\nSmolLM2-135M-Instruct, float32 activations (bf16 in -bf16 rows; quantized matmuls: int8 activations "
+          f"for <= {quant.INT8_ACTIVATION_TOKENS} tokens{amx}), "
           f"{args.new_tokens} new tokens, greedy, no prefix cache, "
           f"{torch.get_num_threads()} threads\n")
     head = " | ".join(f"batch {b} tok/s (step ms)" for b in args.batch_sizes)
@@ -187,8 +189,8 @@ def main() -> None:
     if cpp is None:
         print("\nllama.cpp: not measured (pip install llama-cpp-python, built on this machine)")
     else:
-        q4 = next((r for r in rows if r["method"] == "q4"), None)
-        ratio = f"; q4 batch 1 / llama.cpp = {q4[1]['tok_s'] / cpp['tok_s']:.2f}x" if q4 and 1 in q4 else ""
+        ratio = "".join(f"; {r['method']} batch 1 / llama.cpp = {r[1]['tok_s'] / cpp['tok_s']:.2f}x" for r in rows
+                        if r["method"] in ("q4", "q4-bf16") and 1 in r)
         how = "" if cpp["extra_bufts"] else " (ggml's extra buffer types off: its AMX path crashed here)"
         print(f"\nllama.cpp (llama-cpp-python, same GGUF, batch 1){how}: {cpp['tok_s']:.1f} tok/s{ratio}")
 

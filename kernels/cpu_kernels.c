@@ -1115,6 +1115,227 @@ int q8_matmul_x8(const float *x, int64_t M, int64_t K, const int8_t *q, const fl
 #endif
 }
 
+/* ---- the same matmuls on AMX (Sapphire Rapids and later): tiles of the weight dequantized to bfloat16
+ * in L1 and multiplied by the tile unit, float32 accumulation. Computed as y^T = W x^T so that the weight
+ * tile is 16 rows of W as stored (no transpose): A = W rows n x 32 k of one group, B = x^T's pairs, C =
+ * 16 n x 16 tokens. A group's k are paired (k, k + 16): in a q4 byte those are its two nibbles, and x is
+ * laid out in the same pairs once per call. Per weight this is a few vector instructions whatever the
+ * number of tokens, where the float kernel pays one multiply per weight and token: from a few tokens on
+ * it beats both the float and the int8 kernel (BENCHMARKS.md, "AMX"). The weights' bf16 values are the
+ * dense path's (float32 d * q + m rounded to nearest even), so this path rounds as that one does. */
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX 1
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_tile_config;
+
+/* 32 weights (as float lanes lo = k 0..15, hi = k 16..31) -> one A-tile row: lane r = (k r, k r + 16) */
+static inline void amx_store_pairs(__m512 lo, __m512 hi, uint16_t *row)
+{
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    _mm512_store_si512((__m512i *)row, _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo)));
+}
+
+/* 16 rows (from row n0) of group g of a q4 / q8 weight as a bf16 A tile [16][32] (rows past N: zero). q4:
+ * each row's 16 possible values d * q + m rounded to bf16 once, then picked per nibble by one permute. */
+static inline void amx_weight_tile(int kind, const void *q, const float *d, const float *m, int64_t K, int64_t G,
+                                   int64_t N, int64_t n0, int64_t g, uint16_t *tile)
+{
+    const int64_t groups = kind == 4 ? K / 32 : K / G;
+    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t i = 0; i < 16; i++) {
+        const int64_t n = n0 + i;
+        if (n >= N) {
+            memset(tile + 32 * i, 0, 64);
+            continue;
+        }
+        if (kind == 4) {
+            const int64_t s = n * groups + g;
+            const __m256i table = (__m256i)_mm512_cvtneps_pbh(
+                _mm512_fmadd_ps(values, _mm512_set1_ps(d[s]), _mm512_set1_ps(m[s])));
+            /* byte r -> the word pair (low nibble, high nibble): A-tile lane r = (k r, k r + 16) */
+            const uint8_t *row = (const uint8_t *)q + n * (K / 2) + 16 * g;
+            const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)row));
+            /* (v | v << 12) & 0x000F000F: ternary-logic truth table 0xA8 */
+            const __m512i index = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x000F000F),
+                                                            0xA8);
+            _mm512_store_si512((__m512i *)(tile + 32 * i),
+                               _mm512_permutexvar_epi16(index, _mm512_castsi256_si512(table)));
+        } else {
+            const int8_t *row = (const int8_t *)q + n * K + 32 * g;
+            const __m512 dv = _mm512_set1_ps(d[n * groups + 32 * g / G]);
+            const __m128i low = _mm_loadu_si128((const __m128i *)row);
+            const __m128i high = _mm_loadu_si128((const __m128i *)(row + 16));
+            const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(low)), dv);
+            const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(high)), dv);
+            amx_store_pairs(lo, hi, tile + 32 * i);
+        }
+    }
+}
+
+int amx_supported(void)
+{
+    /* Linux hands out the tile registers' state only on request (ARCH_REQ_XCOMP_PERM, XTILEDATA) */
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+
+/* C tile (+ a second one, or NULL) [16 n][16 tokens] -> y[token][n0 + i], the rows and tokens that exist:
+ * a column of C gathered per token (scalar transposed writes cost as much as the tile products) */
+static inline void amx_store(const float *c, const float *c2, int64_t n0, int64_t t0, int64_t M, int64_t N,
+                             int y_kind, void *y)
+{
+    const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(16));
+    if (n0 >= N) return;  /* the second row block of a strip past the last row */
+    const __mmask16 rows = N - n0 >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
+    for (int64_t t = 0; t < 16 && t0 + t < M; t++) {
+        __m512 v = _mm512_i32gather_ps(column, c + t, 4);
+        if (c2) v = _mm512_add_ps(v, _mm512_i32gather_ps(column, c2 + t, 4));
+        if (y_kind == KV_BF16)
+            _mm256_mask_storeu_epi16((uint16_t *)y + (t0 + t) * N + n0, rows, (__m256i)_mm512_cvtneps_pbh(v));
+        else
+            _mm512_mask_storeu_ps((float *)y + (t0 + t) * N + n0, rows, v);
+    }
+}
+
+/* x [M, K] (float32 or bf16: x_kind) times the q4 / q8 weight (as q4_matmul / q8_matmul take it; G: q8's
+ * group) -> y [M, N] (float32 or bf16: y_kind). Four C tiles accumulate at once (16 weight rows times 4 x
+ * 16 tokens; up to 32 tokens, 2 x 16 rows times 2 x 16 tokens; up to 16, even and odd groups apart): a
+ * tile product's latency is several of its issue slots. */
+int quant_matmul_amx(int kind, const void *x, int x_kind, int64_t M, int64_t K, const void *q, const float *d,
+                     const float *m, int64_t G, int64_t N, int y_kind, void *y)
+{
+    if (K % 32 || (kind == 8 && (G <= 0 || G % 32 || K % G))) return -2;
+    if (M <= 0) return 0;
+    const int64_t groups = K / 32, blocks = (M + 15) / 16 + ((M + 15) / 16 > 1 && (M + 15) / 16 % 2);  /* even past 1 */
+    /* xt[block][group][r][token][2] = (x[token][32 g + r], x[token][32 g + r + 16]): one B tile per block and group */
+    uint16_t *xt = aligned_alloc(64, (size_t)(blocks * groups * 512) * sizeof(uint16_t));
+    if (!xt) return -1;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t bg = 0; bg < blocks * groups; bg++) {
+            const int64_t b = bg / groups, g = bg % groups;
+            uint16_t *tile = xt + bg * 512;
+            for (int64_t t = 0; t < 16; t++) {
+                const int64_t token = 16 * b + t;
+                for (int64_t r = 0; r < 32; r++) {
+                    const int64_t i = token * K + 32 * g + r;
+                    const uint16_t v = token >= M ? 0 : x_kind == KV_BF16 ? ((const uint16_t *)x)[i]
+                                                                          : bf16_round(((const float *)x)[i]);
+                    tile[(r % 16) * 32 + 2 * t + r / 16] = v;
+                }
+            }
+        }
+        amx_tile_config config = {.palette = 1};
+        for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
+        _tile_loadconfig(&config);
+        uint16_t a[2][2][512] __attribute__((aligned(64)));  /* [group parity][row block]: filled one group ahead */
+        float c[4][256] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t n0 = 0; n0 < N; n0 += 32) {
+            if (blocks > 2) {  /* 16 weight rows times 4 x 16 tokens: each weight tile dequantized once */
+                for (int64_t nn = n0; nn < n0 + 32 && nn < N; nn += 16)
+                    for (int64_t b = 0; b < blocks; b += 4) {
+                        const int64_t nb = blocks - b < 4 ? blocks - b : 4;
+                        const uint16_t *xb = xt + b * groups * 512;
+                        _tile_zero(0);
+                        _tile_zero(1);
+                        _tile_zero(2);
+                        _tile_zero(3);
+                        amx_weight_tile(kind, q, d, m, K, G, N, nn, 0, a[0][0]);
+                        for (int64_t g = 0; g < groups; g++) {
+                            if (g + 1 < groups) amx_weight_tile(kind, q, d, m, K, G, N, nn, g + 1, a[(g + 1) % 2][0]);
+                            _tile_loadd(4, a[g % 2][0], 64);
+                            _tile_loadd(5, xb + g * 512, 64);
+                            _tile_dpbf16ps(0, 4, 5);
+                            _tile_loadd(6, xb + (groups + g) * 512, 64);
+                            _tile_dpbf16ps(1, 4, 6);
+                            if (nb > 2) {
+                                _tile_loadd(7, xb + (2 * groups + g) * 512, 64);
+                                _tile_dpbf16ps(2, 4, 7);
+                                _tile_loadd(5, xb + (3 * groups + g) * 512, 64);
+                                _tile_dpbf16ps(3, 4, 5);
+                            }
+                        }
+                        _tile_stored(0, c[0], 64);
+                        _tile_stored(1, c[1], 64);
+                        _tile_stored(2, c[2], 64);
+                        _tile_stored(3, c[3], 64);
+                        for (int64_t j = 0; j < nb; j++) amx_store(c[j], NULL, nn, 16 * (b + j), M, N, y_kind, y);
+                    }
+                continue;
+            }
+            /* the tiles of 2 x 16 weight rows, dequantized per group into L1 right before their products */
+            for (int64_t b = 0; b < blocks; b += 2) {
+                const uint16_t *b0 = xt + b * groups * 512, *b1 = b0 + groups * 512;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                amx_weight_tile(kind, q, d, m, K, G, N, n0, 0, a[0][0]);
+                amx_weight_tile(kind, q, d, m, K, G, N, n0 + 16, 0, a[0][1]);
+                for (int64_t g = 0; g < groups; g++) {
+                    if (g + 1 < groups) {
+                        amx_weight_tile(kind, q, d, m, K, G, N, n0, g + 1, a[(g + 1) % 2][0]);
+                        amx_weight_tile(kind, q, d, m, K, G, N, n0 + 16, g + 1, a[(g + 1) % 2][1]);
+                    }
+                    _tile_loadd(4, a[g % 2][0], 64);
+                    _tile_loadd(5, a[g % 2][1], 64);
+                    if (blocks == 1 && g % 2) {  /* odd groups into C tiles 2, 3 (summed at the end) */
+                        _tile_loadd(7, b0 + g * 512, 64);
+                        _tile_dpbf16ps(2, 4, 7);
+                        _tile_dpbf16ps(3, 5, 7);
+                        continue;
+                    }
+                    _tile_loadd(6, b0 + g * 512, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 5, 6);
+                    if (blocks > 1) {
+                        _tile_loadd(7, b1 + g * 512, 64);
+                        _tile_dpbf16ps(2, 4, 7);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                _tile_stored(0, c[0], 64);
+                _tile_stored(1, c[1], 64);
+                _tile_stored(2, c[2], 64);
+                _tile_stored(3, c[3], 64);
+                if (blocks == 1) {
+                    amx_store(c[0], c[2], n0, 0, M, N, y_kind, y);
+                    amx_store(c[1], c[3], n0 + 16, 0, M, N, y_kind, y);
+                } else {
+                    amx_store(c[0], NULL, n0, 16 * b, M, N, y_kind, y);
+                    amx_store(c[1], NULL, n0 + 16, 16 * b, M, N, y_kind, y);
+                    amx_store(c[2], NULL, n0, 16 * (b + 1), M, N, y_kind, y);
+                    amx_store(c[3], NULL, n0 + 16, 16 * (b + 1), M, N, y_kind, y);
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(xt);
+    return 0;
+}
+#else
+int amx_supported(void) { return 0; }
+
+int quant_matmul_amx(int kind, const void *x, int x_kind, int64_t M, int64_t K, const void *q, const float *d,
+                     const float *m, int64_t G, int64_t N, int y_kind, void *y)
+{
+    (void)kind, (void)x, (void)x_kind, (void)M, (void)K, (void)q, (void)d, (void)m, (void)G, (void)N, (void)y_kind,
+        (void)y;
+    return -3;
+}
+#endif
+
 /* ---- the small per-layer ops, fused: one call each where PyTorch dispatches several ops ------------
  * At decode sizes a layer's norms, RoPE, KV write and SiLU cost more in op dispatch than in arithmetic
  * (a bfloat16 RMSNorm alone is seven ops). Each kernel takes float32 or bfloat16 tensors (kind) and

@@ -1,4 +1,4 @@
-"""Quantized matmul for CPU: float32 activations times 4- or 8-bit weights.
+"""Quantized matmul for CPU: float32 or bfloat16 activations times 4- or 8-bit weights.
 
 Formats (`QuantizedWeight`), both grouped along the input dimension K:
 - `q4`: groups of 32, asymmetric, w = d * q + m with q in 0..15 (GGUF Q4_1's math and nibble
@@ -11,8 +11,10 @@ Formats (`QuantizedWeight`), both grouped along the input dimension K:
 (decode), x rounded to int8 per group of 32 and integer dot products (`cpu_kernels.c`, as
 llama.cpp does); a few more, the C kernel on float32 x (each weight row dequantized once per call
 into L1, every token's dot product taken with it); from `DENSE_TOKENS` (prefill), the weight
-dequantized in C and oneDNN's GEMM, in bf16 where native. Without the C kernels: the reference,
-`x @ dequantize(w).T`; tests compare each path with the reference that rounds as it does.
+dequantized in C and oneDNN's GEMM, in bf16 where native. On a CPU with AMX, calls of
+`AMX_TOKENS` go to the tile kernel instead (weight tiles dequantized to bf16 in L1, multiplied by
+the tile unit: the dense path's rounding without its dequantized copy). Without the C kernels: the
+reference, `x @ dequantize(w).T`; tests compare each path with the reference that rounds as it does.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ INT8_ACTIVATION_TOKENS = 4
 # rounded to bf16, float32 accumulation: what the bf16 engine does), else in float32 (same numbers
 # as the reference). Measured crossovers: BENCHMARKS.md, "Quantized weights".
 DENSE_TOKENS = {torch.bfloat16: 32, torch.float32: 96}
+# Where the CPU has AMX, calls of [low, high) tokens go to the tile kernel (bf16 rounding, as the dense
+# path): below, the int8 kernel is as fast; above, the dense GEMM's reuse wins (BENCHMARKS.md, "AMX").
+AMX_TOKENS = (3, 192)
 DENSE_DTYPE: torch.dtype | None = None  # None: bfloat16 where native, else float32
 OUT_KINDS = {torch.float32: 0, torch.bfloat16: 2}  # quant_dequantize's out_kind
 
@@ -170,27 +175,50 @@ def dequantized(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch
     return out
 
 
+def amx_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """x [M, K] float32 or bfloat16 -> [M, N] in x's dtype on AMX tiles (the C library built with AMX):
+    the dense path's numbers (x and w rounded to bf16, float32 sums), without its dequantized copy."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+    status = cpu_kernels.library().quant_matmul_amx(
+        4 if w.kind == "q4" else 8, x.data_ptr(), OUT_KINDS[x.dtype], x.shape[0], w.shape[1], w.q.data_ptr(),
+        w.d.data_ptr(), None if w.m is None else w.m.data_ptr(), w.group, w.shape[0], OUT_KINDS[x.dtype],
+        out.data_ptr())
+    if status == -1:
+        raise MemoryError(f"{w.kind} AMX kernel could not allocate its buffers")
+    if status != 0:
+        raise RuntimeError(f"{w.kind} AMX kernel refused shape {w.shape} (group {w.group}, status {status})")
+    return out
+
+
 def int8_activations_fit(w: QuantizedWeight) -> bool:
     return w.shape[1] % 32 == 0 and (w.kind == "q4" or w.group % 32 == 0)
 
 
 def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, int8_activations: bool | None = None) -> torch.Tensor:
-    """x [..., K] float32 -> [..., N]: the C kernel where it is built, else the reference;
-    from `DENSE_TOKENS` tokens on, a GEMM on the dequantized weight.
+    """x [..., K] float32 or bfloat16 -> [..., N] in x's dtype: the C kernels where they are built,
+    else the reference; on AMX, calls of `AMX_TOKENS` tokens on the tile kernel; from `DENSE_TOKENS`
+    tokens on, a GEMM on the dequantized weight.
 
     `int8_activations` (default: for calls of at most `INT8_ACTIVATION_TOKENS` tokens, where the
     CPU has an integer dot product and the groups are whole 32s) quantizes x per group of 32 and
-    multiplies in integers, as llama.cpp does for these formats; otherwise x stays float32."""
+    multiplies in integers, as llama.cpp does for these formats; False keeps x in float32 (bf16 x
+    is exact in it); either, given, also keeps the call off the tile kernel."""
     lib = cpu_kernels.library()
-    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu":
-        return reference_matmul(x, w)
-    flat = x.reshape(-1, w.shape[1]).contiguous()
+    if lib is None or x.dtype not in OUT_KINDS or x.device.type != "cpu":
+        return reference_matmul(x, w).to(x.dtype)
+    flat = x.reshape(-1, w.shape[1])
+    tokens = flat.shape[0]
+    if int8_activations is None and AMX_TOKENS[0] <= tokens < AMX_TOKENS[1] and cpu_kernels.amx_supported() \
+            and int8_activations_fit(w):  # the tile kernel's groups are whole 32s too
+        return amx_matmul(flat, w).reshape(*x.shape[:-1], w.shape[0])
     if int8_activations is None:
-        int8_activations = flat.shape[0] <= INT8_ACTIVATION_TOKENS
+        int8_activations = tokens <= INT8_ACTIVATION_TOKENS
     dense = dense_dtype()
-    if not int8_activations and flat.shape[0] >= DENSE_TOKENS[dense]:
-        y = F.linear(flat.to(dense), dequantized(w, dense)).float()
+    if not int8_activations and tokens >= DENSE_TOKENS[dense]:
+        y = F.linear(flat.to(dense), dequantized(w, dense)).to(x.dtype)
         return y.reshape(*x.shape[:-1], w.shape[0])
+    flat = flat.float().contiguous()  # the kernels take float32 x (bf16 activations: exact)
     out = torch.empty(flat.shape[0], w.shape[0], dtype=torch.float32)
     args = (flat.data_ptr(), flat.shape[0], w.shape[1], w.q.data_ptr(), w.d.data_ptr())
     status = -3
@@ -204,4 +232,4 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, int8_activations: bool
         raise MemoryError(f"{w.kind} kernel could not allocate its buffers")
     if status != 0:
         raise RuntimeError(f"{w.kind} kernel refused shape {w.shape} (group {w.group})")
-    return out.reshape(*x.shape[:-1], w.shape[0])
+    return out.reshape(*x.shape[:-1], w.shape[0]).to(x.dtype)

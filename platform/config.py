@@ -139,8 +139,8 @@ class EngineConfig:
     pack_weights: bool = _setting(True, "CPU: linear weights prepacked for oneDNN (~2x faster decode matmuls)")
     kv_cache_dtype: str = _setting("auto", "float16: twice the KV tokens in the same memory (auto: the model's "
                                            "dtype)", choices=["auto", "float16"])
-    quantization: str = _setting("none", "weights kept quantized (float32 activations between layers; int8 in "
-                                         "matmuls of <= 4 tokens, bf16 GEMMs for prefill where native): q4 = 4-bit "
+    quantization: str = _setting("none", "weights kept quantized (activations in the model dtype: dtype auto = "
+                                         "bfloat16 where the CPU has it natively, else float32): q4 = 4-bit "
                                          "groups of 32 (the default model's GGUF Q4_1 bits as they are; other "
                                          "models quantized at load), int8 = 8-bit per output channel",
                                  choices=list(QUANTIZATIONS))
@@ -163,8 +163,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'float16', got {self.kv_cache_dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
-        if self.quantization != "none" and self.dtype not in ("auto", "float32"):
-            raise ValueError(f"quantization {self.quantization} runs float32 activations: use dtype float32 or auto")
+        if self.quantization != "none" and self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"quantization {self.quantization} runs float32 or bfloat16 activations, not {self.dtype}")
         if self.lora_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"lora_dtype must be auto, float32 or bfloat16, got {self.lora_dtype!r}")
         if self.dtype != "auto" and self.lora_dtype != "auto" and self.torch_lora_dtype not in LORA_DTYPES[self.dtype]:
@@ -239,3 +239,16 @@ class EngineConfig:
         if not 1 <= self.max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {self.max_model_len}")
         return self.max_model_len
+
+
+def quantized_activation_dtype() -> tuple[str, str]:
+    """What dtype auto means under --quantization, and why. The weights are quantized either way, so
+    this is the activations' and the KV cache's dtype: bfloat16 halves the KV bytes a step reads and
+    is what the AMX tile kernel multiplies (BENCHMARKS.md, "q4 in bf16 on AMX"); emulated it is slow."""
+    from loraplex.kernels.cpu_kernels import amx_supported, native_bf16
+    from loraplex.kernels.quant import AMX_TOKENS
+
+    if not native_bf16():
+        return "float32", "bf16 is emulated on this CPU (no AVX512-BF16 / AMX)"
+    amx = f"; quantized matmuls of {AMX_TOKENS[0]}-{AMX_TOKENS[1] - 1} tokens on AMX tiles" if amx_supported() else ""
+    return "bfloat16", "bf16 native" + amx

@@ -18,7 +18,7 @@ import torch
 from loraplex.adapters.registry import AdapterRegistry
 from loraplex.grammar.manager import GrammarManager
 from loraplex.kernels.dispatch import backend as kernel_backend, to_device
-from loraplex.platform.config import EngineConfig, ModelConfig
+from loraplex.platform.config import EngineConfig, ModelConfig, quantized_activation_dtype
 from loraplex.platform.cuda_graphs import CudaCapture
 from loraplex.platform.device import DeviceMemory, cuda_used_bytes, kv_blocks_for
 from loraplex.platform.dtype_probe import resolve_dtype
@@ -64,8 +64,11 @@ class Engine:
             config = dataclasses.replace(config, quantization="q4")
         if config.quantization != "none" and device.type != "cpu":
             raise ValueError(f"quantization {config.quantization} runs CPU kernels; on {device} use quantization none")
-        if config.dtype == "auto" and config.quantization != "none":  # the quantized kernels take float32
-            config = dataclasses.replace(config, dtype="float32")
+        if config.dtype == "auto" and config.quantization != "none":
+            chosen, why = quantized_activation_dtype()
+            print(f"[loraplex] dtype auto -> {chosen} under quantization {config.quantization} ({why})",
+                  file=sys.stderr)
+            config = dataclasses.replace(config, dtype=chosen)
         if config.dtype == "auto" and device.type == "cpu":  # decided once, by measurement where it can go either way
             chosen, why = resolve_dtype(self.model_config)
             print(f"[loraplex] dtype auto -> {chosen} ({why})", file=sys.stderr)

@@ -261,10 +261,10 @@ def load_model(folder: str | Path, config: ModelConfig, dtype: torch.dtype, max_
         model.lm_head.weight = model.embed_tokens.weight
     # never trained here: without this, a matmul outside inference_mode on an unpacked weight
     # (prompt logprobs in bfloat16 on CPU, anything on CUDA) fails on the step's inference tensors
+    if quantization != "none":  # from the float32 weights: GGUF bits checked / quantized before any bf16 rounding
+        quantize_model(model.requires_grad_(False), quantization, gguf, blocks)
     model = model.to(dtype).eval().requires_grad_(False)
-    if quantization != "none":
-        quantize_model(model, quantization, gguf, blocks)
-    elif pack_weights and can_pack(dtype) and device.type == "cpu":
+    if quantization == "none" and pack_weights and can_pack(dtype) and device.type == "cpu":
         for module in model.modules():
             if isinstance(module, PackedLinear):
                 module.pack(keep_weight=module is model.lm_head and config.tie_word_embeddings)

@@ -15,6 +15,7 @@ FORMATS = [("q4", None), ("q8", None), ("q8", 32)]
 
 
 KERNEL_ONLY = {torch.float32: 1 << 30, torch.bfloat16: 1 << 30}  # no call takes the dense GEMM
+NO_AMX = (1 << 30, 1 << 30)  # no call takes the AMX tile kernel
 
 
 @pytest.mark.parametrize("kind,group", FORMATS)
@@ -62,6 +63,7 @@ def test_dense_path_is_a_gemm_on_the_dequantized_weight(kind, group, dtype, tole
     the CPU lacks it) within one bf16 rounding of the same product rounded in the reference."""
     monkeypatch.setattr(quant, "DENSE_DTYPE", dtype)
     monkeypatch.setattr(quant, "DENSE_TOKENS", {dtype: 8})
+    monkeypatch.setattr(quant, "AMX_TOKENS", NO_AMX)
     gen = torch.Generator().manual_seed(7)
     w = quantize(torch.randn(37, 576, generator=gen) * 0.05, kind, group)
     torch.testing.assert_close(quant.dequantized(w), dequantize(w), atol=1e-6, rtol=1e-6)
@@ -75,6 +77,7 @@ def test_dense_path_is_a_gemm_on_the_dequantized_weight(kind, group, dtype, tole
 
 
 def test_decode_sized_calls_take_int8_activations_and_larger_ones_float(monkeypatch):
+    monkeypatch.setattr(quant, "AMX_TOKENS", NO_AMX)  # without AMX (its dispatch: the test below)
     gen = torch.Generator().manual_seed(5)
     w = quantize(torch.randn(16, 256, generator=gen), "q4")
     n = quant.INT8_ACTIVATION_TOKENS  # decode at batch 1-4: measured faster than the float kernel
@@ -88,10 +91,68 @@ def test_decode_sized_calls_take_int8_activations_and_larger_ones_float(monkeypa
     monkeypatch.setattr(quant, "DENSE_TOKENS", {torch.float32: 8, torch.bfloat16: 8})
     torch.testing.assert_close(quantized_matmul(many, w), reference_matmul(many, w, int8_activations=x8),
                                atol=2e-5, rtol=1e-5)
-    monkeypatch.undo()
+    monkeypatch.setattr(quant, "INT8_ACTIVATION_TOKENS", 4)
     odd = quantize(torch.randn(16, 240, generator=gen), "q8", 48)  # groups of 48: not whole 32s
     x = torch.randn(1, 240, generator=gen)
     torch.testing.assert_close(quantized_matmul(x, odd), reference_matmul(x, odd), atol=2e-5, rtol=1e-5)
+
+
+BF16_TOLERANCE = {"atol": 1e-3, "rtol": 2 ** -7}  # one bf16 rounding of the output, sums in another order
+
+
+@pytest.mark.parametrize("kind,group", FORMATS)
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 33, 64, 70])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_amx_kernel_is_the_bf16_gemm_on_the_dequantized_weight(kind, group, m, dtype):
+    """Token counts across its C-tile layouts (up to 16: even/odd groups; 32: 2 x 2; more: 4 token
+    blocks per pass, 70 = a pass of 4 and one of 2), 37 rows (a strip past the last row), K of 6
+    and 18 groups (odd counts: the even/odd split's tail)."""
+    if not cpu_kernels.amx_supported():
+        pytest.skip("this CPU has no AMX-BF16 (the kernel is built only for one that has)")
+    for k in (192, 576):
+        gen = torch.Generator().manual_seed(m * k)
+        w = quantize(torch.randn(37, k, generator=gen) * 0.05, kind, group)
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        got = quant.amx_matmul(x, w)
+        assert got.dtype == dtype and got.shape == (m, 37)
+        want = reference_matmul(x, w, dense_dtype=torch.bfloat16)
+        torch.testing.assert_close(got.float(), want, **BF16_TOLERANCE)
+
+
+def test_amx_takes_the_calls_it_is_faster_for(monkeypatch):
+    """Decision logic on any CPU (the kernel faked): AMX_TOKENS calls go to it, others (and calls that
+    ask for an activation format, or groups that are not whole 32s) to the paths above."""
+    taken = []
+    monkeypatch.setattr(cpu_kernels, "amx_supported", lambda: True)
+    monkeypatch.setattr(quant, "amx_matmul", lambda x, w: taken.append(x.shape[0]) or reference_matmul(x, w))
+    gen = torch.Generator().manual_seed(9)
+    w = quantize(torch.randn(16, 256, generator=gen), "q4")
+    low, high = quant.AMX_TOKENS
+    for tokens in (low - 1, low, high - 1, high):
+        quantized_matmul(torch.randn(tokens, 256, generator=gen), w)
+    assert taken == [low, high - 1]
+    quantized_matmul(torch.randn(low, 256, generator=gen), w, int8_activations=False)
+    quantized_matmul(torch.randn(low, 240, generator=gen), quantize(torch.randn(16, 240, generator=gen), "q8", 48))
+    assert taken == [low, high - 1]
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 40])
+def test_bf16_activations_come_back_in_bf16(tokens, monkeypatch):
+    """A bf16 model's activations: each path (int8 at 1 token, the float kernel or AMX at 8, the
+    dense GEMM at 40) returns bf16, within a bf16 rounding of the float32 answer."""
+    monkeypatch.setattr(quant, "DENSE_TOKENS", {torch.float32: 32, torch.bfloat16: 32})
+    gen = torch.Generator().manual_seed(tokens)
+    w = quantize(torch.randn(48, 256, generator=gen) * 0.05, "q4")
+    x = torch.randn(tokens, 256, generator=gen).bfloat16()
+    got = quantized_matmul(x, w)
+    assert got.dtype == torch.bfloat16
+    amx = cpu_kernels.amx_supported() and quant.AMX_TOKENS[0] <= tokens < quant.AMX_TOKENS[1]
+    if amx or (tokens >= 32 and quant.dense_dtype() == torch.bfloat16):  # weights rounded to bf16 too
+        want = reference_matmul(x, w, dense_dtype=torch.bfloat16)
+    else:
+        int8 = tokens <= quant.INT8_ACTIVATION_TOKENS and cpu_kernels.int8_dot_supported()
+        want = reference_matmul(x.float(), w, int8_activations=int8)
+    torch.testing.assert_close(got.float(), want, **BF16_TOLERANCE)
 
 
 @pytest.mark.parametrize("kind,group,bound", [("q4", None, 1 / 30), ("q8", None, 1 / 254), ("q8", 32, 1 / 254)])
@@ -115,7 +176,7 @@ def test_gguf_blocks_are_read_bit_for_bit(type_name):
     expected = torch.from_numpy(quants.dequantize(raw, kind))
     torch.testing.assert_close(dequantize(w), expected, atol=1e-6, rtol=1e-6)
     x = torch.randn(5, 128)
-    torch.testing.assert_close(quantized_matmul(x, w), x @ expected.T, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(quantized_matmul(x, w, int8_activations=False), x @ expected.T, atol=2e-5, rtol=1e-5)
 
 
 def test_rows_and_concat_keep_each_row_with_its_scales():

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import make_tiny_model
+from loraplex.kernels import quant
 from loraplex.kernels.quant import dequantize
 from loraplex.platform import LLM, SamplingParams
 from loraplex.platform.config import EngineConfig, ModelConfig
@@ -99,11 +100,12 @@ def dense_folder(src, dst, weights: dict):
 @pytest.mark.parametrize("method,group,sym,fmt", [("gptq", 32, True, "gptq"), ("gptq", 64, False, "gptq_v2"),
                                                   ("gptq", -1, False, "gptq"), ("awq", 32, False, None),
                                                   ("awq", 64, False, None)])
-def test_checkpoint_bits_are_kept_and_served(tmp_path, method, group, sym, fmt):
+def test_checkpoint_bits_are_kept_and_served(tmp_path, method, group, sym, fmt, monkeypatch):
+    monkeypatch.setattr(quant, "AMX_TOKENS", (1 << 30, 1 << 30))  # float32 math: compared at 1e-4 below
     src = make_tiny_model(tmp_path / "m", "llama", seed=5)
     folder = tmp_path / "q"
     expected = write_checkpoint(src, folder, method, group, sym, fmt or "gptq")
-    engine = Engine(EngineConfig(model=str(folder), num_kv_blocks=32))
+    engine = Engine(EngineConfig(model=str(folder), num_kv_blocks=32, dtype="float32"))
     assert engine.config.quantization == "q4"  # read from the checkpoint, as vLLM does
     for i, layer in enumerate(engine.model.layers):
         for fused, parts in FUSED_PROJECTIONS.items():

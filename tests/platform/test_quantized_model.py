@@ -14,11 +14,13 @@ from conftest import make_peft_adapter, make_tiny_model, peft_greedy
 from loraplex.kernels import quant
 from loraplex.kernels.quant import dequantize
 from loraplex.platform import LLM
-from loraplex.platform.config import EngineConfig
+from loraplex.platform.config import EngineConfig, quantized_activation_dtype
 from loraplex.platform.engine import Engine
 from loraplex.platform.models.linear import PackedLinear
 from loraplex.platform.request import SamplingParams
 from test_model import prompt_logits
+
+NO_AMX = (1 << 30, 1 << 30)  # quant.AMX_TOKENS that no call falls in
 
 
 def dequantized_folder(engine: Engine, src, dst):
@@ -59,9 +61,9 @@ def test_quantized_logits_are_the_dequantized_models(tmp_path, method, tied, den
     bf16 GEMM's rounding is tested in tests/kernels/test_quant.py)."""
     monkeypatch.setattr(quant, "DENSE_DTYPE", torch.float32)
     monkeypatch.setattr(quant, "DENSE_TOKENS", {torch.float32: 1 if dense else 1 << 30})
+    monkeypatch.setattr(quant, "AMX_TOKENS", NO_AMX)  # its bf16 rounding: test_quant.py and below
     folder = make_tiny_model(tmp_path / "m", "llama", seed=3, tie_word_embeddings=tied)
-    engine = Engine(EngineConfig(model=str(folder), num_kv_blocks=16, quantization=method))
-    assert engine.config.dtype == "float32"  # auto resolves to the kernels' activations
+    engine = Engine(EngineConfig(model=str(folder), num_kv_blocks=16, quantization=method, dtype="float32"))
     linears = [m for m in engine.model.modules() if isinstance(m, PackedLinear)]
     assert all(m.quantized is not None for m in linears)
     assert all(m.weight is None for m in linears if m is not engine.model.lm_head)  # no float copy kept
@@ -90,7 +92,9 @@ def test_adapters_on_a_quantized_base_match_peft_on_the_dequantized_model(tmp_pa
     trained in bf16; float32 keeps any adapter's float32 weights."""
     monkeypatch.setattr(quant, "DENSE_DTYPE", torch.float32)  # exact prefill GEMMs and float32 decode:
     monkeypatch.setattr(quant, "INT8_ACTIVATION_TOKENS", 0)  # the adapters' math, token for token
-    llm = LLM(str(tiny_model_dir), num_kv_blocks=64, quantization="q4", max_loras=4, lora_dtype=lora_dtype)
+    monkeypatch.setattr(quant, "AMX_TOKENS", NO_AMX)
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=64, quantization="q4", dtype="float32", max_loras=4,
+              lora_dtype=lora_dtype)
     assert llm.engine.adapters.dtype == (torch.bfloat16 if lora_dtype == "auto" else torch.float32)
     reference = dequantized_folder(llm.engine, tiny_model_dir, tmp_path / "ref")
     adapters = [make_peft_adapter(reference, tmp_path / f"a{i}", rank=8, seed=i, scale=0.5) for i in range(3)]
@@ -108,10 +112,11 @@ def test_adapters_on_a_quantized_base_match_peft_on_the_dequantized_model(tmp_pa
 
 
 @pytest.mark.e2e
-def test_default_model_q4_keeps_the_gguf_bits(default_model_dir):
+def test_default_model_q4_keeps_the_gguf_bits(default_model_dir, monkeypatch):
     """The folder was converted from the GGUF by dequantizing: the q4 engine's weights are the
     same numbers (checked per layer at load), so its logits are the float engine's."""
-    q4 = Engine(EngineConfig(model=str(default_model_dir), num_kv_blocks=32, quantization="q4"))
+    monkeypatch.setattr(quant, "AMX_TOKENS", NO_AMX)  # float32 math throughout
+    q4 = Engine(EngineConfig(model=str(default_model_dir), num_kv_blocks=32, quantization="q4", dtype="float32"))
     head = q4.model.lm_head.quantized
     assert head.kind == "q8" and head.group == 32  # the GGUF's Q8_0 output blocks
     qkv = q4.model.layers[0].self_attn.qkv_proj.quantized
@@ -122,10 +127,39 @@ def test_default_model_q4_keeps_the_gguf_bits(default_model_dir):
 
 
 def test_quantization_settings_that_cannot_hold_are_refused(tiny_model_dir):
-    with pytest.raises(ValueError, match="float32 activations"):
-        EngineConfig(model=str(tiny_model_dir), quantization="q4", dtype="bfloat16")
+    with pytest.raises(ValueError, match="float32 or bfloat16 activations, not float16"):
+        EngineConfig(model=str(tiny_model_dir), quantization="q4", dtype="float16")
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(model=str(tiny_model_dir), quantization="q3")
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_auto_under_quantization_is_bf16_where_native(tiny_model_dir, native, monkeypatch):
+    from loraplex.kernels import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "native_bf16", lambda: native)
+    dtype, why = quantized_activation_dtype()
+    assert dtype == ("bfloat16" if native else "float32") and why
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=16, quantization="q4"))
+    assert engine.config.dtype == dtype and engine.model.embed_tokens.weight.dtype == getattr(torch, dtype)
+
+
+@pytest.mark.parametrize("method", ["q4", "int8"])
+def test_bf16_activations_on_a_quantized_base_match_the_bf16_float_model(tmp_path, method):
+    """bfloat16 activations (auto on a CPU with native bf16) against the dequantized model in
+    bfloat16: the same weights rounded to bf16 where a GEMM or AMX takes them, so the logits agree
+    within bf16's rounding of activations (measured: max |diff| 0.016 on logits up to 2.7 for q4, int8 the
+    same numbers)."""
+    folder = make_tiny_model(tmp_path / "m", "llama", seed=5)
+    engine = Engine(EngineConfig(model=str(folder), num_kv_blocks=16, quantization=method, dtype="bfloat16"))
+    assert engine.model.layers[0].self_attn.qkv_proj.quantized is not None
+    assert engine.model.embed_tokens.weight.dtype == torch.bfloat16
+    reference = Engine(EngineConfig(model=str(dequantized_folder(engine, folder, tmp_path / "ref")),
+                                    dtype="bfloat16", num_kv_blocks=16))
+    ids = torch.randint(3, 448, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    got, want = prompt_logits(engine, ids, 7).float(), prompt_logits(reference, ids, 7).float()
+    assert got.dtype == want.dtype and (got - want).abs().max() < 0.05 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
 
 
 def test_lora_dtype_is_the_models_or_bf16_under_float32(tiny_model_dir, monkeypatch):
@@ -178,7 +212,7 @@ def test_default_model_q4_activation_roundings_stay_close_to_the_float_model(def
     measured max |logit diff| 0.44 on a logit range of 34 and 37 of 38 top-1 tokens the same."""
     monkeypatch.setattr(quant, "DENSE_DTYPE", torch.bfloat16)
     monkeypatch.setattr(quant, "DENSE_TOKENS", {torch.bfloat16: 8})
-    q4 = Engine(EngineConfig(model=str(default_model_dir), num_kv_blocks=64, quantization="q4"))
+    q4 = Engine(EngineConfig(model=str(default_model_dir), num_kv_blocks=64, quantization="q4", dtype="float32"))
     fp32 = Engine(EngineConfig(model=str(default_model_dir), dtype="float32", num_kv_blocks=64))
     text = ("The history of the Roman Empire spans many centuries. It began when Augustus became the first "
             "emperor, and over time the empire grew to cover lands around the Mediterranean Sea, from Spain to Egypt.")
@@ -189,8 +223,29 @@ def test_default_model_q4_activation_roundings_stay_close_to_the_float_model(def
     monkeypatch.undo()
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     prompts = ["The capital of France is", "Write a haiku about the sea:"]
-    q4_llm, fp32_llm = (LLM(str(default_model_dir), num_kv_blocks=64, **kw)
-                        for kw in ({"quantization": "q4"}, {"dtype": "float32"}))
+    q4_llm, fp32_llm = (LLM(str(default_model_dir), num_kv_blocks=64, dtype="float32", **kw)
+                        for kw in ({"quantization": "q4"}, {}))
     for prompt in prompts:  # one at a time: batch-1 decode, the int8-activation path
         got, want = (llm.generate([prompt], params)[0].outputs[0].token_ids for llm in (q4_llm, fp32_llm))
         assert list(got) == list(want)
+
+
+@pytest.mark.e2e
+def test_default_model_q4_in_bf16_stays_close_to_the_bf16_model(default_model_dir):
+    """q4 in bfloat16 (what auto serves on a CPU with native bf16) against the float model in bf16:
+    measured max |logit diff| 0.84 on a logit range of 66, every top-1 token the same, and the same
+    16 greedy tokens on all four prompts of one batch (decode calls of 4 tokens: AMX where present)."""
+    q4 = Engine(EngineConfig(model=str(default_model_dir), num_kv_blocks=64, quantization="q4", dtype="bfloat16"))
+    bf16 = Engine(EngineConfig(model=str(default_model_dir), num_kv_blocks=64, dtype="bfloat16"))
+    text = ("The history of the Roman Empire spans many centuries. It began when Augustus became the first "
+            "emperor, and over time the empire grew to cover lands around the Mediterranean Sea, from Spain to Egypt.")
+    ids = q4.tokenizer(text)["input_ids"]
+    got, want = prompt_logits(q4, ids, 64).float(), prompt_logits(bf16, ids, 64).float()
+    assert (got - want).abs().max() < 1.5
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
+    prompts = ["The capital of France is", "Write a haiku about the sea:", "One two three", "def fib(n):"]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outs = [[list(o.outputs[0].token_ids) for o in LLM(str(default_model_dir), num_kv_blocks=64, dtype="bfloat16",
+                                                        **kw).generate(prompts, params)]
+            for kw in ({"quantization": "q4"}, {})]
+    assert sum(a == b for a, b in zip(*outs)) >= 3
