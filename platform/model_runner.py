@@ -93,7 +93,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, adapter_slots: dict[str, int] | None = None
                 ) -> tuple[torch.Tensor, list[Request], list[PromptRows]]:
-        """Returns logits [R, vocab], the R requests they belong to, and for requests that asked
+        """Returns logits [R, vocab] (model dtype), the R requests they belong to, and for requests that asked
         for prompt logprobs the hidden states of their chunk's prompt positions. `adapter_slots`
         maps each scheduled request's adapter to its device slot."""
         for src, dst in sched.block_copies:
@@ -104,13 +104,13 @@ class ModelRunner:
         if graphs is not None and step.decode_only and graphs.fits(len(step.sampled), lora_slots is not None):
             hidden = graphs.run(DecodeInputs(step.token_ids, step.positions, step.slots, step.tables, step.seq_lens,
                                              lora_slots))
-            return self.model.compute_logits(hidden), step.sampled, []
+            return self.model.logits(hidden), step.sampled, []
         hidden = self._forward(step, lora_slots)
         prompt_hidden = [PromptRows(req, hidden[rows], first) for req, rows, first in step.prompt_rows]
         if not step.sampled:
             return hidden.new_empty(0, 0), [], prompt_hidden
         last_rows = to_device(torch.tensor(step.last_rows, dtype=torch.long, device="cpu"), self.device)
-        return self.model.compute_logits(hidden[last_rows]), step.sampled, prompt_hidden
+        return self.model.logits(hidden[last_rows]), step.sampled, prompt_hidden
 
     @staticmethod
     def _lora_slots(sched: SchedulerOutput, adapter_slots: dict[str, int]) -> list[int] | None:

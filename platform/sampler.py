@@ -37,6 +37,9 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """logits [R, vocab] in the model's dtype, one row per request."""
+        if self._argmax_only(requests):  # bf16 -> float32 is exact: the same picks, without widening the rows
+            return SamplerOutput(argmax(logits).tolist(), [None] * len(requests))
         logits = logits.float()
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in requests):
@@ -58,6 +61,10 @@ class Sampler:
             for i, r in enumerate(requests)
         ]
         return SamplerOutput(token_ids, logprobs)
+
+    def _argmax_only(self, requests: list[Request]) -> bool:
+        return all(r.params.greedy and r.params.logprobs is None and r.grammar is None
+                   and not _edits_logits(r.params, len(r.output_token_ids)) for r in requests)
 
     def _closing(self, r: Request) -> bool:
         """A JSON output in the last max(json_close_window, max_tokens / 4) tokens of its budget

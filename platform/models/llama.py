@@ -185,8 +185,12 @@ class LlamaForCausalLM(nn.Module):
                 block = layer.self_attn if hasattr(layer.self_attn, fused) else layer.mlp
                 getattr(block, fused).lora = table
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """In the model's dtype: the sampler widens them only where it needs float32."""
+        return self.lm_head(hidden)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.logits(hidden).float()
 
     @torch.no_grad()
     def load_weights(self, folder: str | Path, tensors: dict[str, torch.Tensor] | None = None) -> None:

@@ -34,6 +34,23 @@ def test_argmax_is_torchs_including_ties_and_infinities():
     assert argmax(rows)[0] == 10 and argmax(rows)[1] == 0
 
 
+def test_bf16_logits_give_the_picks_of_their_float32_values():
+    """The model's logits come in its dtype: an all-greedy batch takes the argmax of the bf16 rows as
+    they are (exact: bf16 widens to float32 without rounding, ties included), any other request
+    makes the whole batch float32; logprobs are float32 either way."""
+    gen = torch.Generator().manual_seed(1)
+    rows = (torch.randint(0, 6, (8, V), generator=gen) + torch.rand(8, V, generator=gen) / 8).bfloat16()  # ties
+    s = Sampler(V, (0,))
+    greedy = [req(SamplingParams(temperature=0), rid=f"g{i}") for i in range(8)]
+    assert s(rows, greedy).token_ids == rows.float().argmax(-1).tolist()
+    mixed = greedy[:6] + [req(SamplingParams(temperature=0, logprobs=2)), req(SamplingParams(temperature=0.7, seed=3))]
+    out = s(rows, mixed)
+    assert out.token_ids[:7] == rows.float().argmax(-1).tolist()[:7]
+    assert out.logprobs[6] is not None and all(lp is None for lp in out.logprobs[:6])
+    penalized = lambda: [req(SamplingParams(temperature=0, repetition_penalty=1.5), output=[3])]  # noqa: E731
+    assert s(rows[:1], penalized()).token_ids == s(rows[:1].float(), penalized()).token_ids
+
+
 def test_filters_keep_exactly_the_expected_support():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     probs = lambda **kw: filter_and_softmax(logits.clone(), [req(SamplingParams(**kw))])[0]
