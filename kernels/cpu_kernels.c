@@ -237,7 +237,13 @@ static inline void softmax_chunk(float *s, int64_t n, int64_t G, int64_t D, floa
 {
     for (int64_t g = 0; g < G; ++g) {
         float *sg = s + g * ATT_CHUNK, top = best[g];
-        for (int64_t p = 0; p < n; ++p) top = sg[p] > top ? sg[p] : top;
+        int64_t p = 0;
+#ifdef __AVX512F__
+        __m512 m = _mm512_set1_ps(top);  /* not a chain of scalar compares: exact all the same */
+        for (; p + 16 <= n; p += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sg + p));
+        top = _mm512_reduce_max_ps(m);
+#endif
+        for (; p < n; ++p) top = sg[p] > top ? sg[p] : top;
         if (top > best[g]) {
             const float alpha = expf(best[g] - top);
             for (int64_t d = 0; d < D; ++d) o[g * D + d] *= alpha;
