@@ -1127,8 +1127,8 @@ int q8_matmul_x8(const float *x, int64_t M, int64_t K, const int8_t *q, const fl
  * 16 n x 16 tokens. A group's k are paired (k, k + 16): in a q4 byte those are its two nibbles, and x is
  * laid out in the same pairs once per call. Per weight this is a few vector instructions whatever the
  * number of tokens, where the float kernel pays one multiply per weight and token: from a few tokens on
- * it beats both the float and the int8 kernel (BENCHMARKS.md, "AMX"). The weights' bf16 values are the
- * dense path's (float32 d * q + m rounded to nearest even), so this path rounds as that one does. */
+ * it beats both the float and the int8 kernel (BENCHMARKS.md, "q4 in bf16 on AMX"). The weights' bf16
+ * values are the dense path's (float32 d * q + m rounded to nearest even): this path rounds as it does. */
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <sys/syscall.h>

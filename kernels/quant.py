@@ -38,7 +38,8 @@ INT8_ACTIVATION_TOKENS = 4
 # as the reference). Measured crossovers: BENCHMARKS.md, "Quantized weights".
 DENSE_TOKENS = {torch.bfloat16: 32, torch.float32: 96}
 # Where the CPU has AMX, calls of [low, high) tokens go to the tile kernel (bf16 rounding, as the dense
-# path): below, the int8 kernel is as fast; above, the dense GEMM's reuse wins (BENCHMARKS.md, "AMX").
+# path): below, the int8 kernel is as fast; above, the dense GEMM's reuse wins (BENCHMARKS.md, "q4 in
+# bf16 on AMX").
 AMX_TOKENS = (3, 192)
 DENSE_DTYPE: torch.dtype | None = None  # None: bfloat16 where native, else float32
 OUT_KINDS = {torch.float32: 0, torch.bfloat16: 2}  # quant_dequantize's out_kind
