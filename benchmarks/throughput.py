@@ -124,12 +124,12 @@ def main() -> None:
                         help="transformers' candidates; compared in its faster (default: float32, "
                              "and bfloat16 where native)")
     parser.add_argument("--no-pack", action="store_true", help="loraplex on plain weights (F.linear)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float16"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float16", "fp8"])
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--rounds", type=int, default=3, help="with --ablation: interleaved rounds, median")
     parser.add_argument("--ablation", action="store_true",
                         help="only the speed steps side by side: plain weights + PyTorch attention, "
-                             "+ prepacked weights, + C kernels, + float16 KV cache")
+                             "+ prepacked weights, + C kernels, + float16 KV cache, + fp8 KV cache")
     args = parser.parse_args()
     if args.ablation:
         return ablation(args)
@@ -185,10 +185,12 @@ def ablation(args) -> None:
                        enable_prefix_caching=False)
     plain, packed = LLM(args.model, pack_weights=False, **engine_args), LLM(args.model, **engine_args)
     half_kv = LLM(args.model, kv_cache_dtype="float16", **engine_args)
+    fp8_kv = LLM(args.model, kv_cache_dtype="fp8", **engine_args)
     variants = [("plain weights, PyTorch attention", plain, "torch"),
                 ("+ prepacked weights", packed, "torch"),
                 ("+ C kernels (attention in place)", packed, "auto"),
-                ("+ kv_cache_dtype=float16 (opt-in)", half_kv, "auto")]
+                ("+ kv_cache_dtype=float16 (opt-in)", half_kv, "auto"),
+                ("+ kv_cache_dtype=fp8 (opt-in)", fp8_kv, "auto")]
     print(f"dtype={packed.engine.config.torch_dtype} new_tokens={args.new_tokens} threads={torch.get_num_threads()}")
     print(f"{'batch':>5} | " + " | ".join(f"{name:>32}" for name, _, _ in variants) + " | (median decode step ms, x first)")
     for batch in args.batch_sizes:

@@ -14,7 +14,39 @@
 #include <immintrin.h>
 #endif
 
-enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_FP8 = 3 };  /* KV_FP8: float8 e4m3fn (vLLM's fp8 KV cache) */
+
+static inline int64_t kv_elem(int kind) { return kind == KV_F32 ? 4 : kind == KV_FP8 ? 1 : 2; }
+
+/* float8 e4m3fn (bias 7, no infinities, largest 448): exact to float32. Normal: sign, exponent + 120,
+ * the 3 mantissa bits on top of float32's; exponent 0: m * 2^-9. (0x7F, NaN, is never written.) */
+static inline float fp8_to_f32(uint8_t b)
+{
+    const uint32_t em = b & 0x7Fu;
+    float v;
+    if (em < 8) {
+        v = (float)em * (1.0f / 512.0f);
+    } else {
+        const uint32_t bits = (em << 20) + (120u << 23);
+        memcpy(&v, &bits, sizeof v);
+    }
+    return b & 0x80u ? -v : v;
+}
+
+/* float32 -> e4m3fn, to nearest even, saturating at +-448 as torch's conversion does (NaN -> NaN) */
+static inline uint8_t fp8_round(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    const float a = fabsf(f);
+    if (a != a) return 0x7F;
+    if (a >= 448.0f) return sign | 0x7E;
+    if (a < 1.0f / 64.0f) return sign | (uint8_t)nearbyintf(a * 512.0f);  /* subnormal (8 -> 2^-6: 0x08) */
+    uint32_t au = u & 0x7FFFFFFFu;
+    au += 0x7FFFFu + ((au >> 20) & 1u);
+    return sign | (uint8_t)((((au >> 23) - 120u) << 3) | ((au >> 20) & 7u));
+}
 
 /* 1 when built with F16C: a float16 KV cache can be read (converted 8 values per instruction). */
 int kv_f16_supported(void)
@@ -31,6 +63,26 @@ int kv_f16_supported(void)
 static inline const float *kv_row(const void *cache, int64_t offset, int64_t n, int kind, float *buf)
 {
     if (kind == KV_F32) return (const float *)cache + offset;
+    if (kind == KV_FP8) {
+        const uint8_t *src = (const uint8_t *)cache + offset;
+        int64_t i = 0;
+#ifdef __AVX2__
+        /* normal values by moving the bits, exponent 0 by converting m; the sign on top */
+        const __m256i low7 = _mm256_set1_epi32(0x7F), bias = _mm256_set1_epi32(120 << 23);
+        for (; i + 8 <= n; i += 8) {
+            const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src + i)));
+            const __m256i em = _mm256_and_si256(v, low7);
+            const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(em, 20), bias));
+            const __m256 tiny = _mm256_mul_ps(_mm256_cvtepi32_ps(em), _mm256_set1_ps(1.0f / 512.0f));
+            const __m256 exponent0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), em));
+            const __m256 mag = _mm256_blendv_ps(normal, tiny, exponent0);
+            const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_andnot_si256(low7, v), 24));
+            _mm256_storeu_ps(buf + i, _mm256_or_ps(mag, sign));
+        }
+#endif
+        for (; i < n; ++i) buf[i] = fp8_to_f32(src[i]);
+        return buf;
+    }
     const uint16_t *src = (const uint16_t *)cache + offset;
     int64_t i = 0;
     if (kind == KV_BF16) {
@@ -270,7 +322,7 @@ static void attend_kv_heads(const float *q, int64_t H, int64_t G, int64_t D, con
                             int64_t head_off, int kv_kind, float *o)
 {
     float best[H * G], total[H * G], s[H * G * ATT_CHUNK], buf[ATT_CHUNK * D];
-    const int64_t elem = kv_kind == KV_F32 ? 4 : 2;
+    const int64_t elem = kv_elem(kv_kind);
     for (int64_t g = 0; g < H * G; ++g) {
         best[g] = -INFINITY;
         total[g] = 0.f;
@@ -297,7 +349,7 @@ static void attend_kv_heads(const float *q, int64_t H, int64_t G, int64_t D, con
     normalize_heads(o, total, H * G, D);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__) && defined(__AVX512BW__)
 #define ATT_BF16_DOT 1
 /* bfloat16 query and K/V on CPUs with AVX512-BF16 (the CPUs where dtype auto picks bfloat16): q.k by
  * bf16 pair dot products straight from the cache (vdpbf16ps: exact products, float32 sums; no
@@ -333,13 +385,31 @@ static inline void add_weighted_rows16(float *o, const float *w, const float *ro
 
 /* attend_kv_heads for bf16 q (unscaled, [H * G, D]) and K/V; D a multiple of 32 up to 128,
  * H * G up to ATT_MAX_HEADS */
+/* 32 float8 e4m3 values as bf16 (exact): normal ones by moving the bits, exponent 0 (m * 2^-9) from a
+ * table, the sign on top */
+static inline __m512i fp8x32_to_bf16(const uint8_t *src)
+{
+    const __m512i tiny_values = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                 0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0);
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)src));
+    const __m512i low7 = _mm512_set1_epi16(0x7F), em = _mm512_and_si512(v, low7);
+    const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(em, 4), _mm512_set1_epi16(120 << 7));
+    const __m512i mag = _mm512_mask_blend_epi16(_mm512_cmplt_epu16_mask(em, _mm512_set1_epi16(8)), normal,
+                                                _mm512_permutexvar_epi16(em, tiny_values));
+    return _mm512_or_si512(mag, _mm512_slli_epi16(_mm512_andnot_si512(low7, v), 8));
+}
+
+/* attend_kv_heads for bf16 q (unscaled, [H * G, D]) and bf16 or float8 e4m3 K/V (fp8: each chunk's K
+ * rows widened to bf16 once for the G heads, V rows to float32); D a multiple of 32 up to 128, H * G up
+ * to ATT_MAX_HEADS */
 static void attend_kv_heads_bf16(const uint16_t *q, int64_t H, int64_t G, int64_t D, float scale,
-                                 const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table, int64_t ctx,
+                                 const void *k_cache, const void *v_cache, int fp8, const int64_t *table, int64_t ctx,
                                  int64_t block_size, int64_t row, int64_t head_off, float *o)
 {
     float best[H * G], total[H * G], s[H * G * ATT_CHUNK], buf[ATT_CHUNK * D];
+    uint16_t kbuf[fp8 ? ATT_CHUNK * D : 1];
     __m512i qv[ATT_MAX_HEADS][4];
-    const int64_t parts = D / 32;
+    const int64_t parts = D / 32, elem = fp8 ? 1 : 2;
     for (int64_t g = 0; g < H * G; ++g) {
         best[g] = -INFINITY;
         total[g] = 0.f;
@@ -351,13 +421,22 @@ static void attend_kv_heads_bf16(const uint16_t *q, int64_t H, int64_t G, int64_
         n = context_chunk(table, c0, ctx, block_size, row, head_off, &first, &ahead);
         for (int64_t h = 0; h < H; ++h) {
             const int64_t hg = h * G, at = first + h * D;
+            const uint16_t *keys = (const uint16_t *)k_cache + at;
+            int64_t key_stride = row;
+            if (fp8) {
+                for (int64_t p = 0; p < n; ++p)
+                    for (int64_t d = 0; d < D; d += 32)
+                        _mm512_storeu_si512(kbuf + p * D + d,
+                                            fp8x32_to_bf16((const uint8_t *)k_cache + at + p * row + d));
+                keys = kbuf, key_stride = D;
+            }
             for (int64_t p0 = 0; p0 < n; p0 += 8) {  /* s rows hold ATT_CHUNK: a full 8-store always fits */
                 for (int64_t g = hg; g < hg + G; ++g) {
                     __m256 r[8];
                     for (int64_t j = 0; j < 8; ++j) {
                         __m512 acc = _mm512_setzero_ps();
                         if (p0 + j < n) {
-                            const uint16_t *kr = k_cache + at + (p0 + j) * row;
+                            const uint16_t *kr = keys + (p0 + j) * key_stride;
                             for (int64_t i = 0; i < parts; ++i)
                                 acc = _mm512_dpbf16_ps(acc, (__m512bh)qv[g][i],
                                                        (__m512bh)_mm512_loadu_si512(kr + 32 * i));
@@ -369,11 +448,15 @@ static void attend_kv_heads_bf16(const uint16_t *q, int64_t H, int64_t G, int64_
             }
             softmax_chunk(s + hg * ATT_CHUNK, n, G, D, best + hg, total + hg, o + hg * D);
             for (int64_t p = 0; p < n; ++p) {
-                prefetch_row(k_cache, v_cache, ahead + h * D, p, row, 2 * D, 2);
-                const uint16_t *vr = v_cache + at + p * row;
-                for (int64_t d = 0; d < D; d += 16)
+                prefetch_row(k_cache, v_cache, ahead + h * D, p, row, elem * D, elem);
+                for (int64_t d = 0; d < D; d += 32) {
+                    const __m512i vb = fp8 ? fp8x32_to_bf16((const uint8_t *)v_cache + at + p * row + d)
+                                           : _mm512_loadu_si512((const uint16_t *)v_cache + at + p * row + d);
                     _mm512_storeu_ps(buf + p * D + d, _mm512_castsi512_ps(_mm512_slli_epi32(
-                        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr + d))), 16)));
+                        _mm512_cvtepu16_epi32(_mm512_castsi512_si256(vb)), 16)));
+                    _mm512_storeu_ps(buf + p * D + d + 16, _mm512_castsi512_ps(_mm512_slli_epi32(
+                        _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(vb, 1)), 16)));
+                }
             }
             for (int64_t g = hg; g < hg + G; ++g) add_weighted_rows16(o + g * D, s + g * ATT_CHUNK, buf, n, D);
         }
@@ -407,7 +490,8 @@ int paged_attention_f32(
     const int64_t heads = num_tokens >= 4 * threads && num_heads <= ATT_MAX_HEADS ? num_kv_heads : 1; /* per task */
     int bf16_dot = 0;
 #ifdef ATT_BF16_DOT
-    bf16_dot = q_kind == KV_BF16 && kv_kind == KV_BF16 && head_dim % 32 == 0 && head_dim <= 128 &&
+    bf16_dot = q_kind == KV_BF16 && (kv_kind == KV_BF16 || kv_kind == KV_FP8) && head_dim % 32 == 0 &&
+               head_dim <= 128 &&
                group <= ATT_MAX_HEADS;
 #endif
 
@@ -422,7 +506,8 @@ int paged_attention_f32(
 #ifdef ATT_BF16_DOT
         if (bf16_dot) {
             attend_kv_heads_bf16((const uint16_t *)query + first, heads, group, head_dim, scale, k_cache, v_cache,
-                                 block_tables + b * table_width, ctx, block_size, row, h * head_dim, o);
+                                 kv_kind == KV_FP8, block_tables + b * table_width, ctx, block_size, row,
+                                 h * head_dim, o);
             for (int64_t i = 0; i < n; ++i) ((uint16_t *)out)[first + i] = bf16_round(o[i]);
             continue;
         }
@@ -1361,6 +1446,7 @@ static inline float as_kind(float v, int kind)
 static inline void store_kind(void *p, int64_t i, float v, int kind)
 {
     if (kind == KV_BF16) ((uint16_t *)p)[i] = bf16_round(v);
+    else if (kind == KV_FP8) ((uint8_t *)p)[i] = fp8_round(v);
 #ifdef __F16C__
     else if (kind == KV_F16) ((uint16_t *)p)[i] = _cvtss_sh(v, 0);
 #endif
@@ -1406,6 +1492,11 @@ static inline __m256 round8_kind(__m256 v, int kind)
 static inline void store8_kind(void *p, int64_t i, __m256 v, int kind)
 {
     if (kind == KV_BF16) bf16x8_store((uint16_t *)p + i, v);
+    else if (kind == KV_FP8) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, v);
+        for (int j = 0; j < 8; ++j) ((uint8_t *)p)[i + j] = fp8_round(lanes[j]);
+    }
 #ifdef __F16C__
     else if (kind == KV_F16) _mm_storeu_si128((__m128i *)((uint16_t *)p + i), _mm256_cvtps_ph(v, 0));
 #endif
@@ -1507,8 +1598,9 @@ int rope_write_kv(const void *qkv, const void *cos, const void *sin, int64_t T, 
                                                 round8_kind(_mm256_mul_ps(b, load8_kind(sin, c, kind)), kind));
                 const __m256 hi = _mm256_add_ps(round8_kind(_mm256_mul_ps(b, load8_kind(cos, c + half, kind)), kind),
                                                 round8_kind(_mm256_mul_ps(a, load8_kind(sin, c + half, kind)), kind));
-                store8_kind(dst, at + i, lo, dst_kind);
-                store8_kind(dst, at + i + half, hi, dst_kind);
+                /* an fp8 cache takes k as the model's dtype holds it, then rounded again (as torch's .to does) */
+                store8_kind(dst, at + i, dst_kind == KV_FP8 ? round8_kind(lo, kind) : lo, dst_kind);
+                store8_kind(dst, at + i + half, dst_kind == KV_FP8 ? round8_kind(hi, kind) : hi, dst_kind);
             }
 #endif
             for (; i < half; i++) {
@@ -1518,14 +1610,14 @@ int rope_write_kv(const void *qkv, const void *cos, const void *sin, int64_t T, 
                 const float lo = as_kind(a * load_kind(cos, c, kind), kind) + as_kind(-b * load_kind(sin, c, kind), kind);
                 const float hi = as_kind(b * load_kind(cos, c + half, kind), kind) +
                                  as_kind(a * load_kind(sin, c + half, kind), kind);
-                store_kind(dst, at + i, lo, dst_kind);
-                store_kind(dst, at + i + half, hi, dst_kind);
+                store_kind(dst, at + i, dst_kind == KV_FP8 ? as_kind(lo, kind) : lo, dst_kind);
+                store_kind(dst, at + i + half, dst_kind == KV_FP8 ? as_kind(hi, kind) : hi, dst_kind);
             }
         }
         if (slot < 0) continue;
         const int64_t v_src = t * width + (Hq + Hkv) * D, v_dst = slot * Hkv * D;
         if (cache_kind == kind) {
-            const int64_t elem = kind == KV_F32 ? 4 : 2;
+            const int64_t elem = kv_elem(kind);
             memcpy((char *)v_cache + v_dst * elem, (const char *)qkv + v_src * elem, Hkv * D * elem);
             continue;
         }

@@ -133,13 +133,13 @@ def usable(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.floa
         t.device.type == "cpu" and t.dtype in dtypes and t.is_contiguous() for t in tensors)
 
 
-KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the attention kernel's kv_kind
+KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}  # the kernels' kv_kind
 
 
 def usable_kv(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """K/V caches the attention kernel reads: float32, bfloat16, or float16 where the CPU
-    converts it (F16C)."""
-    kinds = (torch.float32, torch.bfloat16, torch.float16) if _f16c() else (torch.float32, torch.bfloat16)
+    """K/V caches the attention kernel reads: float32, bfloat16, float8 e4m3, or float16 where the
+    CPU converts it (F16C)."""
+    kinds = (torch.float32, torch.bfloat16, torch.float8_e4m3fn) + ((torch.float16,) if _f16c() else ())
     return usable(k_cache, v_cache, dtypes=kinds) and k_cache.dtype == v_cache.dtype
 
 
@@ -211,8 +211,10 @@ def rope_write_kv_c(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num
 
 
 def usable_rope_kv(qkv: torch.Tensor, cos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """The model's kind in the caches, or float16 caches under a float32 model where F16C converts."""
-    same = k_cache.dtype == qkv.dtype or (qkv.dtype == torch.float32 and k_cache.dtype == torch.float16 and _f16c())
+    """The model's kind in the caches, float16 caches under a float32 model where F16C converts, or
+    float8 e4m3 caches under either."""
+    same = k_cache.dtype in (qkv.dtype, torch.float8_e4m3fn) or \
+        (qkv.dtype == torch.float32 and k_cache.dtype == torch.float16 and _f16c())
     return (same and k_cache.dtype == v_cache.dtype and cos.dtype == qkv.dtype
             and usable(qkv, cos, dtypes=LAYER_DTYPES) and usable_kv(k_cache, v_cache))
 

@@ -107,9 +107,13 @@ def write_kv_reference(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    # a float16 KV cache under a float32 model stores rounded copies
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    # a float16 / float8 KV cache stores rounded copies (float8: torch's rounding, saturating at +-448;
+    # torch has no index_copy_ for float8, so its bytes are copied)
+    for src, cache in ((key, k_cache), (value, v_cache)):
+        rows, src = cache.view(-1, *cache.shape[2:]), src.to(cache.dtype)
+        if cache.dtype == torch.float8_e4m3fn:
+            rows, src = rows.view(torch.uint8), src.view(torch.uint8)
+        rows.index_copy_(0, slot_mapping, src)
 
 
 def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

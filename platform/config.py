@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = {"auto": None, "float16": torch.float16, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 LORA_DTYPES = {name: (dtype, torch.bfloat16) if dtype == torch.float32 else (dtype,)  # what the LoRA paths multiply
                for name, dtype in DTYPES.items()}
 
@@ -137,8 +138,10 @@ class EngineConfig:
                                           "pick a closing token (quote, bracket, brace, end) whenever the grammar "
                                           "allows one (0: off)")
     pack_weights: bool = _setting(True, "CPU: linear weights prepacked for oneDNN (~2x faster decode matmuls)")
-    kv_cache_dtype: str = _setting("auto", "float16: twice the KV tokens in the same memory (auto: the model's "
-                                           "dtype)", choices=["auto", "float16"])
+    kv_cache_dtype: str = _setting("auto", "float16: twice the KV tokens of float32 in the same memory; fp8 (= "
+                                           "fp8_e4m3, vLLM's name): twice those of bf16, K/V rounded to float8 "
+                                           "e4m3 (CPU kernels); auto: the model's dtype",
+                                   choices=list(KV_CACHE_DTYPES))
     quantization: str = _setting("none", "weights kept quantized (activations in the model dtype: dtype auto = "
                                          "bfloat16 where the CPU has it natively, else float32): q4 = 4-bit "
                                          "groups of 32 (the default model's GGUF Q4_1 bits as they are; other "
@@ -159,8 +162,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.max_cpu_loras is not None and self.max_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras must be >= max_loras={self.max_loras}, got {self.max_cpu_loras}")
-        if self.kv_cache_dtype not in ("auto", "float16"):
-            raise ValueError(f"kv_cache_dtype must be 'auto' or 'float16', got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.quantization != "none" and self.dtype not in ("auto", "float32", "bfloat16"):
@@ -212,7 +215,7 @@ class EngineConfig:
 
     @property
     def torch_kv_dtype(self) -> torch.dtype:
-        return self.torch_dtype if self.kv_cache_dtype == "auto" else DTYPES[self.kv_cache_dtype]
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[self.kv_cache_dtype]
 
     def resolve_max_loras(self, model: ModelConfig) -> tuple[int, str]:
         """Adapters per batch and why: the given value, or as many worst-case adapters (every

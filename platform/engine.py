@@ -64,6 +64,9 @@ class Engine:
             config = dataclasses.replace(config, quantization="q4")
         if config.quantization != "none" and device.type != "cpu":
             raise ValueError(f"quantization {config.quantization} runs CPU kernels; on {device} use quantization none")
+        if config.kv_cache_dtype.startswith("fp8") and (device.type != "cpu" or kernel_backend() == "triton"):
+            raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype} runs the CPU kernels (not the Triton ones yet); "
+                             f"on {device} use kv_cache_dtype auto or float16")
         if config.dtype == "auto" and config.quantization != "none":
             chosen, why = quantized_activation_dtype()
             print(f"[loraplex] dtype auto -> {chosen} under quantization {config.quantization} ({why})",

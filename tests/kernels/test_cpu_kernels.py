@@ -67,6 +67,25 @@ def test_bf16_kv_is_read_in_place_with_fp32_math(seed, qlens, clens, heads, kv_h
 
 
 @needs_kernel
+@pytest.mark.parametrize("seed,qlens,clens,heads,kv_heads,dim,bs", CASES[:4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_kv_is_read_in_place(seed, qlens, clens, heads, kv_heads, dim, bs, dtype, monkeypatch):
+    """A float8 e4m3 cache (`--kv-cache-dtype fp8`) read by the C kernel, converted exactly to
+    float32 (normal and subnormal values): the reference on the same values widened."""
+    query, kc, vc, meta, _, _ = make_case(seed, qlens, clens, heads, kv_heads, dim, bs, dtype)
+    kc, vc = (c * torch.logspace(-3, 1, dim) for c in (kc.float(), vc.float()))  # subnormals to large values
+    kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    calls = []
+    kernel = cpu_kernels.paged_attention_c
+    monkeypatch.setattr(cpu_kernels, "paged_attention_c", lambda *a: calls.append(1) or kernel(*a))
+    out = paged_attention(query, kc, vc, meta, dim ** -0.5)
+    assert out.dtype == dtype and calls == [1]
+    exact = reference(query.float(), kc.float(), vc.float(), meta, dim ** -0.5)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=8e-3)
+    torch.testing.assert_close(out.float(), exact, **tol)
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_token_attends_the_same_in_any_batch(dtype):
     """Many tokens run one task per token over all kv heads, a few one task per (token, kv head):

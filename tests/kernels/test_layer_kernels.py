@@ -86,6 +86,30 @@ def test_rope_writes_a_float16_cache_under_a_float32_model():
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_rope_writes_an_fp8_cache_rounded_as_torch_rounds(dtype, tokens):
+    """`--kv-cache-dtype fp8`: k and v rounded to float8 e4m3 in the C write, bit for bit what torch's
+    conversion gives for the same values (to nearest even, subnormals, saturation at +-448)."""
+    heads, kv_heads, dim = 9, 3, 64
+    g = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g) * torch.logspace(-4, 3, dim).repeat(15)
+    qkv = qkv.to(dtype)
+    angles = torch.rand(tokens, dim // 2, generator=g) * 100
+    cos, sin = (f(torch.cat([angles, angles], dim=-1)).to(dtype)[:, None] for f in (torch.cos, torch.sin))
+    slots = torch.randperm(8 * 16, generator=g)[:tokens]
+    wide = [torch.zeros(8, 16, kv_heads, dim, dtype=dtype) for _ in range(2)]
+    fp8 = [torch.zeros(8, 16, kv_heads, dim, dtype=torch.float8_e4m3fn) for _ in range(2)]
+    q_wide = cpu_kernels.rope_write_kv_c(qkv, cos, sin, heads, kv_heads, slots, *wide)
+    q_fp8 = cpu_kernels.rope_write_kv_c(qkv, cos, sin, heads, kv_heads, slots, *fp8)
+    assert torch.equal(q_fp8, q_wide)
+    for got, exact in zip(fp8, wide):
+        assert torch.equal(got.view(torch.uint8), exact.to(torch.float8_e4m3fn).view(torch.uint8))
+    assert fp8[1].float().abs().max() == 448  # saturated, not NaN
+    assert (fp8[1].float().abs() < 2 ** -6).logical_and(fp8[1].float() != 0).any()  # subnormals written
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 3, 64])
 def test_silu_mul(dtype, tokens):
     g = torch.Generator().manual_seed(tokens)
