@@ -233,8 +233,9 @@ def test_default_model_q4_activation_roundings_stay_close_to_the_float_model(def
 @pytest.mark.e2e
 def test_default_model_q4_in_bf16_stays_close_to_the_bf16_model(default_model_dir):
     """q4 in bfloat16 (what auto serves on a CPU with native bf16) against the float model in bf16:
-    measured max |logit diff| 0.84 on a logit range of 66, every top-1 token the same, and the same
-    16 greedy tokens on all four prompts of one batch (decode calls of 4 tokens: AMX where present)."""
+    measured max |logit diff| 0.84 on a logit range of 66 and every top-1 token the same with AMX
+    (0.75 and 37 of 38 without it, float32 math on the exact weights), and the same 16 greedy tokens
+    on all four prompts of one batch (decode calls of 4 tokens: AMX where present)."""
     q4 = Engine(EngineConfig(model=str(default_model_dir), num_kv_blocks=64, quantization="q4", dtype="bfloat16"))
     bf16 = Engine(EngineConfig(model=str(default_model_dir), num_kv_blocks=64, dtype="bfloat16"))
     text = ("The history of the Roman Empire spans many centuries. It began when Augustus became the first "
@@ -242,7 +243,7 @@ def test_default_model_q4_in_bf16_stays_close_to_the_bf16_model(default_model_di
     ids = q4.tokenizer(text)["input_ids"]
     got, want = prompt_logits(q4, ids, 64).float(), prompt_logits(bf16, ids, 64).float()
     assert (got - want).abs().max() < 1.5
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
     prompts = ["The capital of France is", "Write a haiku about the sea:", "One two three", "def fib(n):"]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     outs = [[list(o.outputs[0].token_ids) for o in LLM(str(default_model_dir), num_kv_blocks=64, dtype="bfloat16",
