@@ -1328,7 +1328,7 @@ int quant_matmul_amx(int kind, const void *x, int x_kind, int64_t M, int64_t K, 
         amx_tile_config config = {.palette = 1};
         for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
         _tile_loadconfig(&config);
-        uint16_t a[2][2][512] __attribute__((aligned(64)));  /* [group parity][row block]: filled one group ahead */
+        uint16_t a[2][512] __attribute__((aligned(64)));  /* this group's weight tiles, per 16-row block */
         float c[4][256] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
         for (int64_t n0 = 0; n0 < N; n0 += 32) {
@@ -1341,10 +1341,9 @@ int quant_matmul_amx(int kind, const void *x, int x_kind, int64_t M, int64_t K, 
                         _tile_zero(1);
                         _tile_zero(2);
                         _tile_zero(3);
-                        amx_weight_tile(kind, q, d, m, K, G, N, nn, 0, a[0][0]);
                         for (int64_t g = 0; g < groups; g++) {
-                            if (g + 1 < groups) amx_weight_tile(kind, q, d, m, K, G, N, nn, g + 1, a[(g + 1) % 2][0]);
-                            _tile_loadd(4, a[g % 2][0], 64);
+                            amx_weight_tile(kind, q, d, m, K, G, N, nn, g, a[0]);
+                            _tile_loadd(4, a[0], 64);
                             _tile_loadd(5, xb + g * 512, 64);
                             _tile_dpbf16ps(0, 4, 5);
                             _tile_loadd(6, xb + (groups + g) * 512, 64);
@@ -1371,15 +1370,11 @@ int quant_matmul_amx(int kind, const void *x, int x_kind, int64_t M, int64_t K, 
                 _tile_zero(1);
                 _tile_zero(2);
                 _tile_zero(3);
-                amx_weight_tile(kind, q, d, m, K, G, N, n0, 0, a[0][0]);
-                amx_weight_tile(kind, q, d, m, K, G, N, n0 + 16, 0, a[0][1]);
                 for (int64_t g = 0; g < groups; g++) {
-                    if (g + 1 < groups) {
-                        amx_weight_tile(kind, q, d, m, K, G, N, n0, g + 1, a[(g + 1) % 2][0]);
-                        amx_weight_tile(kind, q, d, m, K, G, N, n0 + 16, g + 1, a[(g + 1) % 2][1]);
-                    }
-                    _tile_loadd(4, a[g % 2][0], 64);
-                    _tile_loadd(5, a[g % 2][1], 64);
+                    amx_weight_tile(kind, q, d, m, K, G, N, n0, g, a[0]);
+                    amx_weight_tile(kind, q, d, m, K, G, N, n0 + 16, g, a[1]);
+                    _tile_loadd(4, a[0], 64);
+                    _tile_loadd(5, a[1], 64);
                     if (blocks == 1 && g % 2) {  /* odd groups into C tiles 2, 3 (summed at the end) */
                         _tile_loadd(7, b0 + g * 512, 64);
                         _tile_dpbf16ps(2, 4, 7);

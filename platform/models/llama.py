@@ -265,9 +265,10 @@ def load_model(folder: str | Path, config: ModelConfig, dtype: torch.dtype, max_
         model.lm_head.weight = model.embed_tokens.weight
     # never trained here: without this, a matmul outside inference_mode on an unpacked weight
     # (prompt logprobs in bfloat16 on CPU, anything on CUDA) fails on the step's inference tensors
+    model = model.eval().requires_grad_(False)
     if quantization != "none":  # from the float32 weights: GGUF bits checked / quantized before any bf16 rounding
-        quantize_model(model.requires_grad_(False), quantization, gguf, blocks)
-    model = model.to(dtype).eval().requires_grad_(False)
+        quantize_model(model, quantization, gguf, blocks)
+    model = model.to(dtype)
     if quantization == "none" and pack_weights and can_pack(dtype) and device.type == "cpu":
         for module in model.modules():
             if isinstance(module, PackedLinear):
