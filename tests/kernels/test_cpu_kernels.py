@@ -188,22 +188,28 @@ def test_bf16_adapters_under_float32_activations(c_kernel, monkeypatch):
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_c_sgmv_takes_an_adapters_tokens_together_in_any_group_size(dtype):
+@pytest.mark.parametrize("dtype,weights", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                           (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("in_features,widths", [(40, [24, 8]), (77, [45, 3, 19]), (96, [64, 33])])
+def test_c_sgmv_takes_an_adapters_tokens_together_in_any_group_size(dtype, weights, in_features, widths):
     """Tokens of one adapter go through the kernel up to four at a time (its weights read once
-    for them): groups of 1 to 5 tokens, shuffled in the batch, ranks 1-5 (partial groups of rows)."""
+    for them): groups of 1 to 5 tokens, shuffled in the batch, ranks 1-5 (partial groups of rows);
+    sizes that are not whole vectors (the AVX-512 loops take 32 values at a time, masked at the end),
+    slices starting at odd offsets."""
     from lora_case import lora_case, reference, table_from_stacked
 
     from loraplex.kernels.sgmv import LoRABatch
 
-    _, ranks, x, a, b, scales, offsets = lora_case(5, 15, 5, 5, 40, [24, 8], dtype, rank_choices=[5, 3, 1, 4, 5])
+    _, ranks, x, a, b, scales, offsets = lora_case(5, 15, 5, 5, in_features, widths, dtype,
+                                                   rank_choices=[5, 3, 1, 4, 5])
+    a, b = a.to(weights).to(dtype), b.to(weights).to(dtype)  # the values the weights' dtype holds
     slots = [i for i in range(5) for _ in range(i + 1)]  # 1, 2, 3, 4 and 5 tokens
     slots = [slots[j] for j in torch.randperm(15, generator=torch.Generator().manual_seed(0)).tolist()]
-    y0 = torch.randn(15, 32).to(dtype)
+    y0 = torch.randn(15, sum(widths)).to(dtype)
     expected = reference(x, a, b, ranks, scales, offsets, slots, y0)
     batch = LoRABatch.build(slots)
-    got = cpu_kernels.sgmv_lora_table_c(x, table_from_stacked(a, b, ranks, scales, offsets), batch.token_order,
-                                        batch.order_slots, y0.clone())
+    table = table_from_stacked(a.to(weights), b.to(weights), ranks, scales, offsets)
+    got = cpu_kernels.sgmv_lora_table_c(x, table, batch.token_order, batch.order_slots, y0.clone())
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=8e-3)
     torch.testing.assert_close(got.float(), expected.float(), **tol)
 
