@@ -202,15 +202,16 @@ class LoRATable:
         self.scales_arr[slot] = 0.0
 
 
-# The C kernel (cpu_kernels.c) beats per-segment GEMMs while segments are short: 1.5-14x at 16
-# tokens over 1-16 adapters, even at 64 tokens of one adapter (benchmarks/lora_ops.py);
-# per-segment GEMMs win on prefill chunks.
-C_BELOW_MEAN_SEGMENT = 64
+# The C kernel (cpu_kernels.c) beats per-segment GEMMs while segments are short, by the adapters'
+# dtype: float32 1.5-14x at 16 tokens over 1-16 adapters, even at 64 tokens of one adapter (AVX2,
+# benchmarks/lora_ops.py); bfloat16 (the AVX-512 loops) 3-11x at 16-64 tokens a segment, 1.7x at
+# 128, even at 256 (a small GEMM in bf16 costs ~30 us). Longer prefill segments take the GEMMs.
+C_BELOW_MEAN_SEGMENT = {torch.float32: 64, torch.bfloat16: 256}
 
 
 def sgmv_lora_table(x: torch.Tensor, table: LoRATable, batch: LoRABatch, y: torch.Tensor) -> torch.Tensor:
     """y += scale[s] * (x A[s]^T) Bt[s] for each token's slot s, on the CPU: one LoRA layer."""
-    if _mean_segment_below(batch, C_BELOW_MEAN_SEGMENT) and use_cpu_kernel(y) \
+    if _mean_segment_below(batch, C_BELOW_MEAN_SEGMENT.get(table.dtype, 0)) and use_cpu_kernel(y) \
             and cpu_kernels.usable(x, y, dtypes=cpu_kernels.SGMV_DTYPES) and x.dtype == y.dtype \
             and (x.dtype, table.dtype) in cpu_kernels.SGMV_KINDS:
         # decode-shaped batches: the C kernel reads each token's A and B in place

@@ -181,7 +181,7 @@ def test_bf16_adapters_under_float32_activations(c_kernel, monkeypatch):
     kernel = cpu_kernels.sgmv_lora_table_c
     monkeypatch.setattr(cpu_kernels, "sgmv_lora_table_c", lambda *args: calls.append(1) or kernel(*args))
     if not c_kernel:
-        monkeypatch.setattr(sgmv, "C_BELOW_MEAN_SEGMENT", 0)
+        monkeypatch.setattr(sgmv, "C_BELOW_MEAN_SEGMENT", {})
     got = sgmv_lora_table(x, table, LoRABatch.build(s), y0.clone())
     assert got.dtype == torch.float32 and calls == ([1] if c_kernel else [])
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
@@ -230,17 +230,23 @@ def test_c_sgmv_bf16_rounds_to_nearest_even_like_torch():
 
 
 @needs_kernel
-def test_c_sgmv_is_skipped_for_long_segments_and_non_contiguous_outputs(monkeypatch):
+@pytest.mark.parametrize("dtype,short,long", [(torch.float32, 60, 150), (torch.bfloat16, 250, 300)])
+def test_c_sgmv_is_skipped_for_long_segments_and_non_contiguous_outputs(dtype, short, long, monkeypatch):
+    """Prefill-shaped segments take the GEMM path from a length that depends on the adapters' dtype
+    (bf16: the AVX-512 loops beat small bf16 GEMMs for longer); a strided output never takes the kernel."""
     from lora_case import lora_case, table_from_stacked
 
     from loraplex.kernels.sgmv import LoRABatch, sgmv_lora_table
 
     calls = []
     monkeypatch.setattr(cpu_kernels, "sgmv_lora_table_c", lambda *args: calls.append(1))
-    s, ranks, x, a, b, scales, offsets = lora_case(3, 300, 2, 8, 64, [64])
-    s = [0] * 150 + [1] * 150  # prefill-shaped: two long segments take the GEMM path
-    table = table_from_stacked(a, b, ranks, scales, offsets)
-    sgmv_lora_table(x, table, LoRABatch.build(s), torch.zeros(300, 64))
+    for length in (short, long):
+        s, ranks, x, a, b, scales, offsets = lora_case(3, 2 * length, 2, 8, 64, [64], dtype)
+        s = [0] * length + [1] * length  # two requests' prefill chunks
+        table = table_from_stacked(a, b, ranks, scales, offsets)
+        sgmv_lora_table(x, table, LoRABatch.build(s), torch.zeros(2 * length, 64, dtype=dtype))
+    assert calls == [1]  # the short segments only
+    calls.clear()
     s, ranks, x, a, b, scales, offsets = lora_case(4, 8, 8, 8, 64, [64])
     wide = torch.zeros(8, 64, 2)[..., 0]  # a strided output: the kernel would write wrong rows
     sgmv_lora_table(x, table_from_stacked(a, b, ranks, scales, offsets), LoRABatch.build(s), wide)
