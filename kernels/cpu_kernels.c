@@ -1494,6 +1494,23 @@ static inline void amx_store(const float *c, const float *c2, int64_t n0, int64_
     }
 }
 
+/* the four C tiles: zeroed before a block's products, stored into c[4][256] after them */
+static inline void amx_zero_c(void)
+{
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
+static inline void amx_store_c(float c[4][256])
+{
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    _tile_stored(2, c[2], 64);
+    _tile_stored(3, c[3], 64);
+}
+
 /* x [M, K] (float32 or bf16: x_kind) times the q4 / q8 weight (as q4_matmul / q8_matmul take it; G: q8's
  * group) -> y [M, N] (float32 or bf16: y_kind). Four C tiles accumulate at once (16 weight rows times 4 x
  * 16 tokens; up to 32 tokens, 2 x 16 rows times 2 x 16 tokens; up to 16, even and odd groups apart): a
@@ -1535,10 +1552,7 @@ int quant_matmul_amx(int kind, const void *x, int x_kind, int64_t M, int64_t K, 
                     for (int64_t b = 0; b < blocks; b += 4) {
                         const int64_t nb = blocks - b < 4 ? blocks - b : 4;
                         const uint16_t *xb = xt + b * groups * 512;
-                        _tile_zero(0);
-                        _tile_zero(1);
-                        _tile_zero(2);
-                        _tile_zero(3);
+                        amx_zero_c();
                         for (int64_t g = 0; g < groups; g++) {
                             amx_weight_tile(kind, q, d, m, K, G, N, nn, g, a[0]);
                             _tile_loadd(4, a[0], 64);
@@ -1553,10 +1567,7 @@ int quant_matmul_amx(int kind, const void *x, int x_kind, int64_t M, int64_t K, 
                                 _tile_dpbf16ps(3, 4, 5);
                             }
                         }
-                        _tile_stored(0, c[0], 64);
-                        _tile_stored(1, c[1], 64);
-                        _tile_stored(2, c[2], 64);
-                        _tile_stored(3, c[3], 64);
+                        amx_store_c(c);
                         for (int64_t j = 0; j < nb; j++) amx_store(c[j], NULL, nn, 16 * (b + j), M, N, y_kind, y);
                     }
                 continue;
@@ -1564,10 +1575,7 @@ int quant_matmul_amx(int kind, const void *x, int x_kind, int64_t M, int64_t K, 
             /* the tiles of 2 x 16 weight rows, dequantized per group into L1 right before their products */
             for (int64_t b = 0; b < blocks; b += 2) {
                 const uint16_t *b0 = xt + b * groups * 512, *b1 = b0 + groups * 512;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
+                amx_zero_c();
                 for (int64_t g = 0; g < groups; g++) {
                     amx_weight_tile(kind, q, d, m, K, G, N, n0, g, a[0]);
                     amx_weight_tile(kind, q, d, m, K, G, N, n0 + 16, g, a[1]);
@@ -1588,10 +1596,7 @@ int quant_matmul_amx(int kind, const void *x, int x_kind, int64_t M, int64_t K, 
                         _tile_dpbf16ps(3, 5, 7);
                     }
                 }
-                _tile_stored(0, c[0], 64);
-                _tile_stored(1, c[1], 64);
-                _tile_stored(2, c[2], 64);
-                _tile_stored(3, c[3], 64);
+                amx_store_c(c);
                 if (blocks == 1) {
                     amx_store(c[0], c[2], n0, 0, M, N, y_kind, y);
                     amx_store(c[1], c[3], n0 + 16, 0, M, N, y_kind, y);

@@ -42,7 +42,7 @@ DENSE_TOKENS = {torch.bfloat16: 32, torch.float32: 96}
 # bf16 on AMX").
 AMX_TOKENS = (3, 192)
 DENSE_DTYPE: torch.dtype | None = None  # None: bfloat16 where native, else float32
-OUT_KINDS = {torch.float32: 0, torch.bfloat16: 2}  # quant_dequantize's out_kind
+OUT_KINDS = {dtype: cpu_kernels.KV_KINDS[dtype] for dtype in (torch.float32, torch.bfloat16)}  # x / out kinds
 
 
 @dataclass

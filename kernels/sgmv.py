@@ -205,7 +205,8 @@ class LoRATable:
 # The C kernel (cpu_kernels.c) beats per-segment GEMMs while segments are short, by the adapters'
 # dtype: float32 1.5-14x at 16 tokens over 1-16 adapters, even at 64 tokens of one adapter (AVX2,
 # benchmarks/lora_ops.py); bfloat16 (the AVX-512 loops) 3-11x at 16-64 tokens a segment, 1.7x at
-# 128, even at 256 (a small GEMM in bf16 costs ~30 us). Longer prefill segments take the GEMMs.
+# 128, even at 256 (each small bf16 GEMM costs ~30 us, ~115 us a segment). Longer prefill segments
+# take the GEMMs.
 C_BELOW_MEAN_SEGMENT = {torch.float32: 64, torch.bfloat16: 256}
 
 
