@@ -987,12 +987,64 @@ static void dequant_q8_row(const int8_t *q, const float *d, int64_t K, int64_t G
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define TILE_512 1
+/* 4 row sums (16 lanes each) -> one vector of the 4 totals */
+static inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3)
+{
+    const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    const __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
+                                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+#define TILE_TOKENS 6
+
+/* out[t0 + t, n0 .. n0 + nb - 1] for NT tokens from the 4 rows w (rows past nb: any row, not stored);
+ * 4 x NT accumulators of 16 lanes, x and w read once per 16 k for all of them */
+static inline __attribute__((always_inline)) void tile_block(const float *x, int64_t K, const float *const *w,
+                                                             const int NT, int nb, float *out, int64_t N)
+{
+    __m512 acc[TILE_TOKENS][4];
+    for (int t = 0; t < NT; t++)
+        for (int i = 0; i < 4; i++) acc[t][i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 m = K - k >= 16 ? 0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+        const __m512 w0 = _mm512_maskz_loadu_ps(m, w[0] + k), w1 = _mm512_maskz_loadu_ps(m, w[1] + k);
+        const __m512 w2 = _mm512_maskz_loadu_ps(m, w[2] + k), w3 = _mm512_maskz_loadu_ps(m, w[3] + k);
+        for (int t = 0; t < NT; t++) {
+            const __m512 u = _mm512_maskz_loadu_ps(m, x + t * K + k);
+            acc[t][0] = _mm512_fmadd_ps(u, w0, acc[t][0]);
+            acc[t][1] = _mm512_fmadd_ps(u, w1, acc[t][1]);
+            acc[t][2] = _mm512_fmadd_ps(u, w2, acc[t][2]);
+            acc[t][3] = _mm512_fmadd_ps(u, w3, acc[t][3]);
+        }
+    }
+    const __mmask8 rows = (__mmask8)((1u << nb) - 1);
+    for (int t = 0; t < NT; t++)
+        _mm_mask_storeu_ps(out + t * N, rows, sum4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]));
+}
+#endif
+
 /* out[r, n0 + j] for r < M, j < nb, from nb dequantized rows w[j * K ...] */
 static void tile_dots(const float *x, int64_t M, int64_t K, const float *w, int nb, float *out, int64_t N,
                       int64_t n0)
 {
     int64_t r = 0;
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef TILE_512
+    const float *rows[4] = {w, w + (nb > 1) * K, w + (nb > 2) * 2 * K, w + (nb > 3) * 3 * K};
+    for (; r + TILE_TOKENS <= M; r += TILE_TOKENS) tile_block(x + r * K, K, rows, TILE_TOKENS, nb, out + r * N + n0, N);
+    switch (M - r) {
+    case 1: tile_block(x + r * K, K, rows, 1, nb, out + r * N + n0, N); break;
+    case 2: tile_block(x + r * K, K, rows, 2, nb, out + r * N + n0, N); break;
+    case 3: tile_block(x + r * K, K, rows, 3, nb, out + r * N + n0, N); break;
+    case 4: tile_block(x + r * K, K, rows, 4, nb, out + r * N + n0, N); break;
+    case 5: tile_block(x + r * K, K, rows, 5, nb, out + r * N + n0, N); break;
+    }
+    r = M;
+#elif defined(__AVX2__) && defined(__FMA__)
     for (; nb == 4 && r + 3 <= M; r += 3) {  /* 3 tokens x 4 rows: 12 FMA chains, 7 loads per 12 FMAs */
         const float *x0 = x + r * K, *x1 = x0 + K, *x2 = x1 + K;
         __m256 a[3][4];
@@ -1404,16 +1456,170 @@ int q8_matmul_x8(const float *x, int64_t M, int64_t K, const int8_t *q, const fl
 #endif
 }
 
+/* ---- bfloat16 pairs, shared by the two kernels below (AVX512-BF16 dot products, AMX tiles) ------------
+ * Both multiply a group of 32 weights as 16 bf16 pairs (k r, k r + 16), r < 16: in a q4 byte those are its
+ * two nibbles, so a group dequantizes with one permute, and x is laid out in the same pairs once per call.
+ * The weights' bf16 values are the dense path's (float32 d * q + m rounded to nearest even): these paths
+ * round as it does. */
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(TILE_512)  /* TILE_512: sum4 */
+#define BF16_PAIRS 1
+
+/* 32 values (as float lanes lo = k 0..15, hi = k 16..31) -> 16 bf16 pairs: lane r = (k r, k r + 16) */
+static inline __m512i bf16_pairs(__m512 lo, __m512 hi)
+{
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+/* group g of weight row n (q4 / q8 as the float kernels take them) as 16 bf16 pairs. q4: the row's 16
+ * possible values d * q + m rounded to bf16 once, then picked per nibble by one permute. */
+static inline __m512i weight_pairs(int kind, const void *q, const float *d, const float *m, int64_t K, int64_t G,
+                                   int64_t n, int64_t g)
+{
+    if (kind == 4) {
+        const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const int64_t s = n * (K / 32) + g;
+        const __m256i table = (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(values, _mm512_set1_ps(d[s]),
+                                                                          _mm512_set1_ps(m[s])));
+        /* byte r -> the word pair (low nibble, high nibble) */
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)q + n * (K / 2) +
+                                                                                 16 * g)));
+        /* (v | v << 12) & 0x000F000F: ternary-logic truth table 0xA8 */
+        const __m512i index = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x000F000F),
+                                                        0xA8);
+        return _mm512_permutexvar_epi16(index, _mm512_castsi256_si512(table));
+    }
+    const int8_t *row = (const int8_t *)q + n * K + 32 * g;
+    const __m512 dv = _mm512_set1_ps(d[n * (K / G) + 32 * g / G]);
+    const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)row))), dv);
+    const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 16)))),
+                                    dv);
+    return bf16_pairs(lo, hi);
+}
+
+/* x [M, K] (float32 or bf16: x_kind) -> xp[token][g]: each group of 32 as 16 bf16 pairs */
+static void x_pairs(const void *x, int x_kind, int64_t M, int64_t K, __m512i *xp)
+{
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < M; t++)
+        for (int64_t g = 0; g < K / 32; g++) {
+            const int64_t i = t * K + 32 * g;
+            __m512 lo, hi;
+            if (x_kind == KV_BF16) {
+                const uint16_t *b = (const uint16_t *)x + i;
+                lo = bf16_even(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)b)));
+                hi = bf16_even(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b + 16))));
+            } else {
+                lo = _mm512_loadu_ps((const float *)x + i);
+                hi = _mm512_loadu_ps((const float *)x + i + 16);
+            }
+            xp[t * (K / 32) + g] = bf16_pairs(lo, hi);
+        }
+}
+#endif
+
+/* ---- the same matmuls with AVX512-BF16 dot products (Cooper Lake, Zen 4, Sapphire Rapids without the
+ * tiles): a tile of DP_ROWS weight rows dequantized to bf16 pairs in L1 once per call, then 4 rows x up
+ * to 6 tokens of `vdpbf16ps` over it (24 accumulators; 32 multiply-adds per instruction, 4x an AVX2 FMA).
+ * Dequantizing is a few instructions per 32 weights whatever the number of tokens: from a few tokens on
+ * this beats the float kernel, and it reads 4-bit weights where the dense path reads a bf16 copy. */
+
+#ifdef BF16_PAIRS
+#define DP_ROWS 16
+#define DP_TOKENS 6
+
+/* y[t][n0 .. n0 + 3] for NT tokens from 4 weight rows w[i * groups ...] and the tokens' pairs */
+static inline __attribute__((always_inline)) void dp_block(const __m512i *w, const __m512i *xp, int64_t groups,
+                                                           const int NT, int64_t n0, int64_t N, int y_kind, void *y,
+                                                           int64_t t0)
+{
+    __m512 acc[DP_TOKENS][4];
+    for (int t = 0; t < NT; t++)
+        for (int i = 0; i < 4; i++) acc[t][i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const __m512bh w0 = (__m512bh)w[g], w1 = (__m512bh)w[groups + g];
+        const __m512bh w2 = (__m512bh)w[2 * groups + g], w3 = (__m512bh)w[3 * groups + g];
+        for (int t = 0; t < NT; t++) {
+            const __m512bh xv = (__m512bh)xp[t * groups + g];
+            acc[t][0] = _mm512_dpbf16_ps(acc[t][0], w0, xv);
+            acc[t][1] = _mm512_dpbf16_ps(acc[t][1], w1, xv);
+            acc[t][2] = _mm512_dpbf16_ps(acc[t][2], w2, xv);
+            acc[t][3] = _mm512_dpbf16_ps(acc[t][3], w3, xv);
+        }
+    }
+    const __mmask8 rows = N - n0 >= 4 ? 0xF : (__mmask8)((1u << (N - n0)) - 1);
+    for (int t = 0; t < NT; t++) {
+        const __m128 v = sum4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]);
+        if (y_kind == KV_BF16)
+            _mm_mask_storeu_epi16((uint16_t *)y + (t0 + t) * N + n0, rows, (__m128i)_mm_cvtneps_pbh(v));
+        else
+            _mm_mask_storeu_ps((float *)y + (t0 + t) * N + n0, rows, v);
+    }
+}
+
+int quant_matmul_dpbf16(int kind, const void *x, int x_kind, int64_t M, int64_t K, const void *q, const float *d,
+                        const float *m, int64_t G, int64_t N, int y_kind, void *y)
+{
+    if (K % 32 || (kind == 8 && (G <= 0 || G % 32 || K % G))) return -2;
+    if (M <= 0) return 0;
+    const int64_t groups = K / 32;
+    __m512i *xp = aligned_alloc(64, (size_t)(M * groups) * sizeof(__m512i));
+    if (!xp) return -1;
+    int failed = 0;
+#pragma omp parallel
+    {
+        x_pairs(x, x_kind, M, K, xp);  /* ends in the omp for's barrier */
+        __m512i *w = aligned_alloc(64, (size_t)(DP_ROWS * groups) * sizeof(__m512i));
+        if (!w) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t n0 = 0; n0 < N; n0 += DP_ROWS) {
+            if (!w) continue;
+            for (int64_t j = 0; j < DP_ROWS; j++)
+                for (int64_t g = 0; g < groups; g++)
+                    w[j * groups + g] = n0 + j < N ? weight_pairs(kind, q, d, m, K, G, n0 + j, g)
+                                                   : _mm512_setzero_si512();
+            for (int64_t j = 0; j < DP_ROWS && n0 + j < N; j += 4)
+                for (int64_t t0 = 0; t0 < M; t0 += DP_TOKENS) {
+                    const __m512i *wj = w + j * groups, *xt = xp + t0 * groups;
+                    switch (M - t0 < DP_TOKENS ? M - t0 : DP_TOKENS) {
+                    case 1: dp_block(wj, xt, groups, 1, n0 + j, N, y_kind, y, t0); break;
+                    case 2: dp_block(wj, xt, groups, 2, n0 + j, N, y_kind, y, t0); break;
+                    case 3: dp_block(wj, xt, groups, 3, n0 + j, N, y_kind, y, t0); break;
+                    case 4: dp_block(wj, xt, groups, 4, n0 + j, N, y_kind, y, t0); break;
+                    case 5: dp_block(wj, xt, groups, 5, n0 + j, N, y_kind, y, t0); break;
+                    default: dp_block(wj, xt, groups, 6, n0 + j, N, y_kind, y, t0);
+                    }
+                }
+        }
+        free(w);
+    }
+    free(xp);
+    return failed ? -1 : 0;
+}
+
+int dpbf16_supported(void) { return 1; }
+#else
+int dpbf16_supported(void) { return 0; }
+
+int quant_matmul_dpbf16(int kind, const void *x, int x_kind, int64_t M, int64_t K, const void *q, const float *d,
+                        const float *m, int64_t G, int64_t N, int y_kind, void *y)
+{
+    (void)kind, (void)x, (void)x_kind, (void)M, (void)K, (void)q, (void)d, (void)m, (void)G, (void)N, (void)y_kind,
+        (void)y;
+    return -3;
+}
+#endif
+
 /* ---- the same matmuls on AMX (Sapphire Rapids and later): tiles of the weight dequantized to bfloat16
  * in L1 and multiplied by the tile unit, float32 accumulation. Computed as y^T = W x^T so that the weight
  * tile is 16 rows of W as stored (no transpose): A = W rows n x 32 k of one group, B = x^T's pairs, C =
- * 16 n x 16 tokens. A group's k are paired (k, k + 16): in a q4 byte those are its two nibbles, and x is
- * laid out in the same pairs once per call. Per weight this is a few vector instructions whatever the
+ * 16 n x 16 tokens, A's rows in the pairs above. Per weight this is a few vector instructions whatever the
  * number of tokens, where the float kernel pays one multiply per weight and token: from a few tokens on
- * it beats both the float and the int8 kernel (BENCHMARKS.md, "q4 in bf16 on AMX"). The weights' bf16
- * values are the dense path's (float32 d * q + m rounded to nearest even): this path rounds as it does. */
+ * it beats both the float and the int8 kernel (BENCHMARKS.md, "q4 in bf16 on AMX"). */
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(BF16_PAIRS)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define AMX 1
@@ -1424,49 +1630,13 @@ typedef struct {
     uint8_t rows[16];
 } amx_tile_config;
 
-/* 32 weights (as float lanes lo = k 0..15, hi = k 16..31) -> one A-tile row: lane r = (k r, k r + 16) */
-static inline void amx_store_pairs(__m512 lo, __m512 hi, uint16_t *row)
-{
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    _mm512_store_si512((__m512i *)row, _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo)));
-}
-
-/* 16 rows (from row n0) of group g of a q4 / q8 weight as a bf16 A tile [16][32] (rows past N: zero). q4:
- * each row's 16 possible values d * q + m rounded to bf16 once, then picked per nibble by one permute. */
+/* 16 rows (from row n0) of group g of a q4 / q8 weight as a bf16 A tile [16][32] (rows past N: zero) */
 static inline void amx_weight_tile(int kind, const void *q, const float *d, const float *m, int64_t K, int64_t G,
                                    int64_t N, int64_t n0, int64_t g, uint16_t *tile)
 {
-    const int64_t groups = kind == 4 ? K / 32 : K / G;
-    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int64_t i = 0; i < 16; i++) {
-        const int64_t n = n0 + i;
-        if (n >= N) {
-            memset(tile + 32 * i, 0, 64);
-            continue;
-        }
-        if (kind == 4) {
-            const int64_t s = n * groups + g;
-            const __m256i table = (__m256i)_mm512_cvtneps_pbh(
-                _mm512_fmadd_ps(values, _mm512_set1_ps(d[s]), _mm512_set1_ps(m[s])));
-            /* byte r -> the word pair (low nibble, high nibble): A-tile lane r = (k r, k r + 16) */
-            const uint8_t *row = (const uint8_t *)q + n * (K / 2) + 16 * g;
-            const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)row));
-            /* (v | v << 12) & 0x000F000F: ternary-logic truth table 0xA8 */
-            const __m512i index = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x000F000F),
-                                                            0xA8);
-            _mm512_store_si512((__m512i *)(tile + 32 * i),
-                               _mm512_permutexvar_epi16(index, _mm512_castsi256_si512(table)));
-        } else {
-            const int8_t *row = (const int8_t *)q + n * K + 32 * g;
-            const __m512 dv = _mm512_set1_ps(d[n * groups + 32 * g / G]);
-            const __m128i low = _mm_loadu_si128((const __m128i *)row);
-            const __m128i high = _mm_loadu_si128((const __m128i *)(row + 16));
-            const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(low)), dv);
-            const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(high)), dv);
-            amx_store_pairs(lo, hi, tile + 32 * i);
-        }
-    }
+    for (int64_t i = 0; i < 16; i++)
+        _mm512_store_si512((__m512i *)(tile + 32 * i),
+                           n0 + i < N ? weight_pairs(kind, q, d, m, K, G, n0 + i, g) : _mm512_setzero_si512());
 }
 
 int amx_supported(void)

@@ -38,10 +38,11 @@ SGMV_KINDS = {(torch.float32, torch.float32): "sgmv_lora_table_f32", (torch.bflo
 _kv_f16 = False  # whether the built library reads float16 K/V (compiled with F16C)
 _x8 = False  # whether it has an integer dot product for int8 activations (AVX2 and up)
 _amx = False  # whether it was built with AMX and the OS lets this process use the tiles
+_dpbf16 = False  # whether it was built with AVX512-BF16 dot products
 
 
 def library() -> ctypes.CDLL | None:
-    global _library, _tried, _kv_f16, _x8, _amx
+    global _library, _tried, _kv_f16, _x8, _amx, _dpbf16
     if _tried:  # every kernel call asks: no lock once the build was tried
         return _library
     with _lock:
@@ -51,6 +52,7 @@ def library() -> ctypes.CDLL | None:
                 _kv_f16 = bool(_library.kv_f16_supported())
                 _x8 = bool(_library.x8_supported())
                 _amx = bool(_library.amx_supported())
+                _dpbf16 = bool(_library.dpbf16_supported())
             except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
                 log.warning("C kernels unavailable (%s); using the PyTorch path", exc)
             _tried = True
@@ -109,13 +111,16 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.amx_supported.argtypes = []
     lib.quant_matmul_amx.argtypes = [ctypes.c_int, ptr, ctypes.c_int, i64, i64, ptr, ptr, ptr, i64, i64, ctypes.c_int,
                                      ptr]
+    lib.dpbf16_supported.argtypes = []
+    lib.quant_matmul_dpbf16.argtypes = lib.quant_matmul_amx.argtypes
     lib.quant_dequantize.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ptr]
     lib.add_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int, ptr]
     lib.rope_write_kv.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ptr]
     lib.silu_mul.argtypes = [ptr, i64, i64, ctypes.c_int, ptr]
     for fn in (lib.paged_attention_f32, lib.sgmv_lora_table_f32, lib.sgmv_lora_table_bf16,
                lib.sgmv_lora_table_f32_bf16w, lib.q4_matmul, lib.q8_matmul, lib.q4_matmul_x8, lib.q8_matmul_x8,
-               lib.x8_supported, lib.amx_supported, lib.quant_matmul_amx, lib.quant_dequantize, lib.add_rms_norm,
+               lib.x8_supported, lib.amx_supported, lib.quant_matmul_amx, lib.dpbf16_supported,
+               lib.quant_matmul_dpbf16, lib.quant_dequantize, lib.add_rms_norm,
                lib.rope_write_kv, lib.silu_mul):
         fn.restype = ctypes.c_int
     return lib
@@ -152,6 +157,11 @@ def amx_supported() -> bool:
     """Whether the quantized matmuls can run on AMX tiles here (built for a CPU with AMX-BF16,
     and the OS granted this process the tile state)."""
     return library() is not None and _amx
+
+
+def dpbf16_supported() -> bool:
+    """Whether the quantized matmuls can run on AVX512-BF16 dot products here (the library built for it)."""
+    return library() is not None and _dpbf16
 
 
 def _f16c() -> bool:

@@ -11,14 +11,19 @@ Formats (`QuantizedWeight`), both grouped along the input dimension K:
 (decode), x rounded to int8 per group of 32 and integer dot products (`cpu_kernels.c`, as
 llama.cpp does); a few more, the C kernel on float32 x (each weight row dequantized once per call
 into L1, every token's dot product taken with it); from `DENSE_TOKENS` (prefill), the weight
-dequantized in C and oneDNN's GEMM, in bf16 where native. On a CPU with AMX, calls of
-`AMX_TOKENS` go to the tile kernel instead (weight tiles dequantized to bf16 in L1, multiplied by
-the tile unit: the dense path's rounding without its dequantized copy). Without the C kernels: the
-reference, `x @ dequantize(w).T`; tests compare each path with the reference that rounds as it does.
+dequantized in C and oneDNN's GEMM, in bf16 where that measures faster (`dense_dtype`). On a CPU with
+AMX, calls of `AMX_TOKENS` go to the tile kernel instead (weight tiles dequantized to bf16 in L1,
+multiplied by the tile unit: the dense path's rounding without its dequantized copy); with AVX512-BF16
+but no AMX, calls of `DPBF16_TOKENS` to the same math on bf16 dot-product instructions. Without the C
+kernels: the reference, `x @ dequantize(w).T`; tests compare each path with the reference that
+rounds as it does.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.kernels import cpu_kernels
+
+log = logging.getLogger("loraplex")
 
 Q4_GROUP = 32
 # Calls of at most this many tokens (decode at batch 1-4) multiply int8 activations: there the float
@@ -41,7 +48,13 @@ DENSE_TOKENS = {torch.bfloat16: 32, torch.float32: 96}
 # path): below, the int8 kernel is as fast; above, the dense GEMM's reuse wins (BENCHMARKS.md, "q4 in
 # bf16 on AMX").
 AMX_TOKENS = (3, 192)
-DENSE_DTYPE: torch.dtype | None = None  # None: bfloat16 where native, else float32
+# Without AMX but with AVX512-BF16 (Zen 4, Cooper Lake, some Xeons), calls of [low, high) tokens go to
+# the bf16 dot-product kernel (the tile kernel's numbers) or the float kernel, whichever measured faster
+# here (`dpbf16_wins`: on a Xeon without AMX, `vdpbf16ps` is no faster than two float FMAs); from high on,
+# the dense GEMM (BENCHMARKS.md, "q4 on AVX512-BF16 without AMX").
+DPBF16_TOKENS = (5, 192)
+DPBF16_MARGIN = 1.15
+DENSE_DTYPE: torch.dtype | None = None  # None: measured (`dense_dtype`)
 OUT_KINDS = {dtype: cpu_kernels.KV_KINDS[dtype] for dtype in (torch.float32, torch.bfloat16)}  # x / out kinds
 
 
@@ -157,9 +170,60 @@ def reference_matmul(x: torch.Tensor, w: QuantizedWeight, int8_activations: bool
 
 
 def dense_dtype() -> torch.dtype:
-    if DENSE_DTYPE is not None:
-        return DENSE_DTYPE
-    return torch.bfloat16 if cpu_kernels.native_bf16() else torch.float32
+    """The dense path's GEMM dtype: `DENSE_DTYPE` if set, else bfloat16 where the CPU multiplies it
+    natively and oneDNN's bf16 GEMM measures faster than its float32 one, else float32. Native is not
+    enough: on AVX512-BF16 without AMX a prefill-sized float32 GEMM measured 1.7x faster (BENCHMARKS.md)."""
+    return DENSE_DTYPE if DENSE_DTYPE is not None else measured_dense_dtype()
+
+
+@functools.cache  # once per process: the CPU does not change, and the two differ by far more than noise
+def measured_dense_dtype(seconds=None) -> torch.dtype:
+    if not cpu_kernels.native_bf16():
+        return torch.float32  # emulated bf16 is several times slower: nothing to measure
+    times = (seconds or gemm_seconds)((torch.float32, torch.bfloat16))
+    choice = min(times, key=times.get)
+    log.info("quantized prefill GEMMs in %s (%s)", str(choice).removeprefix("torch."),
+             ", ".join(f"{str(d).removeprefix('torch.')} {t * 1e3:.2f} ms" for d, t in times.items()))
+    return choice
+
+
+@functools.cache  # once per process, as `measured_dense_dtype`
+def dpbf16_wins(seconds=None) -> bool:
+    """Whether the bf16 dot-product kernel beats the float one at mid-size calls on this CPU by
+    `DPBF16_MARGIN`: the float kernel's sums are exact, and a near tie must not flip between runs."""
+    times = (seconds or kernel_seconds)()
+    wins = times["bf16 dot-product"] * DPBF16_MARGIN < times["float"]
+    log.info("quantized matmuls of %d-%d tokens on the %s kernel (%s)", DPBF16_TOKENS[0], DPBF16_TOKENS[1] - 1,
+             "bf16 dot-product" if wins else "float", ", ".join(f"{k} {t * 1e3:.2f} ms" for k, t in times.items()))
+    return wins
+
+
+def kernel_seconds(tokens: int = 32, size: int = 1024, rounds: int = 4) -> dict[str, float]:
+    """The best of `rounds` calls of each mid-size kernel on a q4 weight, taking turns."""
+    w = quantize(torch.randn(size, size), "q4")
+    x = torch.randn(tokens, size)
+    kernels = {"bf16 dot-product": lambda: dpbf16_matmul(x, w),
+               "float": lambda: quantized_matmul(x, w, int8_activations=False)}
+    best = {name: float("inf") for name in kernels}
+    for _ in range(rounds + 1):
+        for name, kernel in kernels.items():
+            start = time.perf_counter()
+            kernel()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def gemm_seconds(dtypes: tuple[torch.dtype, ...], tokens: int = 256, size: int = 1024, rounds: int = 4
+                 ) -> dict[torch.dtype, float]:
+    """The best of `rounds` prefill-sized GEMMs per dtype, the dtypes taking turns (noise hits both)."""
+    pairs = {d: (torch.randn(tokens, size).to(d), torch.randn(size, size).to(d)) for d in dtypes}
+    best = {d: float("inf") for d in dtypes}
+    for _ in range(rounds + 1):  # the first round warms oneDNN up
+        for d, (x, w) in pairs.items():
+            start = time.perf_counter()
+            F.linear(x, w)
+            best[d] = min(best[d], time.perf_counter() - start)
+    return best
 
 
 def dequantized(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -179,16 +243,24 @@ def dequantized(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch
 def amx_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     """x [M, K] float32 or bfloat16 -> [M, N] in x's dtype on AMX tiles (the C library built with AMX):
     the dense path's numbers (x and w rounded to bf16, float32 sums), without its dequantized copy."""
+    return _bf16_pairs_matmul(cpu_kernels.library().quant_matmul_amx, "AMX", x, w)
+
+
+def dpbf16_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """`amx_matmul`'s numbers on AVX512-BF16 dot products (the C library built with AVX512-BF16)."""
+    return _bf16_pairs_matmul(cpu_kernels.library().quant_matmul_dpbf16, "AVX512-BF16", x, w)
+
+
+def _bf16_pairs_matmul(kernel, name: str, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
-    status = cpu_kernels.library().quant_matmul_amx(
-        4 if w.kind == "q4" else 8, x.data_ptr(), OUT_KINDS[x.dtype], x.shape[0], w.shape[1], w.q.data_ptr(),
-        w.d.data_ptr(), None if w.m is None else w.m.data_ptr(), w.group, w.shape[0], OUT_KINDS[x.dtype],
-        out.data_ptr())
+    status = kernel(4 if w.kind == "q4" else 8, x.data_ptr(), OUT_KINDS[x.dtype], x.shape[0], w.shape[1],
+                    w.q.data_ptr(), w.d.data_ptr(), None if w.m is None else w.m.data_ptr(), w.group, w.shape[0],
+                    OUT_KINDS[x.dtype], out.data_ptr())
     if status == -1:
-        raise MemoryError(f"{w.kind} AMX kernel could not allocate its buffers")
+        raise MemoryError(f"{w.kind} {name} kernel could not allocate its buffers")
     if status != 0:
-        raise RuntimeError(f"{w.kind} AMX kernel refused shape {w.shape} (group {w.group}, status {status})")
+        raise RuntimeError(f"{w.kind} {name} kernel refused shape {w.shape} (group {w.group}, status {status})")
     return out
 
 
@@ -210,13 +282,19 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, int8_activations: bool
         return reference_matmul(x, w).to(x.dtype)
     flat = x.reshape(-1, w.shape[1])
     tokens = flat.shape[0]
-    if int8_activations is None and AMX_TOKENS[0] <= tokens < AMX_TOKENS[1] and cpu_kernels.amx_supported() \
-            and int8_activations_fit(w):  # the tile kernel's groups are whole 32s too
-        return amx_matmul(flat, w).reshape(*x.shape[:-1], w.shape[0])
+    dense = dense_dtype()
+    dense_from = DENSE_TOKENS[dense]
+    if int8_activations is None and int8_activations_fit(w):  # the bf16 kernels' groups are whole 32s too
+        if cpu_kernels.amx_supported():
+            if AMX_TOKENS[0] <= tokens < AMX_TOKENS[1]:
+                return amx_matmul(flat, w).reshape(*x.shape[:-1], w.shape[0])
+        elif DPBF16_TOKENS[0] <= tokens < DPBF16_TOKENS[1] and cpu_kernels.dpbf16_supported():
+            if dpbf16_wins():
+                return dpbf16_matmul(flat, w).reshape(*x.shape[:-1], w.shape[0])
+            dense_from = DPBF16_TOKENS[1]  # the float kernel: where it ties the dot products, it beats the GEMM
     if int8_activations is None:
         int8_activations = tokens <= INT8_ACTIVATION_TOKENS
-    dense = dense_dtype()
-    if not int8_activations and tokens >= DENSE_TOKENS[dense]:
+    if not int8_activations and tokens >= dense_from:
         y = F.linear(flat.to(dense), dequantized(w, dense)).to(x.dtype)
         return y.reshape(*x.shape[:-1], w.shape[0])
     flat = flat.float().contiguous()  # the kernels take float32 x (bf16 activations: exact)

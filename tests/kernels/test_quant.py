@@ -15,7 +15,7 @@ FORMATS = [("q4", None), ("q8", None), ("q8", 32)]
 
 
 KERNEL_ONLY = {torch.float32: 1 << 30, torch.bfloat16: 1 << 30}  # no call takes the dense GEMM
-NO_AMX = (1 << 30, 1 << 30)  # no call takes the AMX tile kernel
+NO_BF16_KERNEL = (1 << 30, 1 << 30)  # no call takes the AMX or the AVX512-BF16 kernel
 
 
 @pytest.mark.parametrize("kind,group", FORMATS)
@@ -63,7 +63,8 @@ def test_dense_path_is_a_gemm_on_the_dequantized_weight(kind, group, dtype, tole
     the CPU lacks it) within one bf16 rounding of the same product rounded in the reference."""
     monkeypatch.setattr(quant, "DENSE_DTYPE", dtype)
     monkeypatch.setattr(quant, "DENSE_TOKENS", {dtype: 8})
-    monkeypatch.setattr(quant, "AMX_TOKENS", NO_AMX)
+    monkeypatch.setattr(quant, "AMX_TOKENS", NO_BF16_KERNEL)
+    monkeypatch.setattr(quant, "DPBF16_TOKENS", NO_BF16_KERNEL)
     gen = torch.Generator().manual_seed(7)
     w = quantize(torch.randn(37, 576, generator=gen) * 0.05, kind, group)
     torch.testing.assert_close(quant.dequantized(w), dequantize(w), atol=1e-6, rtol=1e-6)
@@ -77,7 +78,8 @@ def test_dense_path_is_a_gemm_on_the_dequantized_weight(kind, group, dtype, tole
 
 
 def test_decode_sized_calls_take_int8_activations_and_larger_ones_float(monkeypatch):
-    monkeypatch.setattr(quant, "AMX_TOKENS", NO_AMX)  # without AMX (its dispatch: the test below)
+    monkeypatch.setattr(quant, "AMX_TOKENS", NO_BF16_KERNEL)  # without the bf16 kernels (their dispatch: below)
+    monkeypatch.setattr(quant, "DPBF16_TOKENS", NO_BF16_KERNEL)
     gen = torch.Generator().manual_seed(5)
     w = quantize(torch.randn(16, 256, generator=gen), "q4")
     n = quant.INT8_ACTIVATION_TOKENS  # decode at batch 1-4: measured faster than the float kernel
@@ -100,45 +102,102 @@ def test_decode_sized_calls_take_int8_activations_and_larger_ones_float(monkeypa
 BF16_TOLERANCE = {"atol": 1e-3, "rtol": 2 ** -7}  # one bf16 rounding of the output, sums in another order
 
 
+BF16_KERNELS = {"amx": (cpu_kernels.amx_supported, quant.amx_matmul, "AMX-BF16"),
+                "dpbf16": (cpu_kernels.dpbf16_supported, quant.dpbf16_matmul, "AVX512-BF16")}
+
+
 @pytest.mark.parametrize("kind,group", FORMATS)
-@pytest.mark.parametrize("m", [1, 3, 16, 17, 33, 64, 70])
+@pytest.mark.parametrize("m", [1, 3, 5, 6, 7, 16, 17, 33, 64, 70])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_amx_kernel_is_the_bf16_gemm_on_the_dequantized_weight(kind, group, m, dtype):
-    """Token counts across its C-tile layouts (up to 16: even/odd groups; 32: 2 x 2; more: 4 token
-    blocks per pass, 70 = a pass of 4 and one of 2), 37 rows (a strip past the last row), K of 6
-    and 18 groups (odd counts: the even/odd split's tail)."""
-    if not cpu_kernels.amx_supported():
-        pytest.skip("this CPU has no AMX-BF16 (the kernel is built only for one that has)")
+@pytest.mark.parametrize("kernel", BF16_KERNELS)
+def test_bf16_kernels_are_the_bf16_gemm_on_the_dequantized_weight(kernel, kind, group, m, dtype):
+    """Token counts across the AMX kernel's C-tile layouts (up to 16: even/odd groups; 32: 2 x 2; more:
+    4 token blocks per pass, 70 = a pass of 4 and one of 2) and the dot-product kernel's blocks of 6
+    (7, 17: a block and a tail), 37 rows (a tile past the last row, a 4-row block of 1), K of 6 and 18
+    groups (odd counts: the even/odd split's tail)."""
+    supported, matmul, needs = BF16_KERNELS[kernel]
+    if not supported():
+        pytest.skip(f"this CPU has no {needs} (the kernel is built only for one that has)")
     for k in (192, 576):
         gen = torch.Generator().manual_seed(m * k)
         w = quantize(torch.randn(37, k, generator=gen) * 0.05, kind, group)
         x = torch.randn(m, k, generator=gen).to(dtype)
-        got = quant.amx_matmul(x, w)
+        got = matmul(x, w)
         assert got.dtype == dtype and got.shape == (m, 37)
         want = reference_matmul(x, w, dense_dtype=torch.bfloat16)
         torch.testing.assert_close(got.float(), want, **BF16_TOLERANCE)
 
 
-def test_amx_takes_the_calls_it_is_faster_for(monkeypatch):
-    """Decision logic on any CPU (the kernel faked): AMX_TOKENS calls go to it, others (and calls that
-    ask for an activation format, or groups that are not whole 32s) to the paths above."""
-    taken = []
-    monkeypatch.setattr(cpu_kernels, "amx_supported", lambda: True)
-    monkeypatch.setattr(quant, "amx_matmul", lambda x, w: taken.append(x.shape[0]) or reference_matmul(x, w))
+@pytest.mark.parametrize("amx", [True, False])
+def test_bf16_kernels_take_the_calls_they_are_faster_for(amx, monkeypatch):
+    """Decision logic on any CPU (the kernels faked): with AMX, AMX_TOKENS calls go to the tiles; without
+    it, DPBF16_TOKENS calls to the dot products; others (and calls that ask for an activation format, or
+    groups that are not whole 32s) to the paths above."""
+    taken = {"amx": [], "dpbf16": []}
+    monkeypatch.setattr(cpu_kernels, "amx_supported", lambda: amx)
+    monkeypatch.setattr(cpu_kernels, "dpbf16_supported", lambda: True)
+    monkeypatch.setattr(quant, "dpbf16_wins", lambda: True)
+    for name in taken:
+        monkeypatch.setattr(quant, f"{name}_matmul",
+                            lambda x, w, name=name: taken[name].append(x.shape[0]) or reference_matmul(x, w))
     gen = torch.Generator().manual_seed(9)
     w = quantize(torch.randn(16, 256, generator=gen), "q4")
-    low, high = quant.AMX_TOKENS
+    low, high = quant.AMX_TOKENS if amx else quant.DPBF16_TOKENS
     for tokens in (low - 1, low, high - 1, high):
         quantized_matmul(torch.randn(tokens, 256, generator=gen), w)
-    assert taken == [low, high - 1]
+    assert taken == {"amx": [low, high - 1] if amx else [], "dpbf16": [] if amx else [low, high - 1]}
     quantized_matmul(torch.randn(low, 256, generator=gen), w, int8_activations=False)
     quantized_matmul(torch.randn(low, 240, generator=gen), quantize(torch.randn(16, 240, generator=gen), "q8", 48))
-    assert taken == [low, high - 1]
+    assert sum(map(len, taken.values())) == 2
+
+
+@pytest.mark.parametrize("dpbf16_wins", [True, False])
+def test_without_amx_mid_size_calls_stay_off_the_dense_gemm(dpbf16_wins, monkeypatch):
+    """DPBF16_TOKENS calls take the dot-product kernel or, where it does not win, the float one (from x
+    in L1, no dequantized copy through memory), even past DENSE_TOKENS; from its upper end, the GEMM."""
+    dense, dots = [], []
+    monkeypatch.setattr(cpu_kernels, "amx_supported", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "dpbf16_supported", lambda: True)
+    monkeypatch.setattr(quant, "dpbf16_wins", lambda: dpbf16_wins)
+    monkeypatch.setattr(quant, "dpbf16_matmul", lambda x, w: dots.append(x.shape[0]) or reference_matmul(x, w))
+    monkeypatch.setattr(quant, "dequantized", lambda w, dtype: dense.append(dtype) or dequantize(w).to(dtype))
+    monkeypatch.setattr(quant, "DENSE_DTYPE", torch.float32)
+    monkeypatch.setattr(quant, "DENSE_TOKENS", {torch.float32: 8})
+    gen = torch.Generator().manual_seed(3)
+    w = quantize(torch.randn(16, 256, generator=gen), "q4")
+    low, high = quant.DPBF16_TOKENS
+    for tokens in (low, high - 1):
+        x = torch.randn(tokens, 256, generator=gen)
+        torch.testing.assert_close(quantized_matmul(x, w), reference_matmul(x, w), atol=2e-5, rtol=1e-5)
+    assert dense == [] and dots == ([low, high - 1] if dpbf16_wins else [])
+    quantized_matmul(torch.randn(high, 256, generator=gen), w)
+    assert dense == [torch.float32]
+
+
+@pytest.mark.parametrize("native,bf16_ms,want", [(True, 1.0, torch.bfloat16), (True, 3.0, torch.float32),
+                                                 (False, 1.0, torch.float32)])
+def test_dense_dtype_is_the_faster_gemm_where_bf16_is_native(native, bf16_ms, want, monkeypatch):
+    """Decision logic with a fake timing: native bf16 is not enough (without AMX its GEMM measured
+    slower than float32's); emulated bf16 is never measured."""
+    measured = []
+    monkeypatch.setattr(cpu_kernels, "native_bf16", lambda: native)
+
+    def seconds(dtypes):
+        measured.append(dtypes)
+        return {torch.float32: 2e-3, torch.bfloat16: bf16_ms * 1e-3}
+
+    assert quant.measured_dense_dtype.__wrapped__(seconds) == want
+    assert measured == ([(torch.float32, torch.bfloat16)] if native else [])
+
+
+def test_gemm_timing_reports_each_dtype():
+    times = quant.gemm_seconds((torch.float32, torch.bfloat16), tokens=8, size=64, rounds=1)
+    assert set(times) == {torch.float32, torch.bfloat16} and all(0 < t < 1 for t in times.values())
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 40])
 def test_bf16_activations_come_back_in_bf16(tokens, monkeypatch):
-    """A bf16 model's activations: each path (int8 at 1 token, the float kernel or AMX at 8, the
+    """A bf16 model's activations: each path (int8 at 1 token, the float kernel or a bf16 one at 8, the
     dense GEMM at 40) returns bf16, within a bf16 rounding of the float32 answer."""
     monkeypatch.setattr(quant, "DENSE_TOKENS", {torch.float32: 32, torch.bfloat16: 32})
     gen = torch.Generator().manual_seed(tokens)
@@ -146,8 +205,10 @@ def test_bf16_activations_come_back_in_bf16(tokens, monkeypatch):
     x = torch.randn(tokens, 256, generator=gen).bfloat16()
     got = quantized_matmul(x, w)
     assert got.dtype == torch.bfloat16
-    amx = cpu_kernels.amx_supported() and quant.AMX_TOKENS[0] <= tokens < quant.AMX_TOKENS[1]
-    if amx or (tokens >= 32 and quant.dense_dtype() == torch.bfloat16):  # weights rounded to bf16 too
+    low, high = quant.AMX_TOKENS if cpu_kernels.amx_supported() else quant.DPBF16_TOKENS
+    bf16_kernel = (cpu_kernels.amx_supported() or cpu_kernels.dpbf16_supported() and quant.dpbf16_wins()) \
+        and low <= tokens < high
+    if bf16_kernel or (tokens >= 32 and quant.dense_dtype() == torch.bfloat16):  # weights rounded to bf16 too
         want = reference_matmul(x, w, dense_dtype=torch.bfloat16)
     else:
         int8 = tokens <= quant.INT8_ACTIVATION_TOKENS and cpu_kernels.int8_dot_supported()

@@ -20,7 +20,7 @@ from loraplex.platform.models.linear import PackedLinear
 from loraplex.platform.request import SamplingParams
 from test_model import prompt_logits
 
-NO_AMX = (1 << 30, 1 << 30)  # quant.AMX_TOKENS that no call falls in
+NO_BF16_KERNEL = (1 << 30, 1 << 30)  # quant.AMX_TOKENS / DPBF16_TOKENS that no call falls in
 
 
 def dequantized_folder(engine: Engine, src, dst):
@@ -61,7 +61,8 @@ def test_quantized_logits_are_the_dequantized_models(tmp_path, method, tied, den
     bf16 GEMM's rounding is tested in tests/kernels/test_quant.py)."""
     monkeypatch.setattr(quant, "DENSE_DTYPE", torch.float32)
     monkeypatch.setattr(quant, "DENSE_TOKENS", {torch.float32: 1 if dense else 1 << 30})
-    monkeypatch.setattr(quant, "AMX_TOKENS", NO_AMX)  # its bf16 rounding: test_quant.py and below
+    monkeypatch.setattr(quant, "AMX_TOKENS", NO_BF16_KERNEL)  # its bf16 rounding: test_quant.py and below
+    monkeypatch.setattr(quant, "DPBF16_TOKENS", NO_BF16_KERNEL)
     folder = make_tiny_model(tmp_path / "m", "llama", seed=3, tie_word_embeddings=tied)
     engine = Engine(EngineConfig(model=str(folder), num_kv_blocks=16, quantization=method, dtype="float32"))
     linears = [m for m in engine.model.modules() if isinstance(m, PackedLinear)]
@@ -92,7 +93,8 @@ def test_adapters_on_a_quantized_base_match_peft_on_the_dequantized_model(tmp_pa
     trained in bf16; float32 keeps any adapter's float32 weights."""
     monkeypatch.setattr(quant, "DENSE_DTYPE", torch.float32)  # exact prefill GEMMs and float32 decode:
     monkeypatch.setattr(quant, "INT8_ACTIVATION_TOKENS", 0)  # the adapters' math, token for token
-    monkeypatch.setattr(quant, "AMX_TOKENS", NO_AMX)
+    monkeypatch.setattr(quant, "AMX_TOKENS", NO_BF16_KERNEL)
+    monkeypatch.setattr(quant, "DPBF16_TOKENS", NO_BF16_KERNEL)
     llm = LLM(str(tiny_model_dir), num_kv_blocks=64, quantization="q4", dtype="float32", max_loras=4,
               lora_dtype=lora_dtype)
     assert llm.engine.adapters.dtype == (torch.bfloat16 if lora_dtype == "auto" else torch.float32)
@@ -115,7 +117,8 @@ def test_adapters_on_a_quantized_base_match_peft_on_the_dequantized_model(tmp_pa
 def test_default_model_q4_keeps_the_gguf_bits(default_model_dir, monkeypatch):
     """The folder was converted from the GGUF by dequantizing: the q4 engine's weights are the
     same numbers (checked per layer at load), so its logits are the float engine's."""
-    monkeypatch.setattr(quant, "AMX_TOKENS", NO_AMX)  # float32 math throughout
+    monkeypatch.setattr(quant, "AMX_TOKENS", NO_BF16_KERNEL)  # float32 math throughout
+    monkeypatch.setattr(quant, "DPBF16_TOKENS", NO_BF16_KERNEL)
     q4 = Engine(EngineConfig(model=str(default_model_dir), num_kv_blocks=32, quantization="q4", dtype="float32"))
     head = q4.model.lm_head.quantized
     assert head.kind == "q8" and head.group == 32  # the GGUF's Q8_0 output blocks
