@@ -948,6 +948,9 @@ LORA_ENTRY(sgmv_lora_table_f32_bf16w, float, lora_group_f32_bf16w, LORA_SCRATCH)
  * per call, then a 2-token x 4-row register block of FMAs over it. */
 
 #define QTILE 8
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define TILE_512 1  /* the tiles' dequantizing and products on 512-bit vectors */
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 static inline __m256 q4_lanes(__m128i nibbles, int part)
@@ -961,7 +964,14 @@ static void dequant_q4_row(const uint8_t *q, const float *d, const float *m, int
     for (int64_t g = 0; g < K / 32; g++) {
         const uint8_t *b = q + g * 16;
         float *o = out + g * 32;
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef TILE_512
+        const __m128i low = _mm_set1_epi8(0x0F), bytes = _mm_loadu_si128((const __m128i *)b);
+        const __m512 scale = _mm512_set1_ps(d[g]), shift = _mm512_set1_ps(m[g]);
+        const __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(bytes, low));
+        const __m512i hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), scale, shift));
+        _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), scale, shift));
+#elif defined(__AVX2__) && defined(__FMA__)
         const __m128i low = _mm_set1_epi8(0x0F);
         __m128i bytes = _mm_loadu_si128((const __m128i *)b);
         __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
@@ -987,8 +997,7 @@ static void dequant_q8_row(const int8_t *q, const float *d, int64_t K, int64_t G
     }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-#define TILE_512 1
+#ifdef TILE_512
 /* 4 row sums (16 lanes each) -> one vector of the 4 totals */
 static inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3)
 {
@@ -1005,13 +1014,14 @@ static inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3)
 /* out[t0 + t, n0 .. n0 + nb - 1] for NT tokens from the 4 rows w (rows past nb: any row, not stored);
  * 4 x NT accumulators of 16 lanes, x and w read once per 16 k for all of them */
 static inline __attribute__((always_inline)) void tile_block(const float *x, int64_t K, const float *const *w,
-                                                             const int NT, int nb, float *out, int64_t N)
+                                                             const int NT, int nb, float *out, int64_t N,
+                                                             int64_t k0, int64_t k1)
 {
     __m512 acc[TILE_TOKENS][4];
     for (int t = 0; t < NT; t++)
         for (int i = 0; i < 4; i++) acc[t][i] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-        const __mmask16 m = K - k >= 16 ? 0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+    for (int64_t k = k0; k < k1; k += 16) {
+        const __mmask16 m = k1 - k >= 16 ? 0xFFFF : (__mmask16)((1u << (k1 - k)) - 1);  /* all set but at a tail */
         const __m512 w0 = _mm512_maskz_loadu_ps(m, w[0] + k), w1 = _mm512_maskz_loadu_ps(m, w[1] + k);
         const __m512 w2 = _mm512_maskz_loadu_ps(m, w[2] + k), w3 = _mm512_maskz_loadu_ps(m, w[3] + k);
         for (int t = 0; t < NT; t++) {
@@ -1023,28 +1033,21 @@ static inline __attribute__((always_inline)) void tile_block(const float *x, int
         }
     }
     const __mmask8 rows = (__mmask8)((1u << nb) - 1);
-    for (int t = 0; t < NT; t++)
-        _mm_mask_storeu_ps(out + t * N, rows, sum4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]));
+    for (int t = 0; t < NT; t++) {
+        __m128 v = sum4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]);
+        if (k0) v = _mm_add_ps(v, _mm_maskz_loadu_ps(rows, out + t * N));  /* the earlier K blocks' sums */
+        _mm_mask_storeu_ps(out + t * N, rows, v);
+    }
 }
 #endif
 
+#ifndef TILE_512  /* else tile_rows_512 below */
 /* out[r, n0 + j] for r < M, j < nb, from nb dequantized rows w[j * K ...] */
 static void tile_dots(const float *x, int64_t M, int64_t K, const float *w, int nb, float *out, int64_t N,
                       int64_t n0)
 {
     int64_t r = 0;
-#ifdef TILE_512
-    const float *rows[4] = {w, w + (nb > 1) * K, w + (nb > 2) * 2 * K, w + (nb > 3) * 3 * K};
-    for (; r + TILE_TOKENS <= M; r += TILE_TOKENS) tile_block(x + r * K, K, rows, TILE_TOKENS, nb, out + r * N + n0, N);
-    switch (M - r) {
-    case 1: tile_block(x + r * K, K, rows, 1, nb, out + r * N + n0, N); break;
-    case 2: tile_block(x + r * K, K, rows, 2, nb, out + r * N + n0, N); break;
-    case 3: tile_block(x + r * K, K, rows, 3, nb, out + r * N + n0, N); break;
-    case 4: tile_block(x + r * K, K, rows, 4, nb, out + r * N + n0, N); break;
-    case 5: tile_block(x + r * K, K, rows, 5, nb, out + r * N + n0, N); break;
-    }
-    r = M;
-#elif defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__)
     for (; nb == 4 && r + 3 <= M; r += 3) {  /* 3 tokens x 4 rows: 12 FMA chains, 7 loads per 12 FMAs */
         const float *x0 = x + r * K, *x1 = x0 + K, *x2 = x1 + K;
         __m256 a[3][4];
@@ -1100,6 +1103,7 @@ static void tile_dots(const float *x, int64_t M, int64_t K, const float *w, int 
             out[r * N + n0 + j] = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
         }
 }
+#endif
 
 /* one token: rows n0..n0+3 dequantized group by group in registers; xsum[g] carries the q4 min term */
 static void q4_one_token(const float *x, const float *xsum, int64_t K, const uint8_t *q, const float *d,
@@ -1147,6 +1151,40 @@ static void q4_one_token(const float *x, const float *xsum, int64_t K, const uin
 
 /* Tiles of QTILE weight rows (dequantized once into an L2-sized buffer) times chunks of MCHUNK tokens
  * (kept in L1/L2 while the tile's row blocks pass over them). */
+#ifdef TILE_512
+/* out[r, n0 + j] for r < M, j < rows, from the tile's dequantized rows w[j * K ...]: a block of TILE_TOKENS
+ * tokens' x and the tile's rows, up to TILE_K of K at a time (equal parts), stay in L1 while every 4-row
+ * block of the tile passes over them */
+#define TILE_K 768
+static void tile_rows_512(const float *x, int64_t M, int64_t K, const float *w, int rows, float *out, int64_t N,
+                          int64_t n0)
+{
+    const int64_t parts = (K + TILE_K - 1) / TILE_K, part = (K / parts + 15) / 16 * 16;
+    for (int64_t k0 = 0; k0 < K; k0 += part)
+        for (int64_t r = 0; r < M; r += TILE_TOKENS)
+            for (int j = 0; j < rows; j += 4) {
+                const int64_t k1 = K - k0 > part ? k0 + part : K;
+                const int nb = rows - j < 4 ? rows - j : 4;
+                const float *wj = w + j * K, *x0 = x + r * K;
+                const float *four[4] = {wj, wj + (nb > 1) * K, wj + (nb > 2) * 2 * K, wj + (nb > 3) * 3 * K};
+                float *o = out + r * N + n0 + j;
+                switch (M - r < TILE_TOKENS ? M - r : TILE_TOKENS) {
+                case 1: tile_block(x0, K, four, 1, nb, o, N, k0, k1); break;
+                case 2: tile_block(x0, K, four, 2, nb, o, N, k0, k1); break;
+                case 3: tile_block(x0, K, four, 3, nb, o, N, k0, k1); break;
+                case 4: tile_block(x0, K, four, 4, nb, o, N, k0, k1); break;
+                case 5: tile_block(x0, K, four, 5, nb, o, N, k0, k1); break;
+                default: tile_block(x0, K, four, 6, nb, o, N, k0, k1);
+                }
+            }
+}
+#define TILE_ROWS(x, M, K, w, rows, out, N, n0) tile_rows_512(x, M, K, w, rows, out, N, n0)
+#else
+#define TILE_ROWS(x, M, K, w, rows, out, N, n0)                                                    \
+    for (int j = 0; j < (rows); j += 4)                                                            \
+        tile_dots(x, M, K, (w) + j * (K), (rows) - j < 4 ? (rows) - j : 4, out, N, (n0) + j)
+#endif
+
 #define MCHUNK 24
 #define QUANT_TILES(DEQUANT_ROW)                                                                   \
     int failed = 0;                                                                                \
@@ -1164,8 +1202,7 @@ static void q4_one_token(const float *x, const float *xsum, int64_t K, const uin
             }                                                                                      \
             for (int64_t r0 = 0; r0 < M; r0 += MCHUNK) {                                           \
                 const int64_t mc = M - r0 < MCHUNK ? M - r0 : MCHUNK;                              \
-                for (int j = 0; j < rows; j += 4)                                                  \
-                    tile_dots(x + r0 * K, mc, K, w + j * K, rows - j < 4 ? rows - j : 4, out + r0 * N, N, t0 + j); \
+                TILE_ROWS(x + r0 * K, mc, K, w, rows, out + r0 * N, N, t0);                        \
             }                                                                                      \
         }                                                                                          \
         free(w);                                                                                   \

@@ -34,6 +34,19 @@ def test_kernel_matches_dequantize_then_matmul(kind, group, m, monkeypatch):
     assert quantized_matmul(x3, w).shape == (2, 5, 37)
 
 
+@pytest.mark.parametrize("kind,group,k", [("q4", None, 1600), ("q8", 40, 1000)])
+@pytest.mark.parametrize("m", [7, 64])
+def test_float_kernel_over_long_rows(kind, group, k, m, monkeypatch):
+    """Rows longer than one L1 part of K (1600: three parts; 1000: two, the last ending in a partial
+    vector, groups of 40), token blocks of 6 and a tail."""
+    monkeypatch.setattr(quant, "DENSE_TOKENS", KERNEL_ONLY)
+    gen = torch.Generator().manual_seed(k + m)
+    w = quantize(torch.randn(37, k, generator=gen) * 0.05, kind, group)
+    x = torch.randn(m, k, generator=gen)
+    torch.testing.assert_close(quantized_matmul(x, w, int8_activations=False), reference_matmul(x, w),
+                               atol=5e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kind,group", FORMATS)
 @pytest.mark.parametrize("m,k", [(1, 192), (1, 576), (3, 1536), (2, 288)])
 def test_int8_activation_kernel_matches_its_reference(kind, group, m, k):
