@@ -8,9 +8,9 @@ float model and q4 in bfloat16 ("none-bf16", "q4-bf16": what `dtype=auto` serves
 and with `--quantization q4`): bytes of the linear
 weights kept, decode step and tok/s per batch size (prefix caching off, the same prompts for
 all), perplexity on benchmarks/data/perplexity.txt (from prompt logprobs, so prefill's matmuls:
-on a bf16 CPU q4's run as a bf16 GEMM; again with every quantized matmul on the int8-activation
-kernel that decode at batch 1 takes); q4 and none with 16 distinct adapters at batch 16 against
-their own base (and q4-bf16). Beside them in the same run: transformers `generate` in float32 on the same
+q4's run as a GEMM in `quant.dense_dtype()`, bf16 where it measures faster; again with every
+quantized matmul on the int8-activation kernel that decode at batch 1 takes); q4 and none with 16
+distinct adapters at batch 16 against their own base (and q4-bf16). Beside them in the same run: transformers `generate` in float32 on the same
 prompts (`--skip-hf` to leave it out), and at batch 1 llama.cpp through llama-cpp-python (if
 installed) on the same GGUF file and prompt.
 """
@@ -54,9 +54,10 @@ def weight_bytes(llm: LLM) -> int:
 
 
 def perplexity(llm: LLM, int8_activations: bool = False) -> float:
-    """From prompt logprobs, so from prefill-sized matmuls (a bf16 GEMM for q4 / int8 on a bf16
-    CPU, float32 elsewhere); `int8_activations` sends every matmul through the int8-activation
-    kernels that decode takes, to measure what rounding x to 8 bits costs."""
+    """From prompt logprobs, so from prefill-sized matmuls (for q4 / int8 a GEMM in
+    `quant.dense_dtype()`: bf16 where native and measured faster, else float32); `int8_activations`
+    sends every matmul through the int8-activation kernels that decode takes, to measure what
+    rounding x to 8 bits costs."""
     ids = llm.get_tokenizer()(TEXT.read_text())["input_ids"]
     default = quant.INT8_ACTIVATION_TOKENS
     quant.INT8_ACTIVATION_TOKENS = len(ids) if int8_activations else default

@@ -1530,10 +1530,9 @@ static inline __m512i weight_pairs(int kind, const void *q, const float *d, cons
     }
     const int8_t *row = (const int8_t *)q + n * K + 32 * g;
     const __m512 dv = _mm512_set1_ps(d[n * (K / G) + 32 * g / G]);
-    const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)row))), dv);
-    const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 16)))),
-                                    dv);
-    return bf16_pairs(lo, hi);
+    const __m512i low = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)row));
+    const __m512i high = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 16)));
+    return bf16_pairs(_mm512_mul_ps(_mm512_cvtepi32_ps(low), dv), _mm512_mul_ps(_mm512_cvtepi32_ps(high), dv));
 }
 
 /* x [M, K] (float32 or bf16: x_kind) -> xp[token][g]: each group of 32 as 16 bf16 pairs */
