@@ -10,9 +10,9 @@ weights kept, decode step and tok/s per batch size (prefix caching off, the same
 all), perplexity on benchmarks/data/perplexity.txt (from prompt logprobs, so prefill's matmuls:
 q4's run as a GEMM in `quant.dense_dtype()`, bf16 where it measures faster; again with every
 quantized matmul on the int8-activation kernel that decode at batch 1 takes); q4 and none with 16
-distinct adapters at batch 16 against their own base (and q4-bf16). Beside them in the same run: transformers `generate` in float32 on the same
-prompts (`--skip-hf` to leave it out), and at batch 1 llama.cpp through llama-cpp-python (if
-installed) on the same GGUF file and prompt.
+distinct adapters at batch 16 against their own base (and q4-bf16). Beside them in the same run:
+transformers `generate` in float32 on the same prompts (`--skip-hf` to leave it out), and at batch 1
+llama.cpp through llama-cpp-python (if installed) on the same GGUF file and prompt.
 """
 
 from __future__ import annotations
