@@ -200,8 +200,9 @@ def dpbf16_wins(seconds=None) -> bool:
 
 def kernel_seconds(tokens: int = 32, size: int = 1024, rounds: int = 4) -> dict[str, float]:
     """The best of `rounds` calls of each mid-size kernel on a q4 weight, taking turns."""
-    w = quantize(torch.randn(size, size), "q4")
-    x = torch.randn(tokens, size)
+    gen = torch.Generator().manual_seed(0)  # the global RNG is the user's
+    w = quantize(torch.randn(size, size, generator=gen), "q4")
+    x = torch.randn(tokens, size, generator=gen)
     kernels = {"bf16 dot-product": lambda: dpbf16_matmul(x, w),
                "float": lambda: quantized_matmul(x, w, int8_activations=False)}
     best = {name: float("inf") for name in kernels}
@@ -216,7 +217,9 @@ def kernel_seconds(tokens: int = 32, size: int = 1024, rounds: int = 4) -> dict[
 def gemm_seconds(dtypes: tuple[torch.dtype, ...], tokens: int = 256, size: int = 1024, rounds: int = 4
                  ) -> dict[torch.dtype, float]:
     """The best of `rounds` prefill-sized GEMMs per dtype, the dtypes taking turns (noise hits both)."""
-    pairs = {d: (torch.randn(tokens, size).to(d), torch.randn(size, size).to(d)) for d in dtypes}
+    gen = torch.Generator().manual_seed(0)  # the global RNG is the user's
+    pairs = {d: (torch.randn(tokens, size, generator=gen).to(d), torch.randn(size, size, generator=gen).to(d))
+             for d in dtypes}
     best = {d: float("inf") for d in dtypes}
     for _ in range(rounds + 1):  # the first round warms oneDNN up
         for d, (x, w) in pairs.items():

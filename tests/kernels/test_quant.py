@@ -203,9 +203,16 @@ def test_dense_dtype_is_the_faster_gemm_where_bf16_is_native(native, bf16_ms, wa
     assert measured == ([(torch.float32, torch.bfloat16)] if native else [])
 
 
-def test_gemm_timing_reports_each_dtype():
+def test_probes_time_each_candidate_and_leave_the_global_rng_alone():
+    torch.manual_seed(1)
+    want = torch.rand(4)
+    torch.manual_seed(1)
     times = quant.gemm_seconds((torch.float32, torch.bfloat16), tokens=8, size=64, rounds=1)
     assert set(times) == {torch.float32, torch.bfloat16} and all(0 < t < 1 for t in times.values())
+    if cpu_kernels.dpbf16_supported():
+        kernels = quant.kernel_seconds(tokens=8, size=64, rounds=1)
+        assert set(kernels) == {"bf16 dot-product", "float"} and all(0 < t < 1 for t in kernels.values())
+    assert torch.equal(torch.rand(4), want)
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 40])
