@@ -948,7 +948,7 @@ LORA_ENTRY(sgmv_lora_table_f32_bf16w, float, lora_group_f32_bf16w, LORA_SCRATCH)
  * per call, then a 2-token x 4-row register block of FMAs over it. */
 
 #define QTILE 8
-#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #define TILE_512 1  /* the tiles' dequantizing and products on 512-bit vectors */
 #endif
 
@@ -993,7 +993,15 @@ static void dequant_q8_row(const int8_t *q, const float *d, int64_t K, int64_t G
 {
     for (int64_t g = 0; g < K / G; g++) {
         const float scale = d[g];
-        for (int64_t i = g * G; i < (g + 1) * G; i++) out[i] = scale * (float)q[i];
+        int64_t i = g * G;
+#ifdef TILE_512
+        for (; i < (g + 1) * G; i += 16) {  /* G is a multiple of 8: at most one half vector at the end */
+            const __mmask16 m = (g + 1) * G - i >= 16 ? 0xFFFF : 0x00FF;
+            const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, q + i)));
+            _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(v, _mm512_set1_ps(scale)));
+        }
+#endif
+        for (; i < (g + 1) * G; i++) out[i] = scale * (float)q[i];
     }
 }
 
