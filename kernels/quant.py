@@ -40,9 +40,9 @@ Q4_GROUP = 32
 # blocks win (BENCHMARKS.md, "Quantized weights").
 INT8_ACTIVATION_TOKENS = 4
 # Calls of at least this many tokens (prefill, larger decode batches) dequantize the weight in C and
-# run oneDNN's GEMM on it: in bfloat16 where the CPU multiplies it natively (x, w and the output
-# rounded to bf16, float32 accumulation: what the bf16 engine does), else in float32 (same numbers
-# as the reference). Measured crossovers: BENCHMARKS.md, "Quantized weights".
+# run oneDNN's GEMM on it: in bfloat16 where the CPU multiplies it natively and faster (x, w and the
+# output rounded to bf16, float32 accumulation: what the bf16 engine does), else in float32 (same
+# numbers as the reference). Measured crossovers: BENCHMARKS.md, "Quantized weights".
 DENSE_TOKENS = {torch.bfloat16: 32, torch.float32: 96}
 # Where the CPU has AMX, calls of [low, high) tokens go to the tile kernel (bf16 rounding, as the dense
 # path): below, the int8 kernel is as fast; above, the dense GEMM's reuse wins (BENCHMARKS.md, "q4 in
@@ -172,7 +172,7 @@ def reference_matmul(x: torch.Tensor, w: QuantizedWeight, int8_activations: bool
 def dense_dtype() -> torch.dtype:
     """The dense path's GEMM dtype: `DENSE_DTYPE` if set, else bfloat16 where the CPU multiplies it
     natively and oneDNN's bf16 GEMM measures faster than its float32 one, else float32. Native is not
-    enough: on AVX512-BF16 without AMX a prefill-sized float32 GEMM measured 1.7x faster (BENCHMARKS.md)."""
+    enough: on AVX512-BF16 without AMX a prefill-sized float32 GEMM measured 1.4-1.6x faster (BENCHMARKS.md)."""
     return DENSE_DTYPE if DENSE_DTYPE is not None else measured_dense_dtype()
 
 
