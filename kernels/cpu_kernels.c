@@ -945,7 +945,8 @@ LORA_ENTRY(sgmv_lora_table_f32_bf16w, float, lora_group_f32_bf16w, LORA_SCRATCH)
  * q8: groups of G along K, w = d * q; q int8 [N, K]; G = K is per channel.
  * One token (M == 1): four weight rows at a time, each group dequantized in registers and multiplied
  * at once (x read once for the four). More tokens: a tile of rows dequantized into an L1 buffer once
- * per call, then a 2-token x 4-row register block of FMAs over it. */
+ * per call, then register blocks of FMAs over it (AVX2: 3 tokens x 4 rows; AVX-512: 6 x 4, a block of
+ * tokens' x kept in L1 while the tile's rows pass over it). */
 
 #define QTILE 8
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
