@@ -70,8 +70,9 @@ def main() -> None:
     rss_ready = rss_mib()
     unique = {t.data_ptr(): t for t in engine.model.state_dict().values()}  # tied embeddings once
     weights_mib = sum(t.numel() * t.element_size() for t in unique.values()) / 2**20
-    packed_mib = sum(m.packed.numel() * m.packed.element_size() for m in engine.model.modules()
-                     if getattr(m, "packed", None) is not None) / 2**20
+    packed = [t for m in engine.model.modules() for t in (getattr(m, "packed", None), getattr(m, "amx_packed", None))
+              if t is not None]  # oneDNN's layout, or the AMX kernel's tiles
+    packed_mib = sum(t.numel() * t.element_size() for t in packed) / 2**20
     pool_mib = engine.kv.pool.num_blocks * kv_bytes_per_block(engine.model_config, args.block_size,
                                                               engine.config.torch_dtype) / 2**20
 

@@ -1833,10 +1833,118 @@ int quant_matmul_amx(int kind, const void *x, int x_kind, int64_t M, int64_t K, 
     free(xt);
     return 0;
 }
+/* ---- a dense bf16 weight on AMX: y = x W^T with x's rows as the A tiles, read where they are (16 tokens x the
+ * 32 k of one group), and W packed once at load into B tiles, [32 k as 16 pairs][16 n][2] per 16 rows and group
+ * (`pack_bf16_amx` in cpu_kernels.py). Per group 2 x 2 tiles (32 tokens x 32 rows); x is copied only when it is
+ * float32 or its tokens are not whole 16s. Against oneDNN's bf16 linear on packed weights: no ~15 us of set-up
+ * per call, and decode-sized calls at the speed of reading the weight (BENCHMARKS.md, "dense bf16 on AMX"). */
+
+/* C tile [16 tokens][16 n] (+ c2, or NULL) -> y[t0 + i][n0 ..], the tokens and rows that exist */
+static inline void amx_store_tokens(const float *c, const float *c2, int64_t t0, int64_t n0, int64_t M, int64_t N,
+                                    int y_kind, void *y)
+{
+    if (n0 >= N) return;
+    const __mmask16 cols = mask16(N - n0);
+    for (int64_t i = 0; i < 16 && t0 + i < M; i++) {
+        __m512 v = _mm512_load_ps(c + 16 * i);
+        if (c2) v = _mm512_add_ps(v, _mm512_load_ps(c2 + 16 * i));
+        if (y_kind == KV_BF16)
+            _mm256_mask_storeu_epi16((uint16_t *)y + (t0 + i) * N + n0, cols, (__m256i)_mm512_cvtneps_pbh(v));
+        else
+            _mm512_mask_storeu_ps((float *)y + (t0 + i) * N + n0, cols, v);
+    }
+}
+
+/* x [M, K] as bf16 rows, tokens padded to 16 with zeros */
+static void bf16_rows(const void *x, int x_kind, int64_t M, int64_t K, uint16_t *out, int64_t padded)
+{
+    for (int64_t t = 0; t < M; t++) {
+        if (x_kind == KV_BF16) {
+            memcpy(out + t * K, (const uint16_t *)x + t * K, (size_t)K * 2);
+            continue;
+        }
+        for (int64_t i = 0; i < K; i += 16)
+            _mm256_storeu_si256((__m256i *)(out + t * K + i),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps((const float *)x + t * K + i)));
+    }
+    memset(out + M * K, 0, (size_t)((padded - M) * K) * 2);
+}
+
+#ifndef AMX_CHUNK_TOKENS
+#define AMX_CHUNK_TOKENS 128
+#endif
+int bf16_matmul_amx(const void *x, int x_kind, int64_t M, int64_t K, const uint16_t *w, int64_t N, int y_kind,
+                    void *y)
+{
+    if (K % 32) return -2;
+    if (M <= 0) return 0;
+    const int64_t groups = K / 32, padded = (M + 15) / 16 * 16, strips = (N + 31) / 32;
+    const uint16_t *xb = x;
+    uint16_t *copy = NULL;
+    if (x_kind != KV_BF16 || padded != M) {
+        copy = aligned_alloc(64, (size_t)(padded * K) * 2);
+        if (!copy) return -1;
+        bf16_rows(x, x_kind, M, K, copy, padded);
+        xb = copy;
+    }
+#pragma omp parallel
+    {
+        amx_tile_config config = {.palette = 1};
+        for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
+        _tile_loadconfig(&config);
+        float c[4][256] __attribute__((aligned(64)));
+        for (int64_t chunk = 0; chunk < padded; chunk += AMX_CHUNK_TOKENS)  /* x's chunk stays in L2 */
+#pragma omp for schedule(static) nowait
+        for (int64_t s = 0; s < strips; s++) {
+            const uint16_t *b0 = w + 2 * s * groups * 512, *b1 = b0 + groups * 512;
+            const int64_t n0 = 32 * s, end = chunk + AMX_CHUNK_TOKENS < padded ? chunk + AMX_CHUNK_TOKENS : padded;
+            for (int64_t t0 = chunk; t0 < end; t0 += 32) {
+                const uint16_t *a0 = xb + t0 * K, *a1 = a0 + 16 * K;
+                const int two = end - t0 >= 32;
+                amx_zero_c();
+                for (int64_t g = 0; g < groups; g++) {
+                    _tile_loadd(4, a0 + 32 * g, K * 2);
+                    _tile_loadd(6, b0 + g * 512, 64);
+                    _tile_loadd(7, b1 + g * 512, 64);
+                    if (two) {
+                        _tile_loadd(5, a1 + 32 * g, K * 2);
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_dpbf16ps(1, 4, 7);
+                        _tile_dpbf16ps(2, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
+                    } else if (g % 2) {  /* one block of tokens: odd groups into C tiles 2, 3, summed at the end */
+                        _tile_dpbf16ps(2, 4, 6);
+                        _tile_dpbf16ps(3, 4, 7);
+                    } else {
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_dpbf16ps(1, 4, 7);
+                    }
+                }
+                amx_store_c(c);
+                amx_store_tokens(c[0], two ? NULL : c[2], t0, n0, M, N, y_kind, y);
+                amx_store_tokens(c[1], two ? NULL : c[3], t0, n0 + 16, M, N, y_kind, y);
+                if (two) {
+                    amx_store_tokens(c[2], NULL, t0 + 16, n0, M, N, y_kind, y);
+                    amx_store_tokens(c[3], NULL, t0 + 16, n0 + 16, M, N, y_kind, y);
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(copy);
+    return 0;
+}
 #else
 int amx_supported(void) { return 0; }
 
 UNBUILT_BF16_MATMUL(quant_matmul_amx)
+
+int bf16_matmul_amx(const void *x, int x_kind, int64_t M, int64_t K, const uint16_t *w, int64_t N, int y_kind,
+                    void *y)
+{
+    (void)x, (void)x_kind, (void)M, (void)K, (void)w, (void)N, (void)y_kind, (void)y;
+    return -3;
+}
 #endif
 
 /* ---- the small per-layer ops, fused: one call each where PyTorch dispatches several ops ------------

@@ -113,6 +113,7 @@ def _load(path: Path) -> ctypes.CDLL:
                                      ptr]
     lib.dpbf16_supported.argtypes = []
     lib.quant_matmul_dpbf16.argtypes = lib.quant_matmul_amx.argtypes
+    lib.bf16_matmul_amx.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, i64, ctypes.c_int, ptr]
     lib.quant_dequantize.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ptr]
     lib.add_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int, ptr]
     lib.rope_write_kv.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ptr]
@@ -120,7 +121,7 @@ def _load(path: Path) -> ctypes.CDLL:
     for fn in (lib.paged_attention_f32, lib.sgmv_lora_table_f32, lib.sgmv_lora_table_bf16,
                lib.sgmv_lora_table_f32_bf16w, lib.q4_matmul, lib.q8_matmul, lib.q4_matmul_x8, lib.q8_matmul_x8,
                lib.x8_supported, lib.amx_supported, lib.quant_matmul_amx, lib.dpbf16_supported,
-               lib.quant_matmul_dpbf16, lib.quant_dequantize, lib.add_rms_norm,
+               lib.quant_matmul_dpbf16, lib.bf16_matmul_amx, lib.quant_dequantize, lib.add_rms_norm,
                lib.rope_write_kv, lib.silu_mul):
         fn.restype = ctypes.c_int
     return lib
@@ -162,6 +163,38 @@ def amx_supported() -> bool:
 def dpbf16_supported() -> bool:
     """Whether the quantized matmuls can run on AVX512-BF16 dot products here (the library built for it)."""
     return library() is not None and _dpbf16
+
+
+def pack_bf16_amx(weight: torch.Tensor) -> torch.Tensor:
+    """A weight [N, K] (K a multiple of 32) in `bf16_matmul_amx`'s layout: its rows padded to 32 with zeros, then
+    per 16 rows and group of 32 k one AMX B tile, [16 pairs of k][16 rows][2] in bfloat16."""
+    n, k = weight.shape
+    if k % 32:
+        raise ValueError(f"the AMX bf16 kernel needs the input dimension to be a multiple of 32, got {k}")
+    padded = torch.zeros((n + 31) // 32 * 32, k, dtype=torch.bfloat16)
+    padded[:n] = weight
+    return padded.view(-1, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def unpack_bf16_amx(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """`pack_bf16_amx`'s inverse: the weight [N, K]."""
+    blocks, groups = packed.shape[:2]
+    pairs = packed.view(torch.int32).view(blocks, groups, 16, 16)  # a pair as one 4-byte element: a 3x faster copy
+    return pairs.permute(0, 3, 1, 2).reshape(blocks * 16, groups * 16)[:out_features].contiguous().view(torch.bfloat16)
+
+
+def bf16_matmul_amx_c(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [M, K] (float32 or bfloat16) times the weight `pack_bf16_amx` packed -> [M, N] in x's dtype, on AMX tiles:
+    x and the weight in bf16, float32 sums (the numbers of oneDNN's bf16 linear, summed in another order)."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+    status = library().bf16_matmul_amx(x.data_ptr(), KV_KINDS[x.dtype], x.shape[0], x.shape[1], packed.data_ptr(),
+                                       out_features, KV_KINDS[x.dtype], out.data_ptr())
+    if status == -1:
+        raise MemoryError("the AMX bf16 kernel could not allocate its copy of x")
+    if status != 0:
+        raise RuntimeError(f"the AMX bf16 kernel refused x {tuple(x.shape)} (status {status})")
+    return out
 
 
 def _f16c() -> bool:

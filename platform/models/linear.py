@@ -3,8 +3,10 @@ or replaced by a 4- or 8-bit quantized one (`kernels/quant.py`).
 
 At decode batch sizes the prepacked oneDNN matmul runs the model's linear layers ~2x faster
 than `F.linear` on the plain weight here (BENCHMARKS.md, "Engine speed"), so the CPU engine
-packs every linear layer after loading and drops the plain copy. With `--quantization` the
-weight is kept quantized instead and multiplied by the weight-only kernel.
+packs every linear layer after loading and drops the plain copy. A bf16 weight on a CPU with AMX
+is packed into the tiles of our own C kernel instead: 1.2-1.4x oneDNN's speed at decode sizes and
+up to ~1000 tokens, 0.75x at prefill chunks of 2048 (BENCHMARKS.md, "Dense bf16 weights on AMX").
+With `--quantization` the weight is kept quantized instead and multiplied by the weight-only kernel.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraplex.kernels import cpu_kernels
 from loraplex.kernels.cpu_kernels import native_bf16
+from loraplex.kernels.dispatch import backend
 from loraplex.kernels.quant import QuantizedWeight, dequantize, quantized_matmul
 
 
@@ -26,14 +30,25 @@ def can_pack(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and native_bf16()
 
 
+def amx_packs(weight: torch.Tensor) -> bool:
+    """Whether `pack` lays this weight out for the AMX bf16 kernel (else for oneDNN)."""
+    return (weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0 and backend() == "auto"
+            and cpu_kernels.amx_supported())
+
+
 class PackedLinear(nn.Linear):
-    packed: torch.Tensor | None = None
+    packed: torch.Tensor | None = None  # oneDNN's blocked layout
+    amx_packed: torch.Tensor | None = None  # `cpu_kernels.pack_bf16_amx`'s tiles
     quantized: QuantizedWeight | None = None
 
     def pack(self, keep_weight: bool = False) -> None:
         """Call after the last dtype/device move. `keep_weight` for a weight shared with
         another module (tied embeddings)."""
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+        weight = self.weight.detach()
+        if amx_packs(weight):
+            self.amx_packed = cpu_kernels.pack_bf16_amx(weight)
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         if not keep_weight:
             del self.weight
             self.register_parameter("weight", None)
@@ -50,11 +65,17 @@ class PackedLinear(nn.Linear):
     def dense_weight(self) -> torch.Tensor:
         if self.weight is not None:
             return self.weight
+        if self.amx_packed is not None:
+            return cpu_kernels.unpack_bf16_amx(self.amx_packed, self.out_features)
         return dequantize(self.quantized) if self.quantized is not None else self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
             y = quantized_matmul(x, self.quantized)
+            return y if self.bias is None else y + self.bias
+        if self.amx_packed is not None:
+            y = cpu_kernels.bf16_matmul_amx_c(x.reshape(-1, self.in_features), self.amx_packed, self.out_features)
+            y = y.reshape(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)

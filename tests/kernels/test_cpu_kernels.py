@@ -264,3 +264,33 @@ def test_float16_kv_cache_matches_the_reference_on_the_same_values(seed, qlens, 
     torch.testing.assert_close(out, reference(query, kc16, vc16, meta, dim ** -0.5), atol=1e-5, rtol=1e-5)
     # and close to float32 K/V: only the rounding of the cached values differs
     torch.testing.assert_close(out, reference(query, kc, vc, meta, dim ** -0.5), atol=5e-3, rtol=5e-3)
+
+
+def test_amx_packing_round_trips():
+    """The tile layout holds the weight as it is (rows padded to 32, then dropped again): pure PyTorch, any CPU."""
+    w = torch.randn(70, 96, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    packed = cpu_kernels.pack_bf16_amx(w)
+    assert packed.shape == (6, 3, 16, 16, 2)
+    assert torch.equal(cpu_kernels.unpack_bf16_amx(packed, 70), w)
+    assert packed[4, :, :, :6].abs().sum() > 0  # rows 64-69
+    assert packed[5].abs().sum() == 0 and packed[4, :, :, 6:].abs().sum() == 0  # rows 70-95: zeros
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_kernels.pack_bf16_amx(torch.zeros(8, 40, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("m", [1, 5, 15, 16, 17, 32, 33, 70])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_bf16_amx_kernel_is_the_bf16_gemm(m, dtype):
+    """Token counts across one block of 16 (even/odd groups), whole 2 x 16 blocks and a block past them; 37 and 70
+    rows (a strip of 32 with its second tile past the last row); K of 1, 3 and 18 groups; float32 x (rounded to
+    bf16 in the copy) and bf16 x (read in place when its tokens are whole 16s)."""
+    if not cpu_kernels.amx_supported():
+        pytest.skip("this CPU has no AMX-BF16 (the kernel is built only for one that has)")
+    for n, k in ((37, 32), (70, 96), (37, 576)):
+        gen = torch.Generator().manual_seed(m * k + n)
+        w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        got = cpu_kernels.bf16_matmul_amx_c(x, cpu_kernels.pack_bf16_amx(w), n)
+        assert got.dtype == dtype and got.shape == (m, n)
+        want = (x.to(torch.bfloat16).float() @ w.float().T).to(dtype)
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-3, rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-5)

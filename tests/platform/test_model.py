@@ -123,6 +123,29 @@ def test_packed_weights_give_the_same_logits_without_a_plain_copy(tmp_path, tied
                                                                    model.config.intermediate_size)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_bf16_weights_on_amx_are_packed_for_the_tile_kernel(tmp_path, tied):
+    """A bf16 model on a CPU with AMX multiplies by our tile kernel (not oneDNN) with the logits of the plain bf16
+    weights, to the rounding of sums taken in another order; `dense_weight` gives the weight back exactly."""
+    from loraplex.kernels import cpu_kernels
+    from loraplex.platform.models.linear import PackedLinear
+
+    if not cpu_kernels.amx_supported():
+        pytest.skip("this CPU has no AMX-BF16")
+    folder = make_tiny_model(tmp_path / "m", "llama", seed=2, tie_word_embeddings=tied)
+    ids = torch.randint(3, 448, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    logits, engines = {}, {}
+    for pack in (False, True):
+        engines[pack] = Engine(EngineConfig(model=str(folder), dtype="bfloat16", num_kv_blocks=16, pack_weights=pack))
+        logits[pack] = prompt_logits(engines[pack], ids, 7)
+    torch.testing.assert_close(logits[True], logits[False], atol=0.05, rtol=0.02)
+    plain, model = engines[False].model, engines[True].model
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert linears and all(m.amx_packed is not None and m.packed is None for m in linears)
+    assert all(m.weight is None for m in linears if m is not model.lm_head)
+    assert torch.equal(model.layers[0].mlp.down_proj.dense_weight(), plain.layers[0].mlp.down_proj.weight)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_layer_kernels_run_and_match_the_pytorch_ops(tiny_model_dir, dtype, monkeypatch):
     """On CPU each layer's residual add + norm, RoPE + KV write and SiLU * up run as single C
