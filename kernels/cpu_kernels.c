@@ -1554,24 +1554,25 @@ static inline __m512i weight_pairs(int kind, const void *q, const float *d, cons
     return bf16_pairs(_mm512_mul_ps(_mm512_cvtepi32_ps(low), dv), _mm512_mul_ps(_mm512_cvtepi32_ps(high), dv));
 }
 
+/* group g of x's token t (float32 or bf16: x_kind) as 16 bf16 pairs */
+static inline __m512i x_pair(const void *x, int x_kind, int64_t K, int64_t t, int64_t g)
+{
+    const int64_t i = t * K + 32 * g;
+    if (x_kind == KV_BF16) {
+        const uint16_t *b = (const uint16_t *)x + i;
+        return _mm512_or_si512(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)b)),
+                               _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b + 16))),
+                                                 16));
+    }
+    return bf16_pairs(_mm512_loadu_ps((const float *)x + i), _mm512_loadu_ps((const float *)x + i + 16));
+}
+
 /* x [M, K] (float32 or bf16: x_kind) -> xp[token][g]: each group of 32 as 16 bf16 pairs */
 static void x_pairs(const void *x, int x_kind, int64_t M, int64_t K, __m512i *xp)
 {
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < M; t++)
-        for (int64_t g = 0; g < K / 32; g++) {
-            const int64_t i = t * K + 32 * g;
-            __m512 lo, hi;
-            if (x_kind == KV_BF16) {
-                const uint16_t *b = (const uint16_t *)x + i;
-                lo = bf16_even(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)b)));
-                hi = bf16_even(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b + 16))));
-            } else {
-                lo = _mm512_loadu_ps((const float *)x + i);
-                hi = _mm512_loadu_ps((const float *)x + i + 16);
-            }
-            xp[t * (K / 32) + g] = bf16_pairs(lo, hi);
-        }
+        for (int64_t g = 0; g < K / 32; g++) xp[t * (K / 32) + g] = x_pair(x, x_kind, K, t, g);
 }
 #endif
 
@@ -1749,15 +1750,13 @@ int quant_matmul_amx(int kind, const void *x, int x_kind, int64_t M, int64_t K, 
 #pragma omp for schedule(static)
         for (int64_t bg = 0; bg < blocks * groups; bg++) {
             const int64_t b = bg / groups, g = bg % groups;
-            uint16_t *tile = xt + bg * 512;
+            const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
+                                                                       15), _mm512_set1_epi32(16));
+            int32_t *tile = (int32_t *)(xt + bg * 512);  /* [pair r][token]: a token's pairs are a column */
             for (int64_t t = 0; t < 16; t++) {
                 const int64_t token = 16 * b + t;
-                for (int64_t r = 0; r < 32; r++) {
-                    const int64_t i = token * K + 32 * g + r;
-                    const uint16_t v = token >= M ? 0 : x_kind == KV_BF16 ? ((const uint16_t *)x)[i]
-                                                                          : bf16_round(((const float *)x)[i]);
-                    tile[(r % 16) * 32 + 2 * t + r / 16] = v;
-                }
+                const __m512i pairs = token < M ? x_pair(x, x_kind, K, token, g) : _mm512_setzero_si512();
+                _mm512_i32scatter_epi32(tile + t, rows, pairs, 4);
             }
         }
         amx_tile_config config = {.palette = 1};
