@@ -1,7 +1,7 @@
 """`dtype="auto"` decided by measurement, not by CPU flags: a short probe of the model's
 decode-step matmuls in float32 and in bfloat16 (weights packed as the engine packs them: oneDNN's
-bf16 path where the CPU has native bf16), once per machine, torch build and model shape, cached
-beside the C kernels; the faster wins. Where bf16 is emulated it loses by several times
+bf16 path where the CPU has native bf16, our AMX kernel where it has AMX), once per machine, torch
+build, C kernel source and model shape, cached beside the C kernels; the faster wins. Where bf16 is emulated it loses by several times
 (BENCHMARKS.md), so the probe is a formality there, but one that costs a few seconds once.
 
 The probe times the linear layers (one decoder layer's, times the number of layers, plus the
@@ -39,7 +39,7 @@ def resolve_dtype(model: ModelConfig, probe: Callable[[ModelConfig], dict[str, f
 
 
 def cached_probe(model: ModelConfig) -> dict[str, float]:
-    """`probe_matmuls`, measured once per CPU, torch build and model shape."""
+    """`probe_matmuls`, measured once per CPU, torch build, kernel source and model shape."""
     path = _cache_file()
     key = _key(model)
     try:
@@ -95,11 +95,13 @@ def _packed(in_features: int, out_features: int, dtype: torch.dtype, generator: 
 
 
 def _key(model: ModelConfig) -> str:
-    from loraplex.kernels.cpu_kernels import _cpu_flags
+    from loraplex.kernels.cpu_kernels import SOURCE, _cpu_flags
 
     shape = [model.hidden_size, model.num_heads, model.num_kv_heads, model.head_dim, model.intermediate_size,
              model.vocab_size, model.num_layers]
-    return hashlib.sha256(_cpu_flags() + torch.__version__.encode() + json.dumps(shape).encode()).hexdigest()[:16]
+    # the kernels' source too: a bf16 matmul may be ours (AMX), and a new kernel must be measured again
+    return hashlib.sha256(_cpu_flags() + torch.__version__.encode() + SOURCE.read_bytes() +
+                          json.dumps(shape).encode()).hexdigest()[:16]
 
 
 def _cache_file() -> Path:

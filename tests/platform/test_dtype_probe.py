@@ -35,6 +35,21 @@ def test_the_probe_measures_both_and_is_cached(model, monkeypatch, tmp_path):
     assert (tmp_path / "dtype-probe.json").is_file()
 
 
+def test_a_changed_kernel_source_is_measured_again(model, monkeypatch, tmp_path):
+    """The bf16 matmul may be our own C kernel (AMX): a new build of it must not reuse the old timing."""
+    from loraplex.kernels import cpu_kernels
+
+    monkeypatch.setenv("LORAPLEX_CACHE", str(tmp_path))
+    source = tmp_path / "cpu_kernels.c"
+    source.write_bytes(cpu_kernels.SOURCE.read_bytes())
+    monkeypatch.setattr(cpu_kernels, "SOURCE", source)
+    monkeypatch.setattr(dtype_probe, "probe_matmuls", lambda m: {"float32": 2.0, "bfloat16": 1.0})
+    assert dtype_probe.cached_probe(model)["bfloat16"] == 1.0
+    source.write_bytes(source.read_bytes() + b"\n/* changed */\n")
+    monkeypatch.setattr(dtype_probe, "probe_matmuls", lambda m: {"float32": 1.0, "bfloat16": 2.0})
+    assert dtype_probe.cached_probe(model)["bfloat16"] == 2.0
+
+
 def test_the_engine_resolves_auto_once_and_logs_why(tiny_model_dir, monkeypatch, capsys):
     from loraplex.platform.engine import Engine
 
