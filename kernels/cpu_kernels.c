@@ -1834,9 +1834,11 @@ int quant_matmul_amx(int kind, const void *x, int x_kind, int64_t M, int64_t K, 
 }
 /* ---- a dense bf16 weight on AMX: y = x W^T with x's rows as the A tiles, read where they are (16 tokens x the
  * 32 k of one group), and W packed once at load into B tiles, [32 k as 16 pairs][16 n][2] per 16 rows and group
- * (`pack_bf16_amx` in cpu_kernels.py). Per group 2 x 2 tiles (32 tokens x 32 rows); x is copied only when it is
- * float32 or its tokens are not whole 16s. Against oneDNN's bf16 linear on packed weights: no ~15 us of set-up
- * per call, and decode-sized calls at the speed of reading the weight (BENCHMARKS.md, "dense bf16 on AMX"). */
+ * (`pack_bf16_amx` in cpu_kernels.py). Per group 2 x 2 tiles (32 tokens x 32 rows), tokens in chunks that stay
+ * in L2, a block's outputs written while the next block's products run; x is copied only when it is float32 or
+ * its tokens are not whole 16s. Against oneDNN's bf16 linear on packed weights: no ~15 us of set-up per call,
+ * decode-sized calls at the speed of reading the weight; 0.8x at 2048 tokens (BENCHMARKS.md, "Dense bf16 weights
+ * on AMX"). */
 
 /* C tile [16 tokens][16 n] (+ c2, or NULL) -> y[t0 + i][n0 ..], the tokens and rows that exist */
 static inline void amx_store_tokens(const float *c, const float *c2, int64_t t0, int64_t n0, int64_t M, int64_t N,
@@ -1851,6 +1853,18 @@ static inline void amx_store_tokens(const float *c, const float *c2, int64_t t0,
             _mm256_mask_storeu_epi16((uint16_t *)y + (t0 + i) * N + n0, cols, (__m256i)_mm512_cvtneps_pbh(v));
         else
             _mm512_mask_storeu_ps((float *)y + (t0 + i) * N + n0, cols, v);
+    }
+}
+
+/* a 32 x 32 block's C tiles (two blocks of 16 tokens; or one, its even and odd groups apart) -> y */
+static inline void amx_write_block(float c[4][256], int two, int64_t t0, int64_t n0, int64_t M, int64_t N,
+                                   int y_kind, void *y)
+{
+    amx_store_tokens(c[0], two ? NULL : c[2], t0, n0, M, N, y_kind, y);
+    amx_store_tokens(c[1], two ? NULL : c[3], t0, n0 + 16, M, N, y_kind, y);
+    if (two) {
+        amx_store_tokens(c[2], NULL, t0 + 16, n0, M, N, y_kind, y);
+        amx_store_tokens(c[3], NULL, t0 + 16, n0 + 16, M, N, y_kind, y);
     }
 }
 
@@ -1891,7 +1905,9 @@ int bf16_matmul_amx(const void *x, int x_kind, int64_t M, int64_t K, const uint1
         amx_tile_config config = {.palette = 1};
         for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
         _tile_loadconfig(&config);
-        float c[4][256] __attribute__((aligned(64)));
+        float c[2][4][256] __attribute__((aligned(64)));  /* a block's C tiles, written during the next one's */
+        int cur = 0, pending = 0, ptwo = 0;
+        int64_t pt0 = 0, pn0 = 0;
         for (int64_t chunk = 0; chunk < padded; chunk += AMX_CHUNK_TOKENS)  /* x's chunk stays in L2 */
 #pragma omp for schedule(static) nowait
         for (int64_t s = 0; s < strips; s++) {
@@ -1918,16 +1934,16 @@ int bf16_matmul_amx(const void *x, int x_kind, int64_t M, int64_t K, const uint1
                         _tile_dpbf16ps(0, 4, 6);
                         _tile_dpbf16ps(1, 4, 7);
                     }
+                    if (pending && g == groups / 2) {  /* the tile unit works on while the last block is written */
+                        amx_write_block(c[cur ^ 1], ptwo, pt0, pn0, M, N, y_kind, y);
+                        pending = 0;
+                    }
                 }
-                amx_store_c(c);
-                amx_store_tokens(c[0], two ? NULL : c[2], t0, n0, M, N, y_kind, y);
-                amx_store_tokens(c[1], two ? NULL : c[3], t0, n0 + 16, M, N, y_kind, y);
-                if (two) {
-                    amx_store_tokens(c[2], NULL, t0 + 16, n0, M, N, y_kind, y);
-                    amx_store_tokens(c[3], NULL, t0 + 16, n0 + 16, M, N, y_kind, y);
-                }
+                amx_store_c(c[cur]);
+                pending = 1, ptwo = two, pt0 = t0, pn0 = n0, cur ^= 1;
             }
         }
+        if (pending) amx_write_block(c[cur ^ 1], ptwo, pt0, pn0, M, N, y_kind, y);
         _tile_release();
     }
     free(copy);

@@ -1,8 +1,9 @@
 """`dtype="auto"` decided by measurement, not by CPU flags: a short probe of the model's
 decode-step matmuls in float32 and in bfloat16 (weights packed as the engine packs them: oneDNN's
 bf16 path where the CPU has native bf16, our AMX kernel where it has AMX), once per machine, torch
-build, C kernel source and model shape, cached beside the C kernels; the faster wins. Where bf16 is emulated it loses by several times
-(BENCHMARKS.md), so the probe is a formality there, but one that costs a few seconds once.
+build, C kernel source and model shape, cached beside the C kernels; the faster wins. Where bf16 is
+emulated it loses by several times (BENCHMARKS.md), so the probe is a formality there, but one that
+costs a few seconds once.
 
 The probe times the linear layers (one decoder layer's, times the number of layers, plus the
 LM head) on a decode batch: at decode sizes they are most of a step, and they are what the

@@ -5,7 +5,7 @@ At decode batch sizes the prepacked oneDNN matmul runs the model's linear layers
 than `F.linear` on the plain weight here (BENCHMARKS.md, "Engine speed"), so the CPU engine
 packs every linear layer after loading and drops the plain copy. A bf16 weight on a CPU with AMX
 is packed into the tiles of our own C kernel instead: 1.2-1.4x oneDNN's speed at decode sizes and
-up to ~1000 tokens, 0.75x at prefill chunks of 2048 (BENCHMARKS.md, "Dense bf16 weights on AMX").
+up to ~1000 tokens, 0.8x at prefill chunks of 2048 (BENCHMARKS.md, "Dense bf16 weights on AMX").
 With `--quantization` the weight is kept quantized instead and multiplied by the weight-only kernel.
 """
 
