@@ -123,16 +123,19 @@ def test_packed_weights_give_the_same_logits_without_a_plain_copy(tmp_path, tied
                                                                    model.config.intermediate_size)
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_bf16_weights_on_amx_are_packed_for_the_tile_kernel(tmp_path, tied):
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("llama", {"tie_word_embeddings": True}), ("qwen2", {}),
+                                            ("llama", {"hidden_size": 48, "intermediate_size": 96})])
+def test_bf16_weights_on_amx_are_packed_for_the_tile_kernel(tmp_path, arch, overrides):
     """A bf16 model on a CPU with AMX multiplies by our tile kernel (not oneDNN) with the logits of the plain bf16
-    weights, to the rounding of sums taken in another order; `dense_weight` gives the weight back exactly."""
+    weights, to the rounding of sums taken in another order: tied embeddings, qkv biases (qwen2), and a model whose
+    hidden size is no multiple of 32 (those layers stay on oneDNN, down_proj's 96 inputs go to the tiles);
+    `dense_weight` gives the weight back exactly."""
     from loraplex.kernels import cpu_kernels
     from loraplex.platform.models.linear import PackedLinear
 
     if not cpu_kernels.amx_supported():
         pytest.skip("this CPU has no AMX-BF16")
-    folder = make_tiny_model(tmp_path / "m", "llama", seed=2, tie_word_embeddings=tied)
+    folder = make_tiny_model(tmp_path / "m", arch, seed=2, **overrides)
     ids = torch.randint(3, 448, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     logits, engines = {}, {}
     for pack in (False, True):
@@ -141,7 +144,9 @@ def test_bf16_weights_on_amx_are_packed_for_the_tile_kernel(tmp_path, tied):
     torch.testing.assert_close(logits[True], logits[False], atol=0.05, rtol=0.02)
     plain, model = engines[False].model, engines[True].model
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    assert linears and all(m.amx_packed is not None and m.packed is None for m in linears)
+    on_tiles = [m.in_features % 32 == 0 for m in linears]
+    assert any(on_tiles) and all((m.amx_packed is not None) == tiles and (m.packed is None) == tiles
+                                 for m, tiles in zip(linears, on_tiles))
     assert all(m.weight is None for m in linears if m is not model.lm_head)
     assert torch.equal(model.layers[0].mlp.down_proj.dense_weight(), plain.layers[0].mlp.down_proj.weight)
 
