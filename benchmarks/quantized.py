@@ -49,7 +49,7 @@ def weight_bytes(llm: LLM) -> int:
             if module.quantized is not None:
                 total += module.quantized.nbytes()
             elif module is not model.lm_head or not model.config.tie_word_embeddings:
-                total += module.in_features * module.out_features * model.embed_tokens.weight.element_size()
+                total += module.in_features * module.out_features * model.norm.weight.element_size()
     return total
 
 

@@ -183,6 +183,13 @@ def unpack_bf16_amx(packed: torch.Tensor, out_features: int) -> torch.Tensor:
     return pairs.permute(0, 3, 1, 2).reshape(blocks * 16, groups * 16)[:out_features].contiguous().view(torch.bfloat16)
 
 
+def rows_bf16_amx(packed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` of the weight `pack_bf16_amx` packed, [len(index), K]: a tied embedding table read from the
+    LM head's tiles."""
+    pairs = packed.view(torch.int32)[index // 16, :, :, index % 16]  # [T, K / 32, 16]: a row's pairs in k order
+    return pairs.reshape(len(index), -1).view(torch.bfloat16)
+
+
 def bf16_matmul_amx_c(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [M, K] (float32 or bfloat16) times the weight `pack_bf16_amx` packed -> [M, N] in x's dtype, on AMX tiles:
     x and the weight in bf16, float32 sums (the numbers of oneDNN's bf16 linear, summed in another order)."""

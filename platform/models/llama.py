@@ -20,7 +20,7 @@ from loraplex.kernels.paged_attention import PagedAttentionMetadata, paged_atten
 from loraplex.kernels.sgmv import LoRABatch
 from loraplex.platform.config import ModelConfig
 from loraplex.platform.models import FUSED_PROJECTIONS
-from loraplex.platform.models.linear import PackedLinear, can_pack
+from loraplex.platform.models.linear import PackedLinear, amx_packs, can_pack
 from loraplex.platform.models.quantized import quantize_model, read_prequantized
 from loraplex.platform.models.lora_linear import LoRAContext, LoRALinear
 
@@ -170,13 +170,18 @@ class LlamaForCausalLM(nn.Module):
         slot (None: no token uses one), read by every LoRA layer of this pass."""
         self.lora_context.batch = lora
         try:
-            x, residual = self.embed_tokens(input_ids), None
+            x, residual = self.embed(input_ids), None
             rope = self.rope.at(positions, x.dtype)
             for layer, kv_cache in zip(self.layers, kv_caches):
                 x, residual = layer(x, residual, rope, kv_cache, meta)
             return self.norm(x, residual)[0]
         finally:
             self.lora_context.batch = None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens.weight is None:  # tied, and packed for the AMX kernel: no second copy of the table
+            return cpu_kernels.rows_bf16_amx(self.lm_head.amx_packed, input_ids)
+        return self.embed_tokens(input_ids)
 
     def attach_lora(self, slots) -> None:
         """Point each LoRA-capable projection at its slot table (`adapters/slots.py`)."""
@@ -270,7 +275,10 @@ def load_model(folder: str | Path, config: ModelConfig, dtype: torch.dtype, max_
         quantize_model(model, quantization, gguf, blocks)
     model = model.to(dtype)
     if quantization == "none" and pack_weights and can_pack(dtype) and device.type == "cpu":
+        tied = config.tie_word_embeddings
         for module in model.modules():
-            if isinstance(module, PackedLinear):
-                module.pack(keep_weight=module is model.lm_head and config.tie_word_embeddings)
+            if isinstance(module, PackedLinear):  # a tied head keeps the table, unless its tiles can stand for it
+                module.pack(keep_weight=module is model.lm_head and tied and not amx_packs(module.weight))
+        if tied and model.lm_head.amx_packed is not None:
+            model.embed_tokens.weight = None  # read from the head's tiles (`embed`)
     return model

@@ -149,6 +149,10 @@ def test_bf16_weights_on_amx_are_packed_for_the_tile_kernel(tmp_path, arch, over
                                  for m, tiles in zip(linears, on_tiles))
     assert all(m.weight is None for m in linears if m is not model.lm_head)
     assert torch.equal(model.layers[0].mlp.down_proj.dense_weight(), plain.layers[0].mlp.down_proj.weight)
+    if overrides.get("tie_word_embeddings"):  # one copy of the table: the head's tiles
+        assert model.embed_tokens.weight is None and model.lm_head.weight is None
+        every = torch.arange(model.config.vocab_size)
+        assert torch.equal(model.embed(every), plain.embed_tokens.weight)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
