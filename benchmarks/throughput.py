@@ -93,8 +93,7 @@ def bench_hf(model, tokenizer, prompts, new_tokens: int) -> dict:
 def bench_matmul_floor(llm: LLM, batch: int, packed: bool, repeats: int = 10) -> dict:
     """The decode step's linear layers alone, back to back: through the layers themselves
     (`packed`: what loraplex runs, prepacked for oneDNN or, bf16 on AMX, for our tile kernel) or as
-    `F.linear` on the plain weights
-    (what an unpacked engine, transformers included, runs)."""
+    `F.linear` on the plain weights (what an unpacked engine, transformers included, runs)."""
     model = llm.engine.model
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
     dtype = model.norm.weight.dtype  # the model's (a tied table may live in the head's AMX tiles only)

@@ -193,6 +193,8 @@ def rows_bf16_amx(packed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def bf16_matmul_amx_c(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [M, K] (float32 or bfloat16) times the weight `pack_bf16_amx` packed -> [M, N] in x's dtype, on AMX tiles:
     x and the weight in bf16, float32 sums (the numbers of oneDNN's bf16 linear, summed in another order)."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the AMX bf16 kernel takes float32 or bfloat16 x, not {x.dtype}")
     x = x.contiguous()
     out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
     status = library().bf16_matmul_amx(x.data_ptr(), KV_KINDS[x.dtype], x.shape[0], x.shape[1], packed.data_ptr(),

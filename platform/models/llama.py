@@ -179,6 +179,7 @@ class LlamaForCausalLM(nn.Module):
             self.lora_context.batch = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids -> their rows of the embedding table."""
         if self.embed_tokens.weight is None:  # tied, and packed for the AMX kernel: no second copy of the table
             return cpu_kernels.rows_bf16_amx(self.lm_head.amx_packed, input_ids)
         return self.embed_tokens(input_ids)

@@ -276,6 +276,8 @@ def test_amx_packing_round_trips():
     assert packed[5].abs().sum() == 0 and packed[4, :, :, 6:].abs().sum() == 0  # rows 70-95: zeros
     with pytest.raises(ValueError, match="multiple of 32"):
         cpu_kernels.pack_bf16_amx(torch.zeros(8, 40, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_kernels.bf16_matmul_amx_c(torch.zeros(2, 96, dtype=torch.float16), packed, 70)
 
 
 @pytest.mark.parametrize("m", [1, 5, 15, 16, 17, 32, 33, 70])
