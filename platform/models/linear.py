@@ -18,7 +18,7 @@ from torch import nn
 from loraplex.kernels import cpu_kernels
 from loraplex.kernels.cpu_kernels import native_bf16
 from loraplex.kernels.dispatch import backend
-from loraplex.kernels.quant import QuantizedWeight, dequantize, quantized_matmul
+from loraplex.kernels.quant import AMX_TOKENS, QuantizedWeight, dequantize, quantized_matmul
 
 
 def can_pack(dtype: torch.dtype) -> bool:
@@ -65,12 +65,15 @@ class PackedLinear(nn.Linear):
     def dense_weight(self) -> torch.Tensor:
         if self.weight is not None:
             return self.weight
+        if self.quantized is not None:
+            return dequantize(self.quantized)
         if self.amx_packed is not None:
             return cpu_kernels.unpack_bf16_amx(self.amx_packed, self.out_features)
-        return dequantize(self.quantized) if self.quantized is not None else self.packed.to_dense()
+        return self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None:
+        # a tied 8-bit head may also hold its values as AMX tiles (`quantized.pack_tied_head`): those from 3 tokens on
+        if self.quantized is not None and (self.amx_packed is None or x.numel() // self.in_features < AMX_TOKENS[0]):
             y = quantized_matmul(x, self.quantized)
             return y if self.bias is None else y + self.bias
         if self.amx_packed is not None:

@@ -21,7 +21,7 @@ from loraplex.kernels.sgmv import LoRABatch
 from loraplex.platform.config import ModelConfig
 from loraplex.platform.models import FUSED_PROJECTIONS
 from loraplex.platform.models.linear import PackedLinear, amx_packs, can_pack
-from loraplex.platform.models.quantized import quantize_model, read_prequantized
+from loraplex.platform.models.quantized import pack_tied_head, quantize_model, read_prequantized
 from loraplex.platform.models.lora_linear import LoRAContext, LoRALinear
 
 
@@ -275,6 +275,8 @@ def load_model(folder: str | Path, config: ModelConfig, dtype: torch.dtype, max_
     if quantization != "none":  # from the float32 weights: GGUF bits checked / quantized before any bf16 rounding
         quantize_model(model, quantization, gguf, blocks)
     model = model.to(dtype)
+    if quantization != "none" and pack_weights and device.type == "cpu":
+        pack_tied_head(model)
     if quantization == "none" and pack_weights and can_pack(dtype) and device.type == "cpu":
         tied = config.tie_word_embeddings
         for module in model.modules():

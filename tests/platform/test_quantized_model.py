@@ -253,3 +253,31 @@ def test_default_model_q4_in_bf16_stays_close_to_the_bf16_model(default_model_di
                                                         **kw).generate(prompts, params)]
             for kw in ({"quantization": "q4"}, {})]
     assert sum(a == b for a, b in zip(*outs)) >= 3
+
+
+@pytest.mark.e2e
+def test_default_model_q4_bf16_head_tiles_stand_for_the_table_and_the_8bit_head(default_model_dir):
+    """On AMX in bf16 the tied Q8_0 head's values (the embedding table, exactly) are packed into tiles once: they
+    replace the plain table and take the head's calls of 3+ tokens with the 8-bit kernel's numbers (bf16 weights,
+    float32 sums); 1-2 tokens stay on the 8-bit head."""
+    from loraplex.kernels import cpu_kernels
+
+    if not cpu_kernels.amx_supported():
+        pytest.skip("this CPU has no AMX-BF16")
+    q4 = Engine(EngineConfig(model=str(default_model_dir), num_kv_blocks=32, quantization="q4", dtype="bfloat16"))
+    model = q4.model
+    head = model.lm_head
+    assert head.amx_packed is not None and head.quantized.kind == "q8"
+    assert model.embed_tokens.weight is None and head.weight is None
+    ids = torch.tensor([1, 17, 4000, 49151])
+    table = dequantize(head.quantized).to(torch.bfloat16)
+    assert torch.equal(model.embed(ids), table[ids])
+    gen = torch.Generator().manual_seed(0)
+    for tokens in (1, 2, 3, 20):
+        x = torch.randn(tokens, head.in_features, generator=gen).to(torch.bfloat16)
+        with torch.inference_mode():
+            got = head(x)
+        want = quant.amx_matmul(x, head.quantized) if tokens >= 3 else quant.quantized_matmul(x, head.quantized)
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2 ** -7)
+        if tokens < 3:
+            assert torch.equal(got, want)  # the 8-bit head itself
