@@ -1690,6 +1690,22 @@ static inline void amx_weight_tile(int kind, const void *q, const float *d, cons
                            n0 + i < N ? weight_pairs(kind, q, d, m, K, G, n0 + i, g) : _mm512_setzero_si512());
 }
 
+/* every tile 16 rows of 64 bytes, in the calling thread */
+static inline void amx_configure(void)
+{
+    amx_tile_config config = {.palette = 1};
+    for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
+    _tile_loadconfig(&config);
+}
+
+/* lane i -> 16 i: where row i of a tile of 16 x 64 bytes starts, in 4-byte elements (a column, gathered or
+ * scattered) */
+static inline __m512i tile_rows16(void)
+{
+    return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                              _mm512_set1_epi32(16));
+}
+
 int amx_supported(void)
 {
     /* Linux hands out the tile registers' state only on request (ARCH_REQ_XCOMP_PERM, XTILEDATA) */
@@ -1701,8 +1717,7 @@ int amx_supported(void)
 static inline void amx_store(const float *c, const float *c2, int64_t n0, int64_t t0, int64_t M, int64_t N,
                              int y_kind, void *y)
 {
-    const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                              _mm512_set1_epi32(16));
+    const __m512i column = tile_rows16();
     if (n0 >= N) return;  /* the second row block of a strip past the last row */
     const __mmask16 rows = N - n0 >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
     for (int64_t t = 0; t < 16 && t0 + t < M; t++) {
@@ -1750,18 +1765,14 @@ int quant_matmul_amx(int kind, const void *x, int x_kind, int64_t M, int64_t K, 
 #pragma omp for schedule(static)
         for (int64_t bg = 0; bg < blocks * groups; bg++) {
             const int64_t b = bg / groups, g = bg % groups;
-            const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
-                                                                       15), _mm512_set1_epi32(16));
             int32_t *tile = (int32_t *)(xt + bg * 512);  /* [pair r][token]: a token's pairs are a column */
             for (int64_t t = 0; t < 16; t++) {
                 const int64_t token = 16 * b + t;
                 const __m512i pairs = token < M ? x_pair(x, x_kind, K, token, g) : _mm512_setzero_si512();
-                _mm512_i32scatter_epi32(tile + t, rows, pairs, 4);
+                _mm512_i32scatter_epi32(tile + t, tile_rows16(), pairs, 4);
             }
         }
-        amx_tile_config config = {.palette = 1};
-        for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
-        _tile_loadconfig(&config);
+        amx_configure();
         uint16_t a[2][512] __attribute__((aligned(64)));  /* this group's weight tiles, per 16-row block */
         float c[4][256] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
@@ -1832,6 +1843,7 @@ int quant_matmul_amx(int kind, const void *x, int x_kind, int64_t M, int64_t K, 
     free(xt);
     return 0;
 }
+
 /* ---- a dense bf16 weight on AMX: y = x W^T with x's rows as the A tiles, read where they are (16 tokens x the
  * 32 k of one group), and W packed once at load into B tiles, [32 k as 16 pairs][16 n][2] per 16 rows and group
  * (`pack_bf16_amx` in cpu_kernels.py). Per group 2 x 2 tiles (32 tokens x 32 rows), tokens in chunks that stay
@@ -1883,9 +1895,7 @@ static void bf16_rows(const void *x, int x_kind, int64_t M, int64_t K, uint16_t 
     memset(out + M * K, 0, (size_t)((padded - M) * K) * 2);
 }
 
-#ifndef AMX_CHUNK_TOKENS
 #define AMX_CHUNK_TOKENS 128
-#endif
 int bf16_matmul_amx(const void *x, int x_kind, int64_t M, int64_t K, const uint16_t *w, int64_t N, int y_kind,
                     void *y)
 {
@@ -1902,9 +1912,7 @@ int bf16_matmul_amx(const void *x, int x_kind, int64_t M, int64_t K, const uint1
     }
 #pragma omp parallel
     {
-        amx_tile_config config = {.palette = 1};
-        for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
-        _tile_loadconfig(&config);
+        amx_configure();
         float c[2][4][256] __attribute__((aligned(64)));  /* a block's C tiles, written during the next one's */
         int cur = 0, pending = 0, ptwo = 0;
         int64_t pt0 = 0, pn0 = 0;

@@ -72,7 +72,7 @@ class PackedLinear(nn.Linear):
         return self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # a tied 8-bit head may also hold its values as AMX tiles (`quantized.pack_tied_head`): those from 3 tokens on
+        # a tied 8-bit head may also hold its values as AMX tiles (`share_table_through_head_tiles`): 3+ tokens
         if self.quantized is not None and (self.amx_packed is None or x.numel() // self.in_features < AMX_TOKENS[0]):
             y = quantized_matmul(x, self.quantized)
             return y if self.bias is None else y + self.bias

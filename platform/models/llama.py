@@ -17,11 +17,12 @@ from torch import nn
 from loraplex.kernels import cpu_kernels
 from loraplex.kernels.dispatch import use_cpu_kernel
 from loraplex.kernels.paged_attention import PagedAttentionMetadata, paged_attention, write_kv
+from loraplex.kernels.quant import dequantize
 from loraplex.kernels.sgmv import LoRABatch
 from loraplex.platform.config import ModelConfig
 from loraplex.platform.models import FUSED_PROJECTIONS
 from loraplex.platform.models.linear import PackedLinear, amx_packs, can_pack
-from loraplex.platform.models.quantized import pack_tied_head, quantize_model, read_prequantized
+from loraplex.platform.models.quantized import quantize_model, read_prequantized
 from loraplex.platform.models.lora_linear import LoRAContext, LoRALinear
 
 
@@ -275,13 +276,28 @@ def load_model(folder: str | Path, config: ModelConfig, dtype: torch.dtype, max_
     if quantization != "none":  # from the float32 weights: GGUF bits checked / quantized before any bf16 rounding
         quantize_model(model, quantization, gguf, blocks)
     model = model.to(dtype)
-    if quantization != "none" and pack_weights and device.type == "cpu":
-        pack_tied_head(model)
-    if quantization == "none" and pack_weights and can_pack(dtype) and device.type == "cpu":
-        tied = config.tie_word_embeddings
-        for module in model.modules():
-            if isinstance(module, PackedLinear):  # a tied head keeps the table, unless its tiles can stand for it
-                module.pack(keep_weight=module is model.lm_head and tied and not amx_packs(module.weight))
-        if tied and model.lm_head.amx_packed is not None:
-            model.embed_tokens.weight = None  # read from the head's tiles (`embed`)
+    if pack_weights and device.type == "cpu":
+        if quantization == "none" and can_pack(dtype):
+            for module in model.modules():
+                if isinstance(module, PackedLinear):
+                    module.pack(keep_weight=module is model.lm_head and config.tie_word_embeddings)
+        share_table_through_head_tiles(model)
     return model
+
+
+def share_table_through_head_tiles(model: LlamaForCausalLM) -> None:
+    """A tied table the head holds as AMX tiles is read from them (`embed`) and its plain copy dropped. A
+    quantized (8-bit) head gets those tiles only where the table is exactly its values (the GGUF's Q8_0 blocks):
+    then they take the head's calls of 3+ tokens, 2x faster than dequantizing its rows per call, and replace
+    the table at no cost in memory (BENCHMARKS.md, "q4 in bf16 on AMX")."""
+    head, table = model.lm_head, model.embed_tokens.weight
+    if not model.config.tie_word_embeddings or not amx_packs(table):
+        return
+    if head.quantized is not None:
+        if not torch.equal(dequantize(head.quantized).to(table.dtype), table):
+            return  # quantized at load: the head's numbers are not the table's
+        head.amx_packed = cpu_kernels.pack_bf16_amx(table.detach())
+    if head.amx_packed is None:
+        return
+    head.weight = None
+    model.embed_tokens.weight = None

@@ -14,11 +14,9 @@ from pathlib import Path
 
 import torch
 
-from loraplex.kernels.cpu_kernels import pack_bf16_amx
 from loraplex.kernels.quant import QuantizedWeight, concat, dequantize, from_gguf, q4_from_values, quantize, rows
 from loraplex.platform.config import ModelConfig
 from loraplex.platform.models import FUSED_PROJECTIONS
-from loraplex.platform.models.linear import amx_packs
 
 GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
@@ -45,22 +43,6 @@ def quantize_model(model, method: str, gguf: Path | None = None, blocks: dict | 
     else:
         head = quantize(model.lm_head.weight, "q8", 32 if method == "q4" else None)
     model.lm_head.quantize(head, keep_weight=tied)  # a tied weight is also the embedding table
-
-
-def pack_tied_head(model) -> None:
-    """After the last dtype move: a tied 8-bit head whose embedding table holds exactly its values (bf16, the GGUF's
-    Q8_0 blocks) is also packed into AMX tiles in place of the table. The tiles serve the table and the head's
-    calls of 3+ tokens (2x faster than dequantizing its 49152 rows per call); 1-2 tokens keep the 8-bit head on
-    int8 activations. Memory as before: the tiles take the plain table's place (BENCHMARKS.md, "q4 in bf16 on
-    AMX")."""
-    head, table = model.lm_head, model.embed_tokens.weight
-    if not (model.config.tie_word_embeddings and head.quantized is not None and amx_packs(table)):
-        return
-    if not torch.equal(dequantize(head.quantized).to(table.dtype), table):
-        return  # quantized at load: the head's numbers are not the table's
-    head.amx_packed = pack_bf16_amx(table.detach())
-    head.weight = None
-    model.embed_tokens.weight = None  # read from the head's tiles (`LlamaForCausalLM.embed`)
 
 
 def _gguf_blocks(path: Path, config: ModelConfig) -> dict:
