@@ -9,7 +9,8 @@ and with `--quantization q4`): bytes of the linear
 weights kept, decode step and tok/s per batch size (prefix caching off, the same prompts for
 all), perplexity on benchmarks/data/perplexity.txt (from prompt logprobs, so prefill's matmuls:
 q4's run as a GEMM in `quant.dense_dtype()`, bf16 where it measures faster; again with every
-quantized matmul on the int8-activation kernel that decode at batch 1 takes); q4 and none with 16
+quantized matmul on the int8-activation kernel that decode at batch 1 takes, where it does: not for
+q4 on AMX, kept in tile order); q4 and none with 16
 distinct adapters at batch 16 against their own base (and q4-bf16). Beside them in the same run:
 transformers `generate` in float32 on the same prompts (`--skip-hf` to leave it out), and at batch 1
 llama.cpp through llama-cpp-python (if installed) on the same GGUF file and prompt.
@@ -51,6 +52,13 @@ def weight_bytes(llm: LLM) -> int:
             elif module is not model.lm_head or not model.config.tie_word_embeddings:
                 total += module.in_features * module.out_features * model.norm.weight.element_size()
     return total
+
+
+def takes_int8_activations(llm: LLM) -> bool:
+    """Whether decode's small calls multiply int8 activations: quantized weights by rows (q4 in tile order,
+    as kept on AMX, takes the tile kernel from 1 token on)."""
+    weights = [m.quantized for m in llm.engine.model.modules() if isinstance(m, PackedLinear) and m.quantized]
+    return bool(weights) and not any(w.tiles for w in weights)
 
 
 def perplexity(llm: LLM, int8_activations: bool = False) -> float:
@@ -137,7 +145,7 @@ def main() -> None:
                       max_model_len=4096)
             tokenizer = llm.get_tokenizer()
             row = {"method": method, "bytes": weight_bytes(llm), "ppl": perplexity(llm),
-                   "ppl_x8": perplexity(llm, int8_activations=True) if not method.startswith("none") else None}
+                   "ppl_x8": perplexity(llm, int8_activations=True) if takes_int8_activations(llm) else None}
             bench_loraplex(llm, make_prompts(tokenizer, 2, seed=99), 8)  # warm-up
             for batch in args.batch_sizes:
                 prompts = make_prompts(tokenizer, batch, seed=batch)
@@ -168,7 +176,9 @@ def main() -> None:
         shutil.rmtree(adapter_dir, ignore_errors=True)
 
     none = next((r for r in rows if r["method"] == "none"), None)
-    amx = f", AMX tiles for {quant.AMX_TOKENS[0]}-{quant.AMX_TOKENS[1] - 1}" if cpu_kernels.amx_supported() else ""
+    low, high = quant.AMX_TILE_ORDER_TOKENS
+    amx = f", AMX tiles for {quant.AMX_TOKENS[0]}-{quant.AMX_TOKENS[1] - 1}; q4 in tile order: AMX tiles for " \
+          f"{low}-{high - 1}" if cpu_kernels.amx_supported() else ""
     print(f"\nSmolLM2-135M-Instruct, float32 activations (bf16 in -bf16 rows; quantized matmuls: int8 activations "
           f"for <= {quant.INT8_ACTIVATION_TOKENS} tokens{amx}), "
           f"{args.new_tokens} new tokens, greedy, no prefix cache, "

@@ -15,6 +15,9 @@
 #endif
 
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_FP8 = 3 };  /* KV_FP8: float8 e4m3fn (vLLM's fp8 KV cache) */
+/* weight kinds of the quantized kernels besides 4 (q4 by rows) and 8 (q8): q4 in AMX tile order (`quant.pack_tiles`),
+ * [N / 16][K / 32][16 rows][16 bytes] and d, m [N / 16][K / 32][16], N padded to 16 rows of zeros */
+#define Q4_TILES 5
 
 static inline int64_t kv_elem(int kind) { return kind == KV_F32 ? 4 : kind == KV_FP8 ? 1 : 2; }
 
@@ -1255,7 +1258,7 @@ int quant_dequantize(int kind, const void *q, const float *d, const float *m, in
                      int out_kind, void *out)
 {
     if (K % 32 || (kind == 8 && (G <= 0 || K % G))) return -2;
-    const int64_t groups = K / (kind == 4 ? 32 : G);
+    const int64_t groups = K / (kind == 8 ? G : 32);
 #pragma omp parallel
     {
         float row[K];
@@ -1264,6 +1267,12 @@ int quant_dequantize(int kind, const void *q, const float *d, const float *m, in
             float *dst = out_kind == 0 ? (float *)out + n * K : row;
             if (kind == 4)
                 dequant_q4_row((const uint8_t *)q + n * (K / 2), d + n * groups, m + n * groups, K, dst);
+            else if (kind == Q4_TILES)
+                for (int64_t g = 0; g < groups; g++) {
+                    const int64_t at = (n / 16) * groups + g;  /* row n's group g: row n % 16 of that tile */
+                    dequant_q4_row((const uint8_t *)q + 256 * at + 16 * (n % 16), d + 16 * at + n % 16,
+                                   m + 16 * at + n % 16, 32, dst + 32 * g);
+                }
             else
                 dequant_q8_row((const int8_t *)q + n * K, d + n * groups, K, G, dst);
             if (out_kind != 0) {
@@ -1529,23 +1538,27 @@ static inline __m512i bf16_pairs(__m512 lo, __m512 hi)
     return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 }
 
+/* one q4 group (16 bytes, GGUF's nibble order; w = d q + m) as 16 bf16 pairs: the group's 16 possible values
+ * rounded to bf16 once, then picked per nibble by one permute */
+static inline __m512i q4_pairs(const uint8_t *bytes, float d, float m)
+{
+    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m256i table = (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(values, _mm512_set1_ps(d), _mm512_set1_ps(m)));
+    /* byte r -> the word pair (low nibble, high nibble) */
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
+    /* (v | v << 12) & 0x000F000F: ternary-logic truth table 0xA8 */
+    const __m512i index = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
+    return _mm512_permutexvar_epi16(index, _mm512_castsi256_si512(table));
+}
+
 /* group g of weight row n (q4 / q8 as the float kernels take them) as 16 bf16 pairs. q4: the row's 16
  * possible values d * q + m rounded to bf16 once, then picked per nibble by one permute. */
 static inline __m512i weight_pairs(int kind, const void *q, const float *d, const float *m, int64_t K, int64_t G,
                                    int64_t n, int64_t g)
 {
     if (kind == 4) {
-        const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         const int64_t s = n * (K / 32) + g;
-        const __m256i table = (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(values, _mm512_set1_ps(d[s]),
-                                                                          _mm512_set1_ps(m[s])));
-        /* byte r -> the word pair (low nibble, high nibble) */
-        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)q + n * (K / 2) +
-                                                                                 16 * g)));
-        /* (v | v << 12) & 0x000F000F: ternary-logic truth table 0xA8 */
-        const __m512i index = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x000F000F),
-                                                        0xA8);
-        return _mm512_permutexvar_epi16(index, _mm512_castsi256_si512(table));
+        return q4_pairs((const uint8_t *)q + n * (K / 2) + 16 * g, d[s], m[s]);
     }
     const int8_t *row = (const int8_t *)q + n * K + 32 * g;
     const __m512 dv = _mm512_set1_ps(d[n * (K / G) + 32 * g / G]);
@@ -1685,6 +1698,17 @@ typedef struct {
 static inline void amx_weight_tile(int kind, const void *q, const float *d, const float *m, int64_t K, int64_t G,
                                    int64_t N, int64_t n0, int64_t g, uint16_t *tile)
 {
+    if (kind == Q4_TILES) {  /* the tile's 16 rows of group g stored together: one stream through memory */
+        const int64_t at = (n0 / 16) * (K / 32) + g;
+        if (n0 >= N) {  /* the second block of a strip past the last row */
+            for (int64_t i = 0; i < 16; i++) _mm512_store_si512((__m512i *)(tile + 32 * i), _mm512_setzero_si512());
+            return;
+        }
+        const uint8_t *bytes = (const uint8_t *)q + 256 * at;
+        for (int64_t i = 0; i < 16; i++)
+            _mm512_store_si512((__m512i *)(tile + 32 * i), q4_pairs(bytes + 16 * i, d[16 * at + i], m[16 * at + i]));
+        return;
+    }
     for (int64_t i = 0; i < 16; i++)
         _mm512_store_si512((__m512i *)(tile + 32 * i),
                            n0 + i < N ? weight_pairs(kind, q, d, m, K, G, n0 + i, g) : _mm512_setzero_si512());

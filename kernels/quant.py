@@ -14,7 +14,9 @@ into L1, every token's dot product taken with it); from `DENSE_TOKENS` (prefill)
 dequantized in C and oneDNN's GEMM, in bf16 where that measures faster (`dense_dtype`). On a CPU with
 AMX, calls of `AMX_TOKENS` go to the tile kernel instead (weight tiles dequantized to bf16 in L1,
 multiplied by the tile unit: the dense path's rounding without its dequantized copy); with AVX512-BF16
-but no AMX, calls of `DPBF16_TOKENS` to the same math on bf16 dot-product instructions. Without the C
+but no AMX, calls of `DPBF16_TOKENS` to the same math on bf16 dot-product instructions. Where the engine
+runs q4 on AMX it keeps it in the tile kernel's order (`for_this_cpu`), which that kernel takes from 1
+token to `AMX_TILE_ORDER_TOKENS`. Without the C
 kernels: the reference, `x @ dequantize(w).T`; tests compare each path with the reference that
 rounds as it does.
 """
@@ -48,6 +50,12 @@ DENSE_TOKENS = {torch.bfloat16: 32, torch.float32: 96}
 # path): below, the int8 kernel is as fast; above, the dense GEMM's reuse wins (BENCHMARKS.md, "q4 in
 # bf16 on AMX").
 AMX_TOKENS = (3, 192)
+# A q4 weight in tile order (`pack_tiles`, what the engine keeps on AMX) takes the tile kernel for calls of
+# [low, high) tokens: read as one stream, it is as fast as the int8 kernel by rows at 1 token, faster from
+# 2, and faster than dequantizing for a GEMM up to ~330 (BENCHMARKS.md, "q4 in tile order"); the int8
+# kernel cannot read it. Outside: the dense GEMM, or (only where a test narrows the range) the weight by
+# rows on the other kernels.
+AMX_TILE_ORDER_TOKENS = (1, 320)
 # Without AMX but with AVX512-BF16 (Zen 4, Cooper Lake, some Xeons), calls of [low, high) tokens go to
 # the bf16 dot-product kernel (the tile kernel's numbers) or the float kernel, whichever measured faster
 # here (`dpbf16_wins`: on a Xeon without AMX, `vdpbf16ps` is no faster than two float FMAs); from high on,
@@ -66,6 +74,7 @@ class QuantizedWeight:
     m: torch.Tensor | None  # q4: float32 [N, K / group]; q8: None
     group: int
     shape: tuple[int, int]  # (N, K) of the float weight
+    tiles: bool = False  # q4 in the AMX kernel's order (`pack_tiles`): q, d and m by 16-row tile and group
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m) if t is not None)
@@ -126,14 +135,57 @@ def from_gguf(raw: np.ndarray, type_name: str, k: int) -> QuantizedWeight:
     raise ValueError(f"GGUF tensors of type {type_name} are not kept quantized (Q4_1 and Q8_0 are)")
 
 
+def pack_tiles(w: QuantizedWeight) -> QuantizedWeight:
+    """A q4 weight in the order the AMX kernel reads it: per 16 rows (N padded with zero rows) and group
+    of 32, the 16 rows' nibbles (256 bytes) together, and their d and m. Row by row, a 16-row tile's
+    group sat in 16 rows' separate cache lines (and 32 more for d and m): from memory the kernel
+    waited on them (7 GB/s); tile by tile it reads one sequential stream (BENCHMARKS.md, "q4 in tile
+    order"). Same bits and scales: no values change."""
+    if w.kind != "q4" or w.tiles:
+        raise ValueError(f"only a q4 weight by rows is packed into tiles, not {w.kind}{' tiles' if w.tiles else ''}")
+    (n, k), groups = w.shape, w.shape[1] // 32
+    padded = -(-n // 16) * 16
+
+    def by_tile(t: torch.Tensor, width: int) -> torch.Tensor:
+        full = torch.zeros(padded, groups * width, dtype=t.dtype)
+        full[:n] = t
+        return full.reshape(padded // 16, 16, groups, width).transpose(1, 2).contiguous()
+
+    return QuantizedWeight("q4", by_tile(w.q, 16), by_tile(w.d, 1)[..., 0], by_tile(w.m, 1)[..., 0], w.group,
+                           w.shape, tiles=True)
+
+
+def unpack_tiles(w: QuantizedWeight) -> QuantizedWeight:
+    """`pack_tiles`'s inverse: the weight by rows."""
+    if not w.tiles:
+        return w
+    (n, k), groups = w.shape, w.shape[1] // 32
+    by_row = lambda t, width: t.reshape(-1, groups, 16, width).transpose(1, 2).reshape(-1, groups * width)[:n]  # noqa: E731
+    return QuantizedWeight("q4", by_row(w.q, 16).contiguous(), by_row(w.d[..., None], 1).contiguous(),
+                           by_row(w.m[..., None], 1).contiguous(), w.group, w.shape)
+
+
+def for_this_cpu(w: QuantizedWeight) -> QuantizedWeight:
+    """The layout the engine keeps `w` in here: q4 in tile order where the AMX kernel takes it (the
+    default kernels), else as it is."""
+    from loraplex.kernels.dispatch import backend
+
+    if w.kind == "q4" and not w.tiles and w.shape[1] % 32 == 0 and backend() == "auto" \
+            and cpu_kernels.amx_supported():
+        return pack_tiles(w)
+    return w
+
+
 def rows(w: QuantizedWeight, index: torch.Tensor) -> QuantizedWeight:
     """The weight's output rows reordered (GGUF's q/k head permutation undone on the blocks)."""
+    w = unpack_tiles(w)
     pick = lambda t: None if t is None else t[index].contiguous()  # noqa: E731
     return QuantizedWeight(w.kind, pick(w.q), pick(w.d), pick(w.m), w.group, (len(index), w.shape[1]))
 
 
 def concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """Stacked along the output rows (fused qkv, gate_up)."""
+    parts = [unpack_tiles(p) for p in parts]
     first = parts[0]
     if any(p.kind != first.kind or p.group != first.group or p.shape[1] != first.shape[1] for p in parts):
         raise ValueError("fused projections must share one quantization format")
@@ -144,6 +196,7 @@ def concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
 
 def dequantize(w: QuantizedWeight) -> torch.Tensor:
     """The float32 weight [N, K] the quantized one stands for (the reference)."""
+    w = unpack_tiles(w)
     n, k = w.shape
     if w.kind == "q4":
         packed = w.q.reshape(n, k // 32, 16)
@@ -235,7 +288,7 @@ def dequantized(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch
     if lib is None:
         return dequantize(w).to(dtype)
     out = torch.empty(w.shape, dtype=dtype)
-    status = lib.quant_dequantize(4 if w.kind == "q4" else 8, w.q.data_ptr(), w.d.data_ptr(),
+    status = lib.quant_dequantize(_kind(w), w.q.data_ptr(), w.d.data_ptr(),
                                   None if w.m is None else w.m.data_ptr(), w.group, *w.shape, OUT_KINDS[dtype],
                                   out.data_ptr())
     if status != 0:
@@ -254,10 +307,15 @@ def dpbf16_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     return _bf16_pairs_matmul(cpu_kernels.library().quant_matmul_dpbf16, "AVX512-BF16", x, w)
 
 
+def _kind(w: QuantizedWeight) -> int:
+    """The C kernels' code for the weight's format (cpu_kernels.c: 4, 8, Q4_TILES)."""
+    return 5 if w.tiles else 4 if w.kind == "q4" else 8
+
+
 def _bf16_pairs_matmul(kernel, name: str, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
-    status = kernel(4 if w.kind == "q4" else 8, x.data_ptr(), OUT_KINDS[x.dtype], x.shape[0], w.shape[1],
+    status = kernel(_kind(w), x.data_ptr(), OUT_KINDS[x.dtype], x.shape[0], w.shape[1],
                     w.q.data_ptr(), w.d.data_ptr(), None if w.m is None else w.m.data_ptr(), w.group, w.shape[0],
                     OUT_KINDS[x.dtype], out.data_ptr())
     if status == -1:
@@ -287,6 +345,14 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, int8_activations: bool
     tokens = flat.shape[0]
     dense = dense_dtype()
     dense_from = DENSE_TOKENS[dense]
+    if w.tiles:  # on AMX (`for_this_cpu`)
+        if int8_activations is None and cpu_kernels.amx_supported():
+            if AMX_TILE_ORDER_TOKENS[0] <= tokens < AMX_TILE_ORDER_TOKENS[1]:
+                return amx_matmul(flat, w).reshape(*x.shape[:-1], w.shape[0])
+            if tokens >= max(dense_from, AMX_TILE_ORDER_TOKENS[1]):
+                y = F.linear(flat.to(dense), dequantized(w, dense)).to(x.dtype)
+                return y.reshape(*x.shape[:-1], w.shape[0])
+        return quantized_matmul(x, unpack_tiles(w), int8_activations)  # a kernel that reads rows
     if int8_activations is None and int8_activations_fit(w):  # the bf16 kernels' groups are whole 32s too
         if cpu_kernels.amx_supported():
             if AMX_TOKENS[0] <= tokens < AMX_TOKENS[1]:

@@ -44,6 +44,16 @@ def make_tokenizer(folder: Path):
     return fast
 
 
+def without_bf16_kernels(monkeypatch) -> None:
+    """No quantized matmul call takes the AMX or the AVX512-BF16 kernels (their bf16 rounding): the float
+    and int8 kernels' exact math, whatever the CPU."""
+    from loraplex.kernels import quant
+
+    nowhere = (1 << 30, 1 << 30)
+    for name in ("AMX_TOKENS", "AMX_TILE_ORDER_TOKENS", "DPBF16_TOKENS"):
+        monkeypatch.setattr(quant, name, nowhere)
+
+
 def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """A 2-layer random model of the given family, saved like any Hugging Face checkpoint."""
     import transformers

@@ -6,7 +6,8 @@ than `F.linear` on the plain weight here (BENCHMARKS.md, "Engine speed"), so the
 packs every linear layer after loading and drops the plain copy. A bf16 weight on a CPU with AMX
 is packed into the tiles of our own C kernel instead: 1.2-1.4x oneDNN's speed at decode sizes and
 up to ~1000 tokens, 0.8x at prefill chunks of 2048 (BENCHMARKS.md, "Dense bf16 weights on AMX").
-With `--quantization` the weight is kept quantized instead and multiplied by the weight-only kernel.
+With `--quantization` the weight is kept quantized instead (q4 on AMX in the tile kernel's order) and
+multiplied by the weight-only kernel.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import nn
 from loraplex.kernels import cpu_kernels
 from loraplex.kernels.cpu_kernels import native_bf16
 from loraplex.kernels.dispatch import backend
-from loraplex.kernels.quant import AMX_TOKENS, QuantizedWeight, dequantize, quantized_matmul
+from loraplex.kernels.quant import AMX_TOKENS, QuantizedWeight, dequantize, for_this_cpu, quantized_matmul
 
 
 def can_pack(dtype: torch.dtype) -> bool:
@@ -54,10 +55,11 @@ class PackedLinear(nn.Linear):
             self.register_parameter("weight", None)
 
     def quantize(self, weight: QuantizedWeight, keep_weight: bool = False) -> None:
-        """Multiply by `weight` from now on; the float weight is dropped unless shared."""
+        """Multiply by `weight` from now on (in the layout this CPU's kernel reads); the float weight is
+        dropped unless shared."""
         if weight.shape != (self.out_features, self.in_features):
             raise ValueError(f"quantized weight of shape {weight.shape} for a {self.out_features}x{self.in_features} layer")
-        self.quantized = weight
+        self.quantized = for_this_cpu(weight)
         if not keep_weight:
             del self.weight
             self.register_parameter("weight", None)

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import without_bf16_kernels
 from loraplex.kernels import cpu_kernels, quant
+from loraplex.kernels.dispatch import forced_backend
 from loraplex.kernels.quant import (concat, dequantize, from_gguf, quantize, quantized_matmul, reference_matmul,
                                     rows)
 
@@ -15,7 +17,6 @@ FORMATS = [("q4", None), ("q8", None), ("q8", 32)]
 
 
 KERNEL_ONLY = {torch.float32: 1 << 30, torch.bfloat16: 1 << 30}  # no call takes the dense GEMM
-NO_BF16_KERNEL = (1 << 30, 1 << 30)  # no call takes the AMX or the AVX512-BF16 kernel
 
 
 @pytest.mark.parametrize("kind,group", FORMATS)
@@ -76,8 +77,7 @@ def test_dense_path_is_a_gemm_on_the_dequantized_weight(kind, group, dtype, tole
     the CPU lacks it) within one bf16 rounding of the same product rounded in the reference."""
     monkeypatch.setattr(quant, "DENSE_DTYPE", dtype)
     monkeypatch.setattr(quant, "DENSE_TOKENS", {dtype: 8})
-    monkeypatch.setattr(quant, "AMX_TOKENS", NO_BF16_KERNEL)
-    monkeypatch.setattr(quant, "DPBF16_TOKENS", NO_BF16_KERNEL)
+    without_bf16_kernels(monkeypatch)
     gen = torch.Generator().manual_seed(7)
     w = quantize(torch.randn(37, 576, generator=gen) * 0.05, kind, group)
     torch.testing.assert_close(quant.dequantized(w), dequantize(w), atol=1e-6, rtol=1e-6)
@@ -91,8 +91,7 @@ def test_dense_path_is_a_gemm_on_the_dequantized_weight(kind, group, dtype, tole
 
 
 def test_decode_sized_calls_take_int8_activations_and_larger_ones_float(monkeypatch):
-    monkeypatch.setattr(quant, "AMX_TOKENS", NO_BF16_KERNEL)  # without the bf16 kernels (their dispatch: below)
-    monkeypatch.setattr(quant, "DPBF16_TOKENS", NO_BF16_KERNEL)
+    without_bf16_kernels(monkeypatch)  # without the bf16 kernels (their dispatch: below)
     gen = torch.Generator().manual_seed(5)
     w = quantize(torch.randn(16, 256, generator=gen), "q4")
     n = quant.INT8_ACTIVATION_TOKENS  # decode at batch 1-4: measured faster than the float kernel
@@ -162,6 +161,80 @@ def test_bf16_kernels_take_the_calls_they_are_faster_for(amx, monkeypatch):
     quantized_matmul(torch.randn(low, 256, generator=gen), w, int8_activations=False)
     quantized_matmul(torch.randn(low, 240, generator=gen), quantize(torch.randn(16, 240, generator=gen), "q8", 48))
     assert sum(map(len, taken.values())) == 2
+
+
+@pytest.mark.parametrize("amx,backend", [(True, "auto"), (False, "auto"), (True, "torch")])
+def test_q4_is_kept_in_tile_order_where_the_amx_kernel_reads_it(amx, backend, monkeypatch):
+    """Decision logic (AMX faked): the engine's layout is the tile order on AMX with the default kernels,
+    by rows elsewhere; q8 stays by rows. A weight in tile order takes the tile kernel from 1 token up to
+    AMX_TILE_ORDER_TOKENS, the dense GEMM from there; an activation format asked for by name, by rows."""
+    monkeypatch.setattr(cpu_kernels, "amx_supported", lambda: amx)
+    gen = torch.Generator().manual_seed(4)
+    w = quantize(torch.randn(20, 64, generator=gen), "q4")
+    with forced_backend(backend):
+        kept = quant.for_this_cpu(w)
+        assert not quant.for_this_cpu(quantize(torch.randn(20, 64, generator=gen), "q8")).tiles
+    assert kept.tiles == (amx and backend == "auto")
+    if not kept.tiles:
+        return
+    taken, dense = [], []
+    rounded = quant.dense_dtype()  # the fake tile kernel rounds as the GEMM: one reference for both
+    monkeypatch.setattr(quant, "amx_matmul", lambda x, w: taken.append((x.shape[0], w.tiles))
+                        or reference_matmul(x, w, dense_dtype=rounded))
+    monkeypatch.setattr(quant, "dequantized", lambda w, dtype: dense.append(w.tiles) or dequantize(w).to(dtype))
+    high = quant.AMX_TILE_ORDER_TOKENS[1]
+    for tokens in (1, 2, high - 1, high):
+        x = torch.randn(tokens, 64, generator=gen)
+        torch.testing.assert_close(quantized_matmul(x, kept), reference_matmul(x, w, dense_dtype=rounded),
+                                   **BF16_TOLERANCE)
+    assert taken == [(1, True), (2, True), (high - 1, True)] and dense == [True]
+    quantized_matmul(torch.randn(3, 64, generator=gen), kept, int8_activations=False)
+    assert len(taken) == 3 and len(dense) == 1  # the float kernel, on the rows
+
+
+@pytest.mark.parametrize("rows_", [16, 37])
+def test_tile_order_keeps_the_bits_and_scales(rows_):
+    """`pack_tiles` only reorders: unpacked it is the weight again, and the reference, the C dequantizer,
+    `rows` and `concat` read the same values from it (the rows past N are zeros, not served)."""
+    gen = torch.Generator().manual_seed(rows_)
+    w = quantize(torch.randn(rows_, 96, generator=gen), "q4")
+    tiles = quant.pack_tiles(w)
+    padded = -(-rows_ // 16)
+    assert tiles.tiles and tiles.q.shape == (padded, 3, 16, 16) and tiles.d.shape == (padded, 3, 16)
+    back = quant.unpack_tiles(tiles)
+    assert not back.tiles and all(torch.equal(a, b) for a, b in ((back.q, w.q), (back.d, w.d), (back.m, w.m)))
+    assert torch.equal(dequantize(tiles), dequantize(w))
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(quant.dequantized(tiles, dtype), quant.dequantized(w, dtype))
+    order = torch.randperm(rows_, generator=gen)
+    assert torch.equal(dequantize(rows(tiles, order)), dequantize(w)[order])
+    assert torch.equal(dequantize(concat([tiles, w])), torch.cat([dequantize(w)] * 2))
+    with pytest.raises(ValueError, match="by rows"):
+        quant.pack_tiles(tiles)
+
+
+@pytest.mark.skipif(not cpu_kernels.amx_supported(), reason="the tile kernel needs AMX")
+@pytest.mark.parametrize("tokens", [1, 2, 3, 16, 17, 33, 64, 191, 319, 320])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tile_order_gives_the_numbers_of_the_kernels_by_rows(tokens, dtype):
+    """The tile kernel reading the tile order (one stream) gives exactly what it gives on the rows, from 1
+    token on (including the last 16-row tile's padding: 37 rows); past AMX_TILE_ORDER_TOKENS, the dense
+    GEMM's numbers; an activation format asked for by name, the rows' kernels'."""
+    gen = torch.Generator().manual_seed(tokens)
+    w = quantize(torch.randn(37, 576, generator=gen) * 0.05, "q4")
+    tiles = quant.pack_tiles(w)
+    x = torch.randn(tokens, 576, generator=gen).to(dtype)
+    got = quantized_matmul(x, tiles)
+    assert got.dtype == dtype
+    if tokens < quant.AMX_TILE_ORDER_TOKENS[1]:
+        assert torch.equal(got, quant.amx_matmul(x, w))
+    else:
+        dense = quant.dense_dtype()
+        assert torch.equal(got, torch.nn.functional.linear(x.to(dense), quant.dequantized(w, dense)).to(dtype))
+    torch.testing.assert_close(got.float(), reference_matmul(x, w, dense_dtype=torch.bfloat16), **BF16_TOLERANCE)
+    for int8 in (False, True):
+        assert torch.equal(quantized_matmul(x, tiles, int8_activations=int8),
+                           quantized_matmul(x, w, int8_activations=int8))
 
 
 @pytest.mark.parametrize("dpbf16_wins", [True, False])

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from conftest import make_tiny_model
+from conftest import make_tiny_model, without_bf16_kernels
 from loraplex.kernels import quant
 from loraplex.kernels.quant import dequantize
 from loraplex.platform import LLM, SamplingParams
@@ -101,8 +101,7 @@ def dense_folder(src, dst, weights: dict):
                                                   ("gptq", -1, False, "gptq"), ("awq", 32, False, None),
                                                   ("awq", 64, False, None)])
 def test_checkpoint_bits_are_kept_and_served(tmp_path, method, group, sym, fmt, monkeypatch):
-    monkeypatch.setattr(quant, "AMX_TOKENS", (1 << 30, 1 << 30))  # float32 math: compared at 1e-4 below
-    monkeypatch.setattr(quant, "DPBF16_TOKENS", (1 << 30, 1 << 30))
+    without_bf16_kernels(monkeypatch)  # float32 math: compared at 1e-4 below
     src = make_tiny_model(tmp_path / "m", "llama", seed=5)
     folder = tmp_path / "q"
     expected = write_checkpoint(src, folder, method, group, sym, fmt or "gptq")
@@ -143,8 +142,7 @@ def test_adapters_on_a_gptq_base_match_peft_on_its_weights(tmp_path, monkeypatch
     that a bf16 engine (or a bf16 kernel's rounding) breaks either way."""
     from conftest import make_peft_adapter, peft_greedy
 
-    monkeypatch.setattr(quant, "AMX_TOKENS", (1 << 30, 1 << 30))
-    monkeypatch.setattr(quant, "DPBF16_TOKENS", (1 << 30, 1 << 30))
+    without_bf16_kernels(monkeypatch)
     monkeypatch.setattr(quant, "DENSE_DTYPE", torch.float32)
     src = make_tiny_model(tmp_path / "m", "llama", seed=5)
     expected = write_checkpoint(src, tmp_path / "q", "gptq", 32, False)

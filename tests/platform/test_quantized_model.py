@@ -10,17 +10,17 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import make_peft_adapter, make_tiny_model, peft_greedy
-from loraplex.kernels import quant
+from conftest import make_peft_adapter, make_tiny_model, peft_greedy, without_bf16_kernels
+from loraplex.kernels import cpu_kernels, quant
 from loraplex.kernels.quant import dequantize
 from loraplex.platform import LLM
 from loraplex.platform.config import EngineConfig, quantized_activation_dtype
 from loraplex.platform.engine import Engine
+from loraplex.platform.models import linear
 from loraplex.platform.models.linear import PackedLinear
 from loraplex.platform.request import SamplingParams
 from test_model import prompt_logits
 
-NO_BF16_KERNEL = (1 << 30, 1 << 30)  # quant.AMX_TOKENS / DPBF16_TOKENS that no call falls in
 
 
 def dequantized_folder(engine: Engine, src, dst):
@@ -61,8 +61,7 @@ def test_quantized_logits_are_the_dequantized_models(tmp_path, method, tied, den
     bf16 GEMM's rounding is tested in tests/kernels/test_quant.py)."""
     monkeypatch.setattr(quant, "DENSE_DTYPE", torch.float32)
     monkeypatch.setattr(quant, "DENSE_TOKENS", {torch.float32: 1 if dense else 1 << 30})
-    monkeypatch.setattr(quant, "AMX_TOKENS", NO_BF16_KERNEL)  # its bf16 rounding: test_quant.py and below
-    monkeypatch.setattr(quant, "DPBF16_TOKENS", NO_BF16_KERNEL)
+    without_bf16_kernels(monkeypatch)  # its bf16 rounding: test_quant.py and below
     folder = make_tiny_model(tmp_path / "m", "llama", seed=3, tie_word_embeddings=tied)
     engine = Engine(EngineConfig(model=str(folder), num_kv_blocks=16, quantization=method, dtype="float32"))
     linears = [m for m in engine.model.modules() if isinstance(m, PackedLinear)]
@@ -93,8 +92,7 @@ def test_adapters_on_a_quantized_base_match_peft_on_the_dequantized_model(tmp_pa
     trained in bf16; float32 keeps any adapter's float32 weights."""
     monkeypatch.setattr(quant, "DENSE_DTYPE", torch.float32)  # exact prefill GEMMs and float32 decode:
     monkeypatch.setattr(quant, "INT8_ACTIVATION_TOKENS", 0)  # the adapters' math, token for token
-    monkeypatch.setattr(quant, "AMX_TOKENS", NO_BF16_KERNEL)
-    monkeypatch.setattr(quant, "DPBF16_TOKENS", NO_BF16_KERNEL)
+    without_bf16_kernels(monkeypatch)
     llm = LLM(str(tiny_model_dir), num_kv_blocks=64, quantization="q4", dtype="float32", max_loras=4,
               lora_dtype=lora_dtype)
     assert llm.engine.adapters.dtype == (torch.bfloat16 if lora_dtype == "auto" else torch.float32)
@@ -117,8 +115,7 @@ def test_adapters_on_a_quantized_base_match_peft_on_the_dequantized_model(tmp_pa
 def test_default_model_q4_keeps_the_gguf_bits(default_model_dir, monkeypatch):
     """The folder was converted from the GGUF by dequantizing: the q4 engine's weights are the
     same numbers (checked per layer at load), so its logits are the float engine's."""
-    monkeypatch.setattr(quant, "AMX_TOKENS", NO_BF16_KERNEL)  # float32 math throughout
-    monkeypatch.setattr(quant, "DPBF16_TOKENS", NO_BF16_KERNEL)
+    without_bf16_kernels(monkeypatch)  # float32 math throughout
     q4 = Engine(EngineConfig(model=str(default_model_dir), num_kv_blocks=32, quantization="q4", dtype="float32"))
     head = q4.model.lm_head.quantized
     assert head.kind == "q8" and head.group == 32  # the GGUF's Q8_0 output blocks
@@ -163,6 +160,23 @@ def test_bf16_activations_on_a_quantized_base_match_the_bf16_float_model(tmp_pat
     got, want = prompt_logits(engine, ids, 7).float(), prompt_logits(reference, ids, 7).float()
     assert got.dtype == want.dtype and (got - want).abs().max() < 0.05 * want.abs().max()
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.skipif(not cpu_kernels.amx_supported(), reason="the tile order is kept where AMX reads it")
+def test_q4_on_amx_is_served_from_tile_order(tmp_path, monkeypatch):
+    """On AMX every q4 projection is kept in the tile order (one stream through memory), and the logits
+    are the ones the same kernel gives on the weights by rows."""
+    folder = make_tiny_model(tmp_path / "m", "llama", seed=6)
+    config = EngineConfig(model=str(folder), num_kv_blocks=16, quantization="q4", dtype="bfloat16")
+    tiles = Engine(config)
+    projections = [m.quantized for m in tiles.model.modules()
+                   if isinstance(m, PackedLinear) and m is not tiles.model.lm_head]
+    assert projections and all(w.tiles for w in projections)
+    monkeypatch.setattr(linear, "for_this_cpu", lambda w: w)
+    by_rows = Engine(config)
+    assert not by_rows.model.layers[0].mlp.down_proj.quantized.tiles
+    ids = torch.randint(3, 448, (40,), generator=torch.Generator().manual_seed(6)).tolist()
+    assert torch.equal(prompt_logits(tiles, ids, 7), prompt_logits(by_rows, ids, 7))  # 7 tokens: AMX on both
 
 
 def test_lora_dtype_is_the_models_or_bf16_under_float32(tiny_model_dir, monkeypatch):
