@@ -1,7 +1,7 @@
 """One decode step's linear projections, per weight format the engine can keep, in one process.
 
 The default model's 120 projection calls (30 layers x qkv 960x576, o 576x576, gate_up 3072x576,
-down 576x1536; random weights of those shapes) at each token count, bf16 x, every format taking
+down 576x1536; random weights of those shapes, q4 with float16 scales as a GGUF's) at each token count, bf16 x, every format taking
 turns: "cold" runs the 30 layers' own weights (out of cache, as in the engine: 212 MB in bf16,
 80 MB in q4), "hot" one layer's weights 30 times (in cache: the kernel's arithmetic alone).
 Formats: bf16 on the engine's dense path (our AMX tile kernel where it packs, else oneDNN), and
@@ -14,6 +14,7 @@ order on AMX). Best of `--rounds`, ms.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
@@ -23,6 +24,12 @@ from loraplex.platform.models.linear import PackedLinear
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of qkv, o, gate_up, down
 LAYERS = 30
+
+
+def gguf_like(weight: torch.Tensor) -> quant.QuantizedWeight:
+    """q4 with float16 scales, as a GGUF's Q4_1 blocks have them (what the engine serves by default)."""
+    w = quant.quantize(weight, "q4")
+    return dataclasses.replace(w, d=w.d.half().float(), m=w.m.half().float())
 
 
 def dense_layer(n: int, k: int, gen: torch.Generator) -> PackedLinear:
@@ -39,7 +46,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
-    rows = [[quant.quantize(torch.randn(n, k, generator=gen) * 0.02, "q4") for n, k in SHAPES] for _ in range(LAYERS)]
+    rows = [[gguf_like(torch.randn(n, k, generator=gen) * 0.02) for n, k in SHAPES] for _ in range(LAYERS)]
     dense = [[dense_layer(n, k, gen) for n, k in SHAPES] for _ in range(LAYERS)]
     kept = [[quant.for_this_cpu(w) for w in layer] for layer in rows]
     formats = {

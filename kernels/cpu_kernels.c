@@ -16,8 +16,10 @@
 
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_FP8 = 3 };  /* KV_FP8: float8 e4m3fn (vLLM's fp8 KV cache) */
 /* weight kinds of the quantized kernels besides 4 (q4 by rows) and 8 (q8): q4 in AMX tile order (`quant.pack_tiles`),
- * [N / 16][K / 32][16 rows][16 bytes] and d, m [N / 16][K / 32][16], N padded to 16 rows of zeros */
+ * [N / 16][K / 32][16 rows][16 bytes] and d, m [N / 16][K / 32][16], N padded to 16 rows of zeros; d and m float32
+ * (Q4_TILES) or float16 where that holds them exactly (Q4_TILES_F16: a GGUF's scales, 1/6 fewer bytes to read) */
 #define Q4_TILES 5
+#define Q4_TILES_F16 6
 
 static inline int64_t kv_elem(int kind) { return kind == KV_F32 ? 4 : kind == KV_FP8 ? 1 : 2; }
 
@@ -1258,6 +1260,9 @@ int quant_dequantize(int kind, const void *q, const float *d, const float *m, in
                      int out_kind, void *out)
 {
     if (K % 32 || (kind == 8 && (G <= 0 || K % G))) return -2;
+#ifndef __F16C__
+    if (kind == Q4_TILES_F16) return -2;
+#endif
     const int64_t groups = K / (kind == 8 ? G : 32);
 #pragma omp parallel
     {
@@ -1267,11 +1272,16 @@ int quant_dequantize(int kind, const void *q, const float *d, const float *m, in
             float *dst = out_kind == 0 ? (float *)out + n * K : row;
             if (kind == 4)
                 dequant_q4_row((const uint8_t *)q + n * (K / 2), d + n * groups, m + n * groups, K, dst);
-            else if (kind == Q4_TILES)
+            else if (kind == Q4_TILES || kind == Q4_TILES_F16)
                 for (int64_t g = 0; g < groups; g++) {
-                    const int64_t at = (n / 16) * groups + g;  /* row n's group g: row n % 16 of that tile */
-                    dequant_q4_row((const uint8_t *)q + 256 * at + 16 * (n % 16), d + 16 * at + n % 16,
-                                   m + 16 * at + n % 16, 32, dst + 32 * g);
+                    const int64_t at = (n / 16) * groups + g, i = 16 * at + n % 16;  /* row n % 16 of that tile */
+#ifdef __F16C__
+                    const float dd = kind == Q4_TILES_F16 ? _cvtsh_ss(((const uint16_t *)d)[i]) : d[i];
+                    const float mm = kind == Q4_TILES_F16 ? _cvtsh_ss(((const uint16_t *)m)[i]) : m[i];
+#else
+                    const float dd = d[i], mm = m[i];  /* Q4_TILES_F16 refused above */
+#endif
+                    dequant_q4_row((const uint8_t *)q + 256 * at + 16 * (n % 16), &dd, &mm, 32, dst + 32 * g);
                 }
             else
                 dequant_q8_row((const int8_t *)q + n * K, d + n * groups, K, G, dst);
@@ -1698,15 +1708,22 @@ typedef struct {
 static inline void amx_weight_tile(int kind, const void *q, const float *d, const float *m, int64_t K, int64_t G,
                                    int64_t N, int64_t n0, int64_t g, uint16_t *tile)
 {
-    if (kind == Q4_TILES) {  /* the tile's 16 rows of group g stored together: one stream through memory */
+    if (kind == Q4_TILES || kind == Q4_TILES_F16) {  /* the tile's 16 rows of group g together: one stream */
         const int64_t at = (n0 / 16) * (K / 32) + g;
         if (n0 >= N) {  /* the second block of a strip past the last row */
             for (int64_t i = 0; i < 16; i++) _mm512_store_si512((__m512i *)(tile + 32 * i), _mm512_setzero_si512());
             return;
         }
         const uint8_t *bytes = (const uint8_t *)q + 256 * at;
+        float scales[32] __attribute__((aligned(64)));
+        const float *dt = d + 16 * at, *mt = m + 16 * at;
+        if (kind == Q4_TILES_F16) {
+            _mm512_store_ps(scales, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)d + 16 * at))));
+            _mm512_store_ps(scales + 16, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)m + 16 * at))));
+            dt = scales, mt = scales + 16;
+        }
         for (int64_t i = 0; i < 16; i++)
-            _mm512_store_si512((__m512i *)(tile + 32 * i), q4_pairs(bytes + 16 * i, d[16 * at + i], m[16 * at + i]));
+            _mm512_store_si512((__m512i *)(tile + 32 * i), q4_pairs(bytes + 16 * i, dt[i], mt[i]));
         return;
     }
     for (int64_t i = 0; i < 16; i++)

@@ -192,15 +192,26 @@ def test_q4_is_kept_in_tile_order_where_the_amx_kernel_reads_it(amx, backend, mo
     assert len(taken) == 3 and len(dense) == 1  # the float kernel, on the rows
 
 
+def q4_weight(rows_: int, k: int, scales: torch.dtype, gen: torch.Generator):
+    """q4 with float32 scales (quantized at load) or scales float16 holds exactly (a GGUF's)."""
+    if scales == torch.float32:
+        return quantize(torch.randn(rows_, k, generator=gen) * 0.05, "q4")
+    d, m = (torch.randn(rows_, k // 32, generator=gen) * s for s in (0.01, 0.05))
+    return quant.q4_from_values(torch.randint(0, 16, (rows_, k), generator=gen), d.half().float(), m.half().float())
+
+
+@pytest.mark.parametrize("scales", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows_", [16, 37])
-def test_tile_order_keeps_the_bits_and_scales(rows_):
-    """`pack_tiles` only reorders: unpacked it is the weight again, and the reference, the C dequantizer,
-    `rows` and `concat` read the same values from it (the rows past N are zeros, not served)."""
+def test_tile_order_keeps_the_bits_and_scales(rows_, scales):
+    """`pack_tiles` only reorders (scales in float16 only where it holds them exactly): unpacked it is the
+    weight again, and the reference, the C dequantizer, `rows` and `concat` read the same values from it
+    (the rows past N are zeros, not served)."""
     gen = torch.Generator().manual_seed(rows_)
-    w = quantize(torch.randn(rows_, 96, generator=gen), "q4")
+    w = q4_weight(rows_, 96, scales, gen)
     tiles = quant.pack_tiles(w)
     padded = -(-rows_ // 16)
     assert tiles.tiles and tiles.q.shape == (padded, 3, 16, 16) and tiles.d.shape == (padded, 3, 16)
+    assert tiles.d.dtype == tiles.m.dtype == scales
     back = quant.unpack_tiles(tiles)
     assert not back.tiles and all(torch.equal(a, b) for a, b in ((back.q, w.q), (back.d, w.d), (back.m, w.m)))
     assert torch.equal(dequantize(tiles), dequantize(w))
@@ -216,13 +227,15 @@ def test_tile_order_keeps_the_bits_and_scales(rows_):
 @pytest.mark.skipif(not cpu_kernels.amx_supported(), reason="the tile kernel needs AMX")
 @pytest.mark.parametrize("tokens", [1, 2, 3, 16, 17, 33, 64, 191, 319, 320])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tile_order_gives_the_numbers_of_the_kernels_by_rows(tokens, dtype):
-    """The tile kernel reading the tile order (one stream) gives exactly what it gives on the rows, from 1
-    token on (including the last 16-row tile's padding: 37 rows); past AMX_TILE_ORDER_TOKENS, the dense
-    GEMM's numbers; an activation format asked for by name, the rows' kernels'."""
+@pytest.mark.parametrize("scales", [torch.float32, torch.float16])
+def test_tile_order_gives_the_numbers_of_the_kernels_by_rows(tokens, dtype, scales):
+    """The tile kernel reading the tile order (one stream; float32 or float16 scales) gives exactly what it
+    gives on the rows, from 1 token on (including the last 16-row tile's padding: 37 rows); past
+    AMX_TILE_ORDER_TOKENS, the dense GEMM's numbers; an activation format asked for by name, the rows'."""
     gen = torch.Generator().manual_seed(tokens)
-    w = quantize(torch.randn(37, 576, generator=gen) * 0.05, "q4")
+    w = q4_weight(37, 576, scales, gen)
     tiles = quant.pack_tiles(w)
+    assert tiles.d.dtype == scales
     x = torch.randn(tokens, 576, generator=gen).to(dtype)
     got = quantized_matmul(x, tiles)
     assert got.dtype == dtype
