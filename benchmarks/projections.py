@@ -1,9 +1,10 @@
 """One decode step's linear projections, per weight format the engine can keep, in one process.
 
 The default model's 120 projection calls (30 layers x qkv 960x576, o 576x576, gate_up 3072x576,
-down 576x1536; random weights of those shapes, q4 with float16 scales as a GGUF's) at each token count, bf16 x, every format taking
-turns: "cold" runs the 30 layers' own weights (out of cache, as in the engine: 212 MB in bf16,
-80 MB in q4), "hot" one layer's weights 30 times (in cache: the kernel's arithmetic alone).
+down 576x1536; random weights of those shapes, q4 with float16 scales as a GGUF's) at each token
+count, bf16 x, every format taking turns: "cold" runs the 30 layers' own weights (out of cache, as in
+the engine: 212 MB in bf16, 66 MB in q4 in tile order), "hot" one layer's weights 30 times (in cache:
+the kernel's arithmetic alone).
 Formats: bf16 on the engine's dense path (our AMX tile kernel where it packs, else oneDNN), and
 q4 through `quantized_matmul` by rows and as the engine keeps it (`quant.for_this_cpu`: in tile
 order on AMX). Best of `--rounds`, ms.

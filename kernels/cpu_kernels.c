@@ -1717,9 +1717,11 @@ static inline void amx_weight_tile(int kind, const void *q, const float *d, cons
         const uint8_t *bytes = (const uint8_t *)q + 256 * at;
         float scales[32] __attribute__((aligned(64)));
         const float *dt = d + 16 * at, *mt = m + 16 * at;
-        if (kind == Q4_TILES_F16) {
-            _mm512_store_ps(scales, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)d + 16 * at))));
-            _mm512_store_ps(scales + 16, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)m + 16 * at))));
+        if (kind == Q4_TILES_F16) {  /* the tile's 16 d and 16 m widened once, then broadcast per row as float32's */
+            const __m256i *dh = (const __m256i *)((const uint16_t *)d + 16 * at);
+            const __m256i *mh = (const __m256i *)((const uint16_t *)m + 16 * at);
+            _mm512_store_ps(scales, _mm512_cvtph_ps(_mm256_loadu_si256(dh)));
+            _mm512_store_ps(scales + 16, _mm512_cvtph_ps(_mm256_loadu_si256(mh)));
             dt = scales, mt = scales + 16;
         }
         for (int64_t i = 0; i < 16; i++)

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.kernels import cpu_kernels
+from loraplex.kernels.dispatch import backend
 
 log = logging.getLogger("loraplex")
 
@@ -164,16 +165,17 @@ def unpack_tiles(w: QuantizedWeight) -> QuantizedWeight:
     if not w.tiles:
         return w
     (n, k), groups = w.shape, w.shape[1] // 32
-    by_row = lambda t, width: t.reshape(-1, groups, 16, width).transpose(1, 2).reshape(-1, groups * width)[:n]  # noqa: E731
-    return QuantizedWeight("q4", by_row(w.q, 16).contiguous(), by_row(w.d[..., None], 1).float().contiguous(),
-                           by_row(w.m[..., None], 1).float().contiguous(), w.group, w.shape)
+
+    def by_row(t: torch.Tensor, width: int) -> torch.Tensor:
+        return t.reshape(-1, groups, 16, width).transpose(1, 2).reshape(-1, groups * width)[:n].contiguous()
+
+    return QuantizedWeight("q4", by_row(w.q, 16), by_row(w.d[..., None], 1).float(), by_row(w.m[..., None], 1).float(),
+                           w.group, w.shape)
 
 
 def for_this_cpu(w: QuantizedWeight) -> QuantizedWeight:
     """The layout the engine keeps `w` in here: q4 in tile order where the AMX kernel takes it (the
     default kernels), else as it is."""
-    from loraplex.kernels.dispatch import backend
-
     if w.kind == "q4" and not w.tiles and w.shape[1] % 32 == 0 and backend() == "auto" \
             and cpu_kernels.amx_supported():
         return pack_tiles(w)
@@ -337,8 +339,8 @@ def int8_activations_fit(w: QuantizedWeight) -> bool:
 
 def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, int8_activations: bool | None = None) -> torch.Tensor:
     """x [..., K] float32 or bfloat16 -> [..., N] in x's dtype: the C kernels where they are built,
-    else the reference; on AMX, calls of `AMX_TOKENS` tokens on the tile kernel; from `DENSE_TOKENS`
-    tokens on, a GEMM on the dequantized weight.
+    else the reference; on AMX, calls of `AMX_TOKENS` tokens on the tile kernel (`AMX_TILE_ORDER_TOKENS`
+    for a weight in tile order); from `DENSE_TOKENS` tokens on, a GEMM on the dequantized weight.
 
     `int8_activations` (default: for calls of at most `INT8_ACTIVATION_TOKENS` tokens, where the
     CPU has an integer dot product and the groups are whole 32s) quantizes x per group of 32 and
