@@ -171,7 +171,8 @@ def swapping_in_a_link(file: Path, target: Path):
                               (file.with_name(".swap-file"), lambda t: t.write_bytes(real))):
                 make(tmp)
                 os.replace(tmp, file)
-            stop.wait(0.002)  # the real file stays a moment too, so some loads can succeed
+                stop.wait(0.001)  # each stays a moment, so that reads meet both (a link that lasted
+                # microseconds could go unmet by every read of a test, which then saw no refusal)
 
     swapper = threading.Thread(target=swap)
     swapper.start()
