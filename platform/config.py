@@ -249,9 +249,11 @@ def quantized_activation_dtype() -> tuple[str, str]:
     this is the activations' and the KV cache's dtype: bfloat16 halves the KV bytes a step reads and
     is what the AMX tile kernel multiplies (BENCHMARKS.md, "q4 in bf16 on AMX"); emulated it is slow."""
     from loraplex.kernels.cpu_kernels import amx_supported, native_bf16
-    from loraplex.kernels.quant import AMX_TOKENS
+    from loraplex.kernels.quant import AMX_TILE_ORDER_TOKENS, AMX_TOKENS
 
     if not native_bf16():
         return "float32", "bf16 is emulated on this CPU (no AVX512-BF16 / AMX)"
-    amx = f"; quantized matmuls of {AMX_TOKENS[0]}-{AMX_TOKENS[1] - 1} tokens on AMX tiles" if amx_supported() else ""
+    (low, high), (q4_low, q4_high) = AMX_TOKENS, AMX_TILE_ORDER_TOKENS
+    amx = f"; quantized matmuls on AMX tiles: q4 (in tile order) {q4_low}-{q4_high - 1} tokens, 8-bit " \
+          f"{low}-{high - 1}" if amx_supported() else ""
     return "bfloat16", "bf16 native" + amx
