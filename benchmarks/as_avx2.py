@@ -37,7 +37,7 @@ def main() -> None:
     os.environ.update(CAPS)  # before torch is imported: it reads ATEN_CPU_CAPABILITY once
     root = Path(os.environ.get("LORAPLEX_CACHE") or Path.home() / ".cache" / "loraplex")
     cache = root / "as-avx2"  # its own C build and dtype probe; the converted default model shared
-    (cache / "models").parent.mkdir(parents=True, exist_ok=True)
+    cache.mkdir(parents=True, exist_ok=True)
     (root / "models").mkdir(parents=True, exist_ok=True)
     if not (cache / "models").exists():
         (cache / "models").symlink_to(root / "models", target_is_directory=True)

@@ -176,8 +176,7 @@ def unpack_tiles(w: QuantizedWeight) -> QuantizedWeight:
 def for_this_cpu(w: QuantizedWeight) -> QuantizedWeight:
     """The layout the engine keeps `w` in here: q4 in tile order where the AMX kernel takes it (the
     default kernels), else as it is."""
-    if w.kind == "q4" and not w.tiles and w.shape[1] % 32 == 0 and backend() == "auto" \
-            and cpu_kernels.amx_supported():
+    if w.kind == "q4" and not w.tiles and backend() == "auto" and cpu_kernels.amx_supported():  # q4: K in 32s
         return pack_tiles(w)
     return w
 

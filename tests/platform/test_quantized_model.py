@@ -22,7 +22,6 @@ from loraplex.platform.request import SamplingParams
 from test_model import prompt_logits
 
 
-
 def dequantized_folder(engine: Engine, src, dst):
     """A HF folder like `src` whose linear weights are the engine's dequantized ones (the float
     model the quantized one stands for)."""
