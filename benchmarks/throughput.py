@@ -129,7 +129,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="with --ablation: interleaved rounds, median")
     parser.add_argument("--ablation", action="store_true",
                         help="only the speed steps side by side: plain weights + PyTorch attention, "
-                             "+ prepacked weights, + C kernels, + float16 KV cache, + fp8 KV cache")
+                             "+ prepacked weights, + C kernels, the C kernels on plain weights, + float16 KV "
+                             "cache, + fp8 KV cache")
     args = parser.parse_args()
     if args.ablation:
         return ablation(args)
@@ -145,7 +146,7 @@ def main() -> None:
     hf_dtypes = args.hf_dtypes or (["float32", "bfloat16"] if native_bf16() else ["float32"])
     hf = {} if args.skip_hf else {name: AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, name)).eval()
                                   for name in hf_dtypes}
-    print(f"model={folder} dtype={dtype} packed={not args.no_pack} kv_cache_dtype={args.kv_cache_dtype} "
+    print(f"model={folder} dtype={dtype} packed={llm.engine.config.pack_weights} kv_cache_dtype={args.kv_cache_dtype} "
           f"new_tokens={args.new_tokens} threads={torch.get_num_threads()} native_bf16={native_bf16()} "
           f"prefix_caching=off hf_dtypes={hf_dtypes}")
     print("ms/step: median decode step; tok/s: output tokens over the whole run (prefill included); "
@@ -189,6 +190,7 @@ def ablation(args) -> None:
     variants = [("plain weights, PyTorch attention", plain, "torch"),
                 ("+ prepacked weights", packed, "torch"),
                 ("+ C kernels (attention in place)", packed, "auto"),
+                ("C kernels, plain weights", plain, "auto"),  # float32: our decode kernel on the rows
                 ("+ kv_cache_dtype=float16 (opt-in)", half_kv, "auto"),
                 ("+ kv_cache_dtype=fp8 (opt-in)", fp8_kv, "auto")]
     print(f"dtype={packed.engine.config.torch_dtype} new_tokens={args.new_tokens} threads={torch.get_num_threads()}")

@@ -1253,6 +1253,28 @@ int q8_matmul(const float *x, int64_t M, int64_t K, const int8_t *q, const float
     QUANT_TILES(dequant_q8_row(q + n * K, d + n * groups, K, G, w + j * K))
 }
 
+/* out [M, N] = x [M, K] w^T for a plain float32 weight w [N, K] (K a multiple of 8), for decode-sized M:
+ * each thread streams its QTILE-row tiles of w once, dotted with every token where they are (the same
+ * blocks as the quantized kernels, with nothing to dequantize). From 3 tokens the next tile is fetched
+ * into L2 while this one is multiplied (1.1-1.2x at 4-16 tokens); at 1-2 tokens the bare stream is
+ * faster (BENCHMARKS.md, "float32 weights: plain rows and our kernel"). */
+int f32_matmul(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *out)
+{
+    if (K % 8) return -2;
+#pragma omp parallel for schedule(static)
+    for (int64_t t0 = 0; t0 < N; t0 += QTILE) {
+        const int rows = N - t0 < QTILE ? (int)(N - t0) : QTILE;
+        const int64_t next = t0 + QTILE, ahead = N - next < QTILE ? N - next : QTILE;
+        for (int64_t b = 0; M >= 3 && b < ahead * K * 4; b += 64)
+            __builtin_prefetch((const char *)(w + next * K) + b, 0, 2);  /* into L2 */
+        for (int64_t r0 = 0; r0 < M; r0 += MCHUNK) {
+            const int64_t mc = M - r0 < MCHUNK ? M - r0 : MCHUNK;
+            TILE_ROWS(x + r0 * K, mc, K, w + t0 * K, rows, out + r0 * N, N, t0);
+        }
+    }
+    return 0;
+}
+
 /* The whole weight dequantized into out [N, K] (float32, or bfloat16 rounded to nearest even) for a
  * dense GEMM: from prefill-sized calls on, oneDNN's GEMM on the dequantized weight beats the kernels
  * above, whose per-tile dequantize and 2-3 token blocks stay far from the FMA peak. */

@@ -104,6 +104,7 @@ def _load(path: Path) -> ctypes.CDLL:
     for fn in (lib.sgmv_lora_table_f32, lib.sgmv_lora_table_bf16, lib.sgmv_lora_table_f32_bf16w):
         fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr]
     lib.q4_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr]
+    lib.f32_matmul.argtypes = [ptr, i64, i64, ptr, i64, ptr]
     lib.q8_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr]
     lib.q4_matmul_x8.argtypes = lib.q4_matmul.argtypes
     lib.q8_matmul_x8.argtypes = lib.q8_matmul.argtypes
@@ -120,7 +121,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.silu_mul.argtypes = [ptr, i64, i64, ctypes.c_int, ptr]
     for fn in (lib.paged_attention_f32, lib.sgmv_lora_table_f32, lib.sgmv_lora_table_bf16,
                lib.sgmv_lora_table_f32_bf16w, lib.q4_matmul, lib.q8_matmul, lib.q4_matmul_x8, lib.q8_matmul_x8,
-               lib.x8_supported, lib.amx_supported, lib.quant_matmul_amx, lib.dpbf16_supported,
+               lib.f32_matmul, lib.x8_supported, lib.amx_supported, lib.quant_matmul_amx, lib.dpbf16_supported,
                lib.quant_matmul_dpbf16, lib.bf16_matmul_amx, lib.quant_dequantize, lib.add_rms_norm,
                lib.rope_write_kv, lib.silu_mul):
         fn.restype = ctypes.c_int
@@ -204,6 +205,18 @@ def bf16_matmul_amx_c(x: torch.Tensor, packed: torch.Tensor, out_features: int) 
     if status != 0:
         raise RuntimeError(f"the AMX bf16 kernel refused x {tuple(x.shape)} (status {status})")
     return out
+
+
+def f32_matmul_c(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] times a plain float32 weight [N, K] (K a multiple of 8, both contiguous) -> [..., N]: the weight's
+    rows streamed once, dotted with every token (meant for decode-sized calls)."""
+    rows, k = weight.shape
+    out = x.new_empty(x.numel() // k, rows)  # 2-D: a third of torch.empty(shape tuple)'s ~2 us
+    status = library().f32_matmul(x.data_ptr(), x.numel() // k, k, weight.data_ptr(), rows, out.data_ptr())
+    if status != 0:
+        raise RuntimeError(f"the float32 kernel refused x {tuple(x.shape)}, weight {tuple(weight.shape)} "
+                           f"(status {status})")
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], rows)
 
 
 def _f16c() -> bool:

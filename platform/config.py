@@ -137,7 +137,9 @@ class EngineConfig:
     json_close_window: int = _setting(64, "JSON outputs: in the last max(N, max_tokens/4) tokens of max_tokens (at most half), "
                                           "pick a closing token (quote, bracket, brace, end) whenever the grammar "
                                           "allows one (0: off)")
-    pack_weights: bool = _setting(True, "CPU: linear weights prepacked for oneDNN (~2x faster decode matmuls)")
+    pack_weights: bool = _setting(True, "CPU: linear weights prepacked (oneDNN's layout, or our AMX kernel's for "
+                                        "bfloat16); under dtype auto, float32 weights only where the start-up "
+                                        "probe measures that faster than plain rows and our decode kernel")
     kv_cache_dtype: str = _setting("auto", "float16: twice the KV tokens of float32 in the same memory; fp8 (= "
                                            "fp8_e4m3, vLLM's name): twice those of bf16, K/V rounded to float8 "
                                            "e4m3 (CPU kernels); auto: the model's dtype",

@@ -73,9 +73,11 @@ class Engine:
                   file=sys.stderr)
             config = dataclasses.replace(config, dtype=chosen)
         if config.dtype == "auto" and device.type == "cpu":  # decided once, by measurement where it can go either way
-            chosen, why = resolve_dtype(self.model_config)
-            print(f"[loraplex] dtype auto -> {chosen} ({why})", file=sys.stderr)
-            config = dataclasses.replace(config, dtype=chosen)
+            chosen, packed, why = resolve_dtype(self.model_config)
+            packed = packed and config.pack_weights
+            layout = "" if chosen != "float32" else ", weights packed" if packed else ", weights plain"
+            print(f"[loraplex] dtype auto -> {chosen}{layout} ({why})", file=sys.stderr)
+            config = dataclasses.replace(config, dtype=chosen, pack_weights=packed)
         self.config = config
         self.max_model_len = config.resolve_max_model_len(self.model_config)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)

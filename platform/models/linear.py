@@ -7,7 +7,9 @@ packs every linear layer after loading and drops the plain copy. A bf16 weight o
 is packed into the tiles of our own C kernel instead: 1.2-1.4x oneDNN's speed at decode sizes and
 up to ~1000 tokens, 0.8x at prefill chunks of 2048 (BENCHMARKS.md, "Dense bf16 weights on AMX").
 With `--quantization` the weight is kept quantized instead (q4 on AMX in the tile kernel's order) and
-multiplied by the weight-only kernel.
+multiplied by the weight-only kernel. A float32 weight left plain (`dtype=auto`, where the start-up probe
+measures plain rows faster than oneDNN's packing, as on CPUs whose oneDNN GEMV is slow) is multiplied by our
+C kernel at decode sizes and by MKL's GEMM beyond.
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ from loraplex.kernels import cpu_kernels
 from loraplex.kernels.cpu_kernels import native_bf16
 from loraplex.kernels.dispatch import backend
 from loraplex.kernels.quant import AMX_TOKENS, QuantizedWeight, dequantize, for_this_cpu, quantized_matmul
+
+
+# Plain float32 weights: our kernel up to here (from 4 tokens faster than MKL's GEMM on the same rows, within ~10%
+# of its GEMV at 1-3; at 1-2 tokens capped at AVX2 MKL takes twice as long; BENCHMARKS.md, "float32 weights:
+# plain rows and our kernel"), MKL's GEMM beyond
+F32_KERNEL_TOKENS = 24
 
 
 def can_pack(dtype: torch.dtype) -> bool:
@@ -73,6 +81,15 @@ class PackedLinear(nn.Linear):
             return cpu_kernels.unpack_bf16_amx(self.amx_packed, self.out_features)
         return self.packed.to_dense()
 
+    def _f32_kernel_takes(self, x: torch.Tensor) -> bool:
+        """A decode-sized call on a plain float32 weight goes to our C kernel (not one autograd must see).
+        Checked per call in ~1 us (`cpu_kernels.usable` would take twice that, 120 calls a step)."""
+        weight = self.weight
+        return (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
+                and not (weight.requires_grad or x.requires_grad) and self.in_features % 8 == 0
+                and 0 < x.numel() <= F32_KERNEL_TOKENS * self.in_features and x.is_contiguous()
+                and weight.is_contiguous() and backend() == "auto" and cpu_kernels.library() is not None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # a tied 8-bit head may also hold its values as AMX tiles (`share_table_through_head_tiles`): 3+ tokens
         if self.quantized is not None and (self.amx_packed is None or x.numel() // self.in_features < AMX_TOKENS[0]):
@@ -83,5 +100,8 @@ class PackedLinear(nn.Linear):
             y = y.reshape(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         if self.packed is None:
+            if self._f32_kernel_takes(x):
+                y = cpu_kernels.f32_matmul_c(x, self.weight)
+                return y if self.bias is None else y + self.bias
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

@@ -297,3 +297,20 @@ def test_dense_bf16_amx_kernel_is_the_bf16_gemm(m, dtype):
         want = (x.to(torch.bfloat16).float() @ w.float().T).to(dtype)
         rtol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5  # bf16: one rounding of the output
         torch.testing.assert_close(got.float(), want.float(), atol=1e-3, rtol=rtol)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 6, 7, 23, 24, 25])
+def test_float32_kernel_on_plain_rows_is_f_linear(m):
+    """Token counts across the 6-token register blocks and the 24-token chunks, 1-2 tokens (no prefetch) and 3+
+    (the next tile prefetched); row counts that end in a partial 4-row block and a partial 8-row tile; K across
+    the 16-lane tail and several of the AVX-512 kernel's K parts."""
+    if cpu_kernels.library() is None:
+        pytest.skip("no C compiler")
+    for n, k in ((5, 8), (37, 72), (70, 1544), (13, 40)):
+        gen = torch.Generator().manual_seed(m * k + n)
+        w, x = torch.randn(n, k, generator=gen) * k ** -0.5, torch.randn(m, k, generator=gen)  # outputs ~1
+        got = cpu_kernels.f32_matmul_c(x, w)
+        assert got.shape == (m, n)
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, w), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="refused"):
+        cpu_kernels.f32_matmul_c(torch.zeros(2, 12), torch.zeros(4, 12))  # K not a multiple of 8
