@@ -102,17 +102,24 @@ def test_missing_weight_is_a_clear_error(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_packed_weights_give_the_same_logits_without_a_plain_copy(tmp_path, tied):
+def test_packed_weights_give_the_same_logits_without_a_plain_copy(tmp_path, tied, monkeypatch):
+    """Packed for oneDNN or plain rows (chunks of 7 tokens: our float32 kernel, where C kernels build)."""
+    from loraplex.kernels import cpu_kernels
     from loraplex.platform.models.linear import PackedLinear, can_pack
 
     if not can_pack(torch.float32):
         pytest.skip("no oneDNN in this torch build")
+    kernel_calls = []
+    kernel = cpu_kernels.f32_matmul_c
+    monkeypatch.setattr(cpu_kernels, "f32_matmul_c", lambda x, w: kernel_calls.append(x.shape) or kernel(x, w))
     folder = make_tiny_model(tmp_path / "m", "llama", seed=2, tie_word_embeddings=tied)
     ids = torch.randint(3, 448, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     logits = {}
     for pack in (False, True):
         engine = Engine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=16, pack_weights=pack))
         logits[pack] = prompt_logits(engine, ids, 7)
+        if not pack:
+            assert bool(kernel_calls) == (cpu_kernels.library() is not None)
     torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
     model = engine.model
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
