@@ -24,14 +24,14 @@ from loraplex.platform import LLM, SamplingParams
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def make_adapters(base_dir: str, out: Path, count: int, rank: int) -> list[Path]:
+def make_adapters(base_dir: str, out: Path, count: int, rank: int, targets: list[str] = TARGETS) -> list[Path]:
     """One adapter through peft, the others by re-drawing its tensors (same keys and shapes)."""
     from peft import LoraConfig, get_peft_model
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS,
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
                                             init_lora_weights=False))
     first = out / "lora-0"
     model.save_pretrained(first)

@@ -36,7 +36,7 @@ from loraplex.kernels.cpu_kernels import native_bf16
 from loraplex.platform import LLM, SamplingParams
 from loraplex.platform.model_store import _gguf_path, default_model_dir
 from loraplex.platform.models.linear import PackedLinear
-from multi_lora import make_adapters, prompts_of, run_loraplex
+from multi_lora import TARGETS, make_adapters, prompts_of, run_loraplex
 from throughput import bench_hf, bench_loraplex, make_prompts
 
 TEXT = Path(__file__).with_name("data") / "perplexity.txt"
@@ -129,13 +129,18 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["none", "q4", "int8", "q4-float"] +
                         (["none-bf16", "q4-bf16"] if native_bf16() else []))
     parser.add_argument("--adapters", type=int, default=16, help="distinct adapters at batch 16 (0: skip)")
+    parser.add_argument("--adapter-rank", type=int, default=16)
+    parser.add_argument("--adapter-targets", nargs="+", default=TARGETS,
+                        help="the adapters' modules (default: all seven projections; peft's default for Llama "
+                             "is q_proj v_proj, at rank 8)")
     parser.add_argument("--skip-hf", action="store_true", help="no transformers row")
     args = parser.parse_args()
     torch.manual_seed(0)
     float_copy = Path(tempfile.mkdtemp()) / "SmolLM2-float"  # not the GGUF's folder: q4 quantizes at load
     shutil.copytree(default_model_dir(), float_copy)
     adapter_dir = Path(tempfile.mkdtemp())
-    adapters = make_adapters(str(default_model_dir()), adapter_dir, args.adapters, 16) if args.adapters else []
+    adapters = make_adapters(str(default_model_dir()), adapter_dir, args.adapters, args.adapter_rank,
+                             args.adapter_targets) if args.adapters else []
     rows = []
     try:
         for method in args.methods:
@@ -182,7 +187,8 @@ def main() -> None:
     print(f"\nSmolLM2-135M-Instruct, float32 activations (bf16 in -bf16 rows; quantized matmuls: int8 activations "
           f"for <= {quant.INT8_ACTIVATION_TOKENS} tokens{amx}), "
           f"{args.new_tokens} new tokens, greedy, no prefix cache, "
-          f"{torch.get_num_threads()} threads\n")
+          f"{torch.get_num_threads()} threads; adapters: rank {args.adapter_rank} on "
+          f"{' '.join(args.adapter_targets)}\n")
     head = " | ".join(f"batch {b} tok/s (step ms)" for b in args.batch_sizes)
     print(f"| weights | linear weight MiB | perplexity | perplexity, int8 activations | {head} "
           "| 16 adapters / own base at batch 16 |")
