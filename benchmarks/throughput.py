@@ -146,9 +146,9 @@ def main() -> None:
     hf_dtypes = args.hf_dtypes or (["float32", "bfloat16"] if native_bf16() else ["float32"])
     hf = {} if args.skip_hf else {name: AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, name)).eval()
                                   for name in hf_dtypes}
-    print(f"model={folder} dtype={dtype} packed={llm.engine.config.pack_weights} kv_cache_dtype={args.kv_cache_dtype} "
-          f"new_tokens={args.new_tokens} threads={torch.get_num_threads()} native_bf16={native_bf16()} "
-          f"prefix_caching=off hf_dtypes={hf_dtypes}")
+    print(f"model={folder} dtype={dtype} packed={llm.engine.config.pack_weights} "
+          f"kv_cache_dtype={args.kv_cache_dtype} new_tokens={args.new_tokens} threads={torch.get_num_threads()} "
+          f"native_bf16={native_bf16()} prefix_caching=off hf_dtypes={hf_dtypes}")
     print("ms/step: median decode step; tok/s: output tokens over the whole run (prefill included); "
           "HF: transformers in its faster dtype (named)")
     header = (f"{'batch':>5} | {'plain floor':>11} {'our floor':>9} | {'loraplex ms':>11} {'tok/s':>6} | "

@@ -1,6 +1,6 @@
 """`dtype="auto"`: whichever of bfloat16, float32 packed and float32 on plain rows the probe measures
-fastest (at batch 1, 16 and 64 together: the product of the times), whatever the CPU flags say; the probe is real, cached per machine
-and model shape, and the engine logs the choice."""
+fastest (at batch 1, 16 and 64 together: the product of the times), whatever the CPU flags say; the
+probe is real, cached per machine and model shape, and the engine logs the choice."""
 
 from __future__ import annotations
 
