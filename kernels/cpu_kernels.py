@@ -211,8 +211,9 @@ def f32_matmul_c(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] times a plain float32 weight [N, K] (K a multiple of 8, both contiguous) -> [..., N]: the weight's
     rows streamed once, dotted with every token (meant for decode-sized calls)."""
     rows, k = weight.shape
-    out = x.new_empty(x.numel() // k, rows)  # 2-D: a third of torch.empty(shape tuple)'s ~2 us
-    status = library().f32_matmul(x.data_ptr(), x.numel() // k, k, weight.data_ptr(), rows, out.data_ptr())
+    tokens = x.numel() // k
+    out = x.new_empty(tokens, rows)  # 2-D: a third of torch.empty(shape tuple)'s ~2 us
+    status = library().f32_matmul(x.data_ptr(), tokens, k, weight.data_ptr(), rows, out.data_ptr())
     if status != 0:
         raise RuntimeError(f"the float32 kernel refused x {tuple(x.shape)}, weight {tuple(weight.shape)} "
                            f"(status {status})")

@@ -81,10 +81,9 @@ class PackedLinear(nn.Linear):
             return cpu_kernels.unpack_bf16_amx(self.amx_packed, self.out_features)
         return self.packed.to_dense()
 
-    def _f32_kernel_takes(self, x: torch.Tensor) -> bool:
+    def _f32_kernel_takes(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """A decode-sized call on a plain float32 weight goes to our C kernel (not one autograd must see).
         Checked per call in ~1 us (`cpu_kernels.usable` would take twice that, 120 calls a step)."""
-        weight = self.weight
         return (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
                 and not (weight.requires_grad or x.requires_grad) and self.in_features % 8 == 0
                 and 0 < x.numel() <= F32_KERNEL_TOKENS * self.in_features and x.is_contiguous()
@@ -100,8 +99,9 @@ class PackedLinear(nn.Linear):
             y = y.reshape(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         if self.packed is None:
-            if self._f32_kernel_takes(x):
-                y = cpu_kernels.f32_matmul_c(x, self.weight)
+            weight = self.weight  # a parameter: each read goes through Module.__getattr__
+            if self._f32_kernel_takes(x, weight):
+                y = cpu_kernels.f32_matmul_c(x, weight)
                 return y if self.bias is None else y + self.bias
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
