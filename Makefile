@@ -67,10 +67,13 @@ browser:
 	    >/dev/null 2>&1 && echo "installed chromium and chromium-driver" || \
 	  echo "could not install chromium / chromium-driver: tests/api/test_console_ui.py will fail saying so"; }
 
+# lint-imports: the layer contracts in .importlinter (the API only through engine_client, ...)
 test: model browser setup-ray
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q
 
 test-all: model browser setup-ray
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q -m "slow or not slow"
 
 bench: model

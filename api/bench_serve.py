@@ -199,7 +199,8 @@ def report(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace) -> tuple[str, int]:
+    """The report to show, and the exit status (1: no request succeeded)."""
     if not 0.0 <= args.base_fraction <= 1.0:
         raise ValueError(f"--base-fraction must be in [0, 1], got {args.base_fraction}")
     if not 0.0 <= args.structured_fraction <= 1.0:
@@ -208,9 +209,8 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
     results, duration = asyncio.run(run(args))
     summary = summarize(results, duration)
-    print(report(summary))
     if args.save_result:
         settings = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
         with open(args.save_result, "w") as f:
             json.dump({"settings": settings, **summary, "requests": [asdict(r) for r in results]}, f, indent=1)
-    return 0 if summary["successful_requests"] else 1
+    return report(summary), 0 if summary["successful_requests"] else 1

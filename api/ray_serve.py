@@ -6,11 +6,8 @@ Three parts, and no router of our own (Ray Serve's model multiplexing routes):
   an admin load) and forwards the request as it came, with that adapter as the multiplexed
   model id, to an engine replica; the reply streams back as the replica wrote it. `/metrics`
   is every replica's, with a `replica` label.
-- `EngineReplica`: one engine with the same FastAPI app as `loraplex serve` (`build_app`: same
-  routes, validation, auth, errors, SSE), called in-process through ASGI. Its multiplexing hook
-  reads an adapter on first use (LRU over `max_adapters_per_replica`, the evicted one unloaded
-  once its requests end). Replies carry `x-loraplex-replica` and, for adapter requests,
-  `x-loraplex-adapter-cache: hit|miss` (miss: its weights had to be read here).
+- The engine replicas: `api/replica.py`'s `EngineReplica` (plain, tested without Ray) in a thin
+  Ray deployment (`engine_replica`) whose multiplexing hook is the replica's `hold`.
 - `AdapterCatalog`: one Ray actor with the shared adapter names (`SharedAdapters` for the app).
   Replicas report to it twice a second (their metrics, the catalog version they applied) and
   let go of names it no longer has, so an unload reaches every replica; the unload answers
@@ -25,49 +22,30 @@ import contextlib
 import json
 import logging
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from loraplex.adapters.registry import AdapterInfo, AdapterInUseError, UnknownAdapterError
 from loraplex.api import openai_format as fmt
-from loraplex.api.server import ServerConfig, build_app
+from loraplex.api.flags import values
+from loraplex.api.in_process import call_asgi
+from loraplex.api.model_name import adapter_of
+from loraplex.api.replica import EngineReplica
+from loraplex.api.settings import ClusterConfig, ServerConfig
+from loraplex.platform.engine_client import AdapterInfo
 
-log = logging.getLogger("loraplex.ray")
+__all__ = ["AdapterCatalog", "ClusterConfig", "Ingress", "adapter_named", "build_application", "call_asgi",
+           "engine_replica", "merge_metrics", "serve_ray"]
 
-REPLICA_HEADER = "x-loraplex-replica"
-CACHE_HEADER = "x-loraplex-adapter-cache"
-ROUTINGS = ("adapter", "round-robin")  # round-robin: Ray's RoundRobinRouter, adapter-blind (the baseline)
-REPORT_INTERVAL_S = 0.5
+log = logging.getLogger(__name__)
+
 REPLICA_SILENT_S = 10.0  # a replica not heard from for this long is gone (no longer waited for or listed)
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    replicas: int = 2
-    max_replicas: int | None = None  # above `replicas`: autoscale between the two
-    target_ongoing_requests: int = 16  # per replica, what the autoscaler aims at
-    max_adapters_per_replica: int = 16  # Ray's max_num_models_per_replica
-    routing: str = "adapter"
-    replica_cpus: float = 1.0  # Ray CPUs per engine replica; also its torch threads
-    max_ongoing_requests: int = 256  # per replica: the engine batches, Ray should not queue in front of it
-    shutdown_timeout_s: float = 30.0  # a replica being stopped lets its requests finish this long
-
-    def __post_init__(self) -> None:
-        if self.replicas < 1 or (self.max_replicas is not None and self.max_replicas < self.replicas):
-            raise ValueError(f"need 1 <= replicas <= max_replicas, got {self.replicas}, {self.max_replicas}")
-        if self.routing not in ROUTINGS:
-            raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
-        if self.max_adapters_per_replica < 1 or self.replica_cpus < 0:
-            raise ValueError("max_adapters_per_replica must be >= 1 and replica_cpus >= 0")
 
 
 # ---- the shared adapter names ------------------------------------------------------------------
@@ -127,33 +105,6 @@ class AdapterCatalog:
         return {name: r for name, r in self.replicas.items() if now - r.seen < REPLICA_SILENT_S}
 
 
-class _CatalogClient:
-    """The app's `SharedAdapters`, over the catalog actor. Names the replica's heartbeat last
-    brought are answered here; others (registered since) are asked for."""
-
-    def __init__(self, catalog) -> None:
-        self.catalog = catalog
-        self.known: dict[str, AdapterInfo] = {}
-
-    def update(self, adapters: list[AdapterInfo]) -> None:
-        self.known = {a.name: a for a in adapters}
-
-    async def get(self, name: str) -> AdapterInfo | None:
-        info = self.known.get(name)
-        if info is None:
-            info = await self.catalog.get.remote(name)
-        return info
-
-    async def list(self) -> list[AdapterInfo]:
-        return await self.catalog.list.remote()
-
-    async def register(self, info: AdapterInfo) -> bool:
-        return await self.catalog.register.remote(info)
-
-    async def unregister(self, name: str) -> bool:
-        return await self.catalog.unregister.remote(name)
-
-
 def merge_metrics(by_replica: dict[str, str]) -> bytes:
     """Each replica's Prometheus text as one exposition, every sample labelled with its replica."""
     families: dict[str, Metric] = {}
@@ -174,196 +125,53 @@ def merge_metrics(by_replica: dict[str, str]) -> bytes:
 # ---- an engine replica ------------------------------------------------------------------------
 
 
-async def call_asgi(app, request: dict, body: bytes, headers: list[tuple[bytes, bytes]]) -> AsyncIterator[Any]:
-    """Run one HTTP request through an ASGI app in-process: first {"status", "headers"} (plus
-    `headers`), then the body's chunks as the app sends them. Closed early (the client left),
-    the app sees a disconnect, which aborts what the request started."""
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "http",
-             "method": request["method"], "path": request["path"], "raw_path": request["path"].encode(),
-             "root_path": "", "query_string": request["query_string"], "headers": request["headers"],
-             "client": tuple(request["client"]), "server": ("127.0.0.1", 0)}
-    sent: asyncio.Queue = asyncio.Queue()
-    gone = asyncio.Event()
-    body_read = False
-
-    async def receive() -> dict:
-        nonlocal body_read
-        if not body_read:
-            body_read = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await gone.wait()
-        return {"type": "http.disconnect"}
-
-    app_task = asyncio.ensure_future(app(scope, receive, sent.put))
-    app_task.add_done_callback(lambda _: sent.put_nowait(None))
-    try:
-        while (message := await sent.get()) is not None:
-            if message["type"] == "http.response.start":
-                yield {"status": message["status"], "headers": [*message.get("headers", []), *headers]}
-            elif message["type"] == "http.response.body":
-                if message.get("body"):
-                    yield message["body"]
-                if not message.get("more_body"):
-                    break
-    finally:
-        gone.set()
-        if not app_task.done():
-            await asyncio.wait({app_task}, timeout=5)
-            app_task.cancel()
-
-
 def engine_replica(max_adapters: int):
-    """The replica class; Ray's multiplexing decorator takes its LRU bound at class creation."""
+    """The Ray deployment class around `EngineReplica`; Ray's multiplexing decorator takes its
+    LRU bound at class creation."""
     from ray import serve
 
-    class EngineReplica:
-        def __init__(self, engine_args: dict, model: str | None, server_config: ServerConfig, catalog,
-                     torch_threads: int, max_waiting_requests: int | None) -> None:
-            import torch
-
-            from loraplex.platform.async_engine import AsyncEngine
-            from loraplex.platform.config import EngineConfig
-            from loraplex.platform.engine import Engine
-            from loraplex.platform.model_store import materialize_default_model
-
-            if torch_threads:
-                torch.set_num_threads(torch_threads)
-            model = model or str(materialize_default_model())  # each machine converts its own copy
-            self.front = AsyncEngine(Engine(EngineConfig(model=model, **engine_args)),
-                                     max_waiting_requests=max_waiting_requests)
-            self.catalog = catalog
-            self.shared = _CatalogClient(catalog)
-            self.app = build_app(self.front, server_config, self.shared)
-            self.server = self.app.state.server
-            self.replica = serve.get_replica_context().replica_id.unique_id
-            self.id_header = (REPLICA_HEADER.encode(), self.replica.encode())
-            self.held: set[str] = set()  # names Ray's multiplexing LRU holds here
-            self.metrics = CollectorRegistry(auto_describe=False)
-            self.metrics.register(_LoadedAdapters(self.front.adapters))
-            self.misses = Counter("loraplex:adapter_cache_misses", "Adapter requests whose weights this replica "
-                                  "had to read first.", registry=self.metrics)
-            self.version = -1
-            self.loop: asyncio.AbstractEventLoop | None = None
-            self.reporter: asyncio.Task | None = None
+    class RayEngineReplica:
+        def __init__(self, engine_args: dict, model: str | None, server: ServerConfig, catalog,
+                     torch_threads: int) -> None:
+            replica_id = serve.get_replica_context().replica_id.unique_id
+            self.replica = start_replica(engine_args, model, server, catalog, torch_threads, replica_id,
+                                         routed=lambda: bool(serve.get_multiplexed_model_id()))
+            self.replica.hook = self.hold
 
         def __del__(self) -> None:
-            front = getattr(self, "front", None)
-            if front is not None:
-                front.shutdown()
+            replica = getattr(self, "replica", None)
+            if replica is not None:
+                replica.close()
 
         @serve.multiplexed(max_num_models_per_replica=max_adapters)
-        async def hold(self, name: str) -> "_Held":
-            """Ray's multiplexing hook: read the adapter here (the app's own first-use load, so
-            confinement and errors are the server's), and tell Ray this replica has it."""
-            await self.server.resolve_model(name)
-            self.held.add(name)
-            return _Held(self, name)
+        async def hold(self, name: str):
+            return await self.replica.hold(name)
 
-        async def forward(self, request: dict, body: bytes, adapter: str | None) -> AsyncIterator[Any]:
-            self._start_reporting()
-            loading = request["path"] == "/v1/load_lora_adapter"
-            was_here = adapter is not None and self._in_memory(adapter)
-            if adapter is not None and not loading and serve.get_multiplexed_model_id():
-                with contextlib.suppress(Exception):  # unknown or bad: the app answers the request with it
-                    await self.hold(adapter)
-            status = None
-            async for message in call_asgi(self.app, request, body, [self.id_header]):
-                if isinstance(message, dict):
-                    status = message["status"]
-                    if adapter is not None and not loading:  # the app has resolved (read) the adapter by now
-                        message["headers"].extend(self._cache_header(adapter, was_here))
+        async def forward(self, request: dict, body: bytes, adapter: str | None):
+            async for message in self.replica.forward(request, body, adapter):
                 yield message
-            if loading and status == 200:
-                await self.hold(adapter)  # loaded and registered here: Ray routes its requests here
-
-        def _in_memory(self, adapter: str) -> bool:
-            status = self.front.adapters.status().get(adapter)
-            return bool(status and status.in_memory)
-
-        def _cache_header(self, adapter: str, was_here: bool) -> list[tuple[bytes, bytes]]:
-            """hit: its weights were here already; miss: read here for this request; none: not
-            served (unknown, refused)."""
-            if was_here:
-                return [(CACHE_HEADER.encode(), b"hit")]
-            if self._in_memory(adapter):
-                self.misses.inc()
-                return [(CACHE_HEADER.encode(), b"miss")]
-            return []
-
-        def release(self, name: str) -> None:
-            """Called from any thread: unload `name` once no request holds it, unless it is held
-            again meanwhile."""
-            if self.loop is not None:
-                self.loop.call_soon_threadsafe(self._release, name)
-
-        def _release(self, name: str) -> None:
-            """Unload now if no request holds it, else once they end (checked four times a second)."""
-            if name in self.held:
-                return
-            try:
-                self.front.adapters.unload(name)
-                log.info("replica %s: unloaded adapter %r", self.replica, name)
-            except UnknownAdapterError:
-                pass
-            except AdapterInUseError:
-                self.loop.call_later(0.25, self._release, name)
-
-        def _start_reporting(self) -> None:
-            if self.reporter is None:
-                self.loop = asyncio.get_running_loop()
-                self.reporter = asyncio.ensure_future(self._report_forever())
-
-        async def _report_forever(self) -> None:
-            while True:
-                with contextlib.suppress(Exception):  # the catalog restarting: try again next beat
-                    await self._report()
-                await asyncio.sleep(REPORT_INTERVAL_S)
-
-        async def _report(self) -> None:
-            metrics = self.server.metrics.render() + generate_latest(self.metrics)
-            version, adapters = await self.catalog.report.remote(self.replica, self.version, metrics.decode())
-            if adapters is not None:
-                self.shared.update(adapters)  # before the version is acknowledged: gone names now 404 here
-                shared = {a.name: a.content_hash for a in adapters}
-                for info in self.front.adapters.list():
-                    if shared.get(info.name) != info.content_hash:  # unloaded (or replaced) cluster-wide
-                        self.held.discard(info.name)
-                        self._release(info.name)
-            self.version = version
 
         async def check_health(self) -> None:
-            """Ray's health check; it also starts the heartbeat of a replica no request reached."""
-            self._start_reporting()
-            if not self.front.is_alive:
-                raise RuntimeError("the engine failed; see the replica's log")
+            await self.replica.check_health()
 
-    return EngineReplica
+    return RayEngineReplica
 
 
-class _LoadedAdapters:
-    """`loraplex:adapter_loaded{lora_name}`: 1 per adapter registered on this replica."""
+def start_replica(engine_args: dict, model: str | None, server: ServerConfig, catalog, torch_threads: int,
+                  replica_id: str, routed) -> EngineReplica:
+    """An engine on this machine (the default model converted here when none is given) and its
+    replica."""
+    import torch
 
-    def __init__(self, adapters) -> None:
-        self.adapters = adapters
+    from loraplex.platform.config import EngineConfig
+    from loraplex.platform.engine_client import build_engine_client
+    from loraplex.platform.model_store import materialize_default_model
 
-    def collect(self):
-        family = GaugeMetricFamily("loraplex:adapter_loaded", "Adapters this replica holds.", labels=["lora_name"])
-        for info in self.adapters.list():
-            family.add_metric([info.name], 1)
-        yield family
-
-
-class _Held:
-    """What the multiplexing LRU keeps per adapter; Ray calls `__del__` when it evicts it."""
-
-    def __init__(self, replica, name: str) -> None:
-        self.replica, self.name, self.released = replica, name, False
-
-    def __del__(self) -> None:
-        if not self.released:
-            self.released = True
-            self.replica.held.discard(self.name)
-            self.replica.release(self.name)
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
+    model = model or str(materialize_default_model())  # each machine converts its own copy
+    client = build_engine_client(EngineConfig(model=model, **engine_args), server.max_waiting_requests)
+    return EngineReplica(client, server, catalog, replica_id, routed)
 
 
 # ---- the ingress -----------------------------------------------------------------------------
@@ -379,9 +187,9 @@ def adapter_named(method: str, path: str, body: bytes, base: str) -> str | None:
         name = fields.get("lora_name" if path.endswith("load_lora_adapter") else "model")
     except (ValueError, AttributeError):  # the app answers malformed bodies itself
         return None
-    if not isinstance(name, str) or not name or name == base:
+    if not isinstance(name, str):
         return None
-    return name[len(base) + 1:] if name.startswith(base + ":") else name
+    return adapter_of(name, base) or None
 
 
 class Ingress:
@@ -431,16 +239,26 @@ class Ingress:
 
 
 def build_application(engine_args: dict, model: str | None, server: ServerConfig, cluster: ClusterConfig,
-                      adapters: list[AdapterInfo], max_waiting_requests: int | None = None):
+                      adapters: list[AdapterInfo]):
     """The Ray Serve application (`serve.run` it): catalog actor, engine replicas, ingress."""
     import ray
     from ray import serve
-    from ray.serve.config import RequestRouterConfig
 
     catalog = ray.remote(num_cpus=0)(AdapterCatalog).remote(adapters)
+    replica = serve.deployment(engine_replica(cluster.max_adapters_per_replica), name="Engine",
+                               **_replica_options(server, cluster))
+    ingress = serve.deployment(Ingress, name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
+    engines = replica.bind(engine_args, model, server, catalog, int(cluster.replica_cpus))
+    return ingress.bind(engines, catalog, server.served_model_name, cluster.routing, server.max_request_body_bytes)
+
+
+def _replica_options(server: ServerConfig, cluster: ClusterConfig) -> dict:
+    """The engine deployment's Ray options: resources, replica count or autoscaling, routing."""
+    from ray.serve.config import RequestRouterConfig
+
     options: dict = {"ray_actor_options": {"num_cpus": cluster.replica_cpus},
                      "max_ongoing_requests": cluster.max_ongoing_requests, "health_check_period_s": 2,
-                     "graceful_shutdown_timeout_s": cluster.shutdown_timeout_s}
+                     "graceful_shutdown_timeout_s": server.shutdown_timeout_s}
     if cluster.max_replicas is not None and cluster.max_replicas > cluster.replicas:
         options["autoscaling_config"] = {"min_replicas": cluster.replicas, "max_replicas": cluster.max_replicas,
                                          "target_ongoing_requests": cluster.target_ongoing_requests}
@@ -449,68 +267,64 @@ def build_application(engine_args: dict, model: str | None, server: ServerConfig
     if cluster.routing == "round-robin":
         options["request_router_config"] = RequestRouterConfig(
             request_router_class="ray.serve.experimental.round_robin_router:RoundRobinRouter")
-    replica = serve.deployment(engine_replica(cluster.max_adapters_per_replica), name="Engine", **options)
-    ingress = serve.deployment(Ingress, name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
-    engines = replica.bind(engine_args, model, server, catalog, int(cluster.replica_cpus), max_waiting_requests)
-    return ingress.bind(engines, catalog, server.served_model_name, cluster.routing, server.max_request_body_bytes)
+    return options
 
 
 def described_adapters(lora_modules: list[tuple[str, str]], engine_args: dict, model: str) -> list[AdapterInfo]:
     """`--lora-modules` read once here (a bad folder fails start-up, as on one server), so the
     catalog lists each with its rank and targets before any replica reads it."""
-    if not lora_modules:
-        return []
-    import torch
+    from loraplex.platform.engine_client import read_adapter_info
 
-    from loraplex.adapters.registry import AdapterRegistry
-    from loraplex.platform.config import ModelConfig
-
-    registry = AdapterRegistry(ModelConfig.from_folder(model), 1, engine_args["max_lora_rank"], None,
-                               torch.float32, lora_memory=0)
-    return [registry.load(name, str(Path(path).resolve())) for name, path in lora_modules]
+    return [read_adapter_info(model, engine_args["max_lora_rank"], name, str(Path(path).resolve()))
+            for name, path in lora_modules]
 
 
 def serve_ray(args: argparse.Namespace) -> int:
     """`loraplex serve --ray`: a local Ray instance on loopback, or a running cluster
     (`--ray-address`), the application on it, until SIGTERM / SIGINT."""
+    cluster = ClusterConfig(**values(ClusterConfig, args))  # nonsense is refused before Ray starts
     try:
         import ray
         from ray import serve
     except ImportError:
         raise ValueError("--ray needs Ray Serve, the optional extra: pip install -e '.[ray]' (make setup-ray)") from None
 
-    from loraplex.api.cli import engine_args
+    from loraplex.api.cli import engine_args, model_folder
     from loraplex.api.serve import server_config
-    from loraplex.platform.model_store import materialize_default_model
 
-    logging.basicConfig(level=logging.INFO, format="[loraplex] %(message)s")
-    cluster = ClusterConfig(replicas=args.replicas, max_replicas=args.max_replicas,
-                            max_adapters_per_replica=args.max_adapters_per_replica, routing=args.ray_routing,
-                            replica_cpus=args.replica_cpus, shutdown_timeout_s=args.shutdown_timeout)
     engine = engine_args(args)
     # replicas get None for the default model (each machine converts its own copy); checks here need a folder
-    local_model = str(Path(args.model).resolve()) if args.model else None
-    model_for_checks = local_model or str(materialize_default_model())
+    local_model = model_folder(args.model) if args.model else None
+    model_for_checks = local_model or model_folder(None)
     server = server_config(args, model_for_checks)
     adapters = described_adapters(args.lora_modules, engine, model_for_checks)
-    if args.ray_address:
-        ray.init(address=args.ray_address, namespace="loraplex", log_to_driver=False)
+    _start_ray(cluster)
+    serve.start(http_options={"host": server.host, "port": server.port})
+    serve.run(build_application(engine, local_model, server, cluster, adapters), name="loraplex", route_prefix="/",
+              blocking=False)
+    log.info("serving %r at %s/v1 on Ray Serve: %d replica(s), %s routing", server.served_model_name, server.url,
+             cluster.replicas, cluster.routing)
+    _wait_for_a_stop_signal()
+    with contextlib.suppress(Exception):
+        serve.delete("loraplex")
+        if not cluster.address:
+            serve.shutdown()
+    ray.shutdown()
+    return 0
+
+
+def _start_ray(cluster: ClusterConfig) -> None:
+    import ray
+
+    if cluster.address:
+        ray.init(address=cluster.address, namespace="loraplex", log_to_driver=False)
     else:  # this machine only, everything on loopback
         ray.init(address="local", namespace="loraplex", include_dashboard=False, log_to_driver=False,
-                 _node_ip_address="127.0.0.1", num_cpus=args.ray_num_cpus)
-    serve.start(http_options={"host": args.host, "port": args.port})
-    app = build_application(engine, local_model, server, cluster, adapters, args.max_waiting_requests)
-    serve.run(app, name="loraplex", route_prefix="/", blocking=False)
-    url = f"http://{args.host}:{args.port}"
-    print(f"[loraplex] serving {server.served_model_name!r} at {url}/v1 on Ray Serve: {cluster.replicas} "
-          f"replica(s), {cluster.routing} routing", file=sys.stderr, flush=True)
+                 _node_ip_address="127.0.0.1", num_cpus=cluster.num_cpus)
+
+
+def _wait_for_a_stop_signal() -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    with contextlib.suppress(Exception):
-        serve.delete("loraplex")
-        if not args.ray_address:
-            serve.shutdown()
-    ray.shutdown()
-    return 0

@@ -1,22 +1,25 @@
-"""`loraplex serve`: build the engine from the command line's flags and run the app under uvicorn."""
+"""`loraplex serve`: the engine client and the app from the command line's flags, under uvicorn;
+SIGTERM drains (a grace period, then "shutting down" errors, exit 0)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
-import os
 import signal
-import sys
 import threading
 from pathlib import Path
 
 import uvicorn
 
-from loraplex.api.cli import engine_args
-from loraplex.api.server import ServerConfig, build_app
-from loraplex.platform.async_engine import AsyncEngine
+from loraplex.api.cli import model_folder, engine_args
+from loraplex.api.flags import values
+from loraplex.api.server import build_app
+from loraplex.api.settings import ServerConfig
 from loraplex.platform.config import EngineConfig
-from loraplex.platform.engine import Engine
+from loraplex.platform.engine_client import EngineClient, build_engine_client
+
+log = logging.getLogger(__name__)
 
 
 def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
@@ -24,60 +27,53 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
 
 
 def server_config(args: argparse.Namespace, model: str) -> ServerConfig:
-    for root in args.adapter_root:
+    """The server flags; the served name defaults to the model folder's name."""
+    config = ServerConfig(**values(ServerConfig, args))
+    for root in config.adapter_roots:
         if not Path(root).is_dir():
             raise ValueError(f"--adapter-root {root!r} is not a folder")
-    return ServerConfig(served_model_name=args.served_model_name or Path(model).name, model_path=model,
-                        api_key=args.api_key or os.environ.get("LORAPLEX_API_KEY") or None,
-                        admin_api_key=args.admin_api_key or os.environ.get("LORAPLEX_ADMIN_API_KEY") or None,
-                        adapter_roots=tuple(args.adapter_root), enable_lora_resolver=args.enable_lora_resolver,
-                        max_request_body_bytes=args.max_request_body_bytes,
-                        request_timeout_s=args.request_timeout, enable_ui=not args.disable_ui)
+    return dataclasses.replace(config, served_model_name=config.served_model_name or Path(model).name,
+                               model_path=model)
 
 
 def serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="[loraplex] %(message)s")
-    model = args.model
-    if model is None:
-        from loraplex.platform.model_store import materialize_default_model
-
-        model = str(materialize_default_model())
-    model = str(Path(model).resolve())
+    model = model_folder(args.model)
     server = server_config(args, model)
-    engine = Engine(engine_config(args, model))
-    for name, path in args.lora_modules:
-        engine.adapters.load(name, path)
-    front = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests)
-    app = build_app(front, server)
-    url = f"http://{args.host}:{args.port}"
-    auth = ' -H "Authorization: Bearer $LORAPLEX_API_KEY"' if server.api_key else ""
-    print(f"[loraplex] serving {server.served_model_name!r} at {url}/v1\n"
-          f"[loraplex] try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
-          f"-d '{{\"model\": \"{server.served_model_name}\", \"messages\": "
-          f"[{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'", file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                            timeout_graceful_shutdown=args.shutdown_timeout + 5)
+    client = build_engine_client(engine_config(args, model), server.max_waiting_requests, tuple(args.lora_modules))
+    app = build_app(client, server)
+    _log_where(server)
+    config = uvicorn.Config(app, host=server.host, port=server.port, log_level="info",
+                            timeout_graceful_shutdown=server.shutdown_timeout_s + 5)
     # uvicorn re-raises the signal that stopped it once it is done: a stop we asked for exits 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     try:
-        _DrainingServer(config, front, args.shutdown_timeout).run()
+        _DrainingServer(config, client, server.shutdown_timeout_s).run()
     finally:
-        front.shutdown()
+        client.shutdown()
     return 0
+
+
+def _log_where(server: ServerConfig) -> None:
+    """Where it serves, and a request to paste (the key stays in the environment)."""
+    auth = ' -H "Authorization: Bearer $LORAPLEX_API_KEY"' if server.api_key else ""
+    log.info("serving %r at %s/v1", server.served_model_name, server.url)
+    log.info("try: curl %s/v1/chat/completions -H 'Content-Type: application/json'%s -d '{\"model\": \"%s\", "
+             "\"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], \"max_tokens\": 32}'",
+             server.url, auth, server.served_model_name)
 
 
 class _DrainingServer(uvicorn.Server):
     """uvicorn's server, plus: on the first SIGTERM/SIGINT, requests still running after the grace
     period are aborted with a 'shutting down' error (a last SSE event, or a 503), not cut off."""
 
-    def __init__(self, config: uvicorn.Config, front: AsyncEngine, grace_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, client: EngineClient, grace_s: float) -> None:
         super().__init__(config)
-        self.front, self.grace_s = front, grace_s
+        self.client, self.grace_s = client, grace_s
 
     def handle_exit(self, sig, frame) -> None:
         if not self.should_exit:
-            timer = threading.Timer(self.grace_s, self.front.fail_all, args=("the server is shutting down",))
+            timer = threading.Timer(self.grace_s, self.client.fail_all, args=("the server is shutting down",))
             timer.daemon = True
             timer.start()
         super().handle_exit(sig, frame)

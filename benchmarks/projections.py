@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.kernels import cpu_kernels, quant
-from loraplex.platform.models.linear import PackedLinear
+from loraplex.platform.models.linear import Linear
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of qkv, o, gate_up, down
 LAYERS = 30
@@ -37,8 +37,8 @@ def gguf_like(weight: torch.Tensor) -> quant.QuantizedWeight:
 
 
 def dense_layer(n: int, k: int, gen: torch.Generator, dtype: torch.dtype = torch.bfloat16,
-                pack: bool = True) -> PackedLinear:
-    layer = PackedLinear(k, n, bias=False).to(dtype).requires_grad_(False)
+                pack: bool = True) -> Linear:
+    layer = Linear(k, n, bias=False).to(dtype).requires_grad_(False)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(n, k, generator=gen) * 0.02)
     if pack:

@@ -35,7 +35,7 @@ from loraplex.kernels import cpu_kernels, quant
 from loraplex.kernels.cpu_kernels import native_bf16
 from loraplex.platform import LLM, SamplingParams
 from loraplex.platform.model_store import _gguf_path, default_model_dir
-from loraplex.platform.models.linear import PackedLinear
+from loraplex.platform.models.linear import Linear
 from multi_lora import TARGETS, make_adapters, prompts_of, run_loraplex
 from throughput import bench_hf, bench_loraplex, make_prompts
 
@@ -46,7 +46,7 @@ def weight_bytes(llm: LLM) -> int:
     """Bytes of the linear layers' weights as the engine keeps them (a tied head counted once)."""
     model, total = llm.engine.model, 0
     for module in model.modules():
-        if isinstance(module, PackedLinear):
+        if isinstance(module, Linear):
             if module.quantized is not None:
                 total += module.quantized.nbytes()
             elif module is not model.lm_head or not model.config.tie_word_embeddings:
@@ -57,7 +57,7 @@ def weight_bytes(llm: LLM) -> int:
 def takes_int8_activations(llm: LLM) -> bool:
     """Whether decode's small calls multiply int8 activations: quantized weights by rows (q4 in tile order,
     as kept on AMX, takes the tile kernel from 1 token on)."""
-    weights = [m.quantized for m in llm.engine.model.modules() if isinstance(m, PackedLinear) and m.quantized]
+    weights = [m.quantized for m in llm.engine.model.modules() if isinstance(m, Linear) and m.quantized]
     return bool(weights) and not any(w.tiles for w in weights)
 
 

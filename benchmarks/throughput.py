@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.platform import LLM, SamplingParams
-from loraplex.platform.models.linear import PackedLinear, native_bf16
+from loraplex.platform.models.linear import Linear, native_bf16
 
 WORDS = ("the quick brown fox jumps over the lazy dog while paged attention keeps every block "
          "of keys and values in a pool shared by all requests of the batch").split()
@@ -95,7 +95,7 @@ def bench_matmul_floor(llm: LLM, batch: int, packed: bool, repeats: int = 10) ->
     (`packed`: what loraplex runs, prepacked for oneDNN or, bf16 on AMX, for our tile kernel) or as
     `F.linear` on the plain weights (what an unpacked engine, transformers included, runs)."""
     model = llm.engine.model
-    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
     dtype = model.norm.weight.dtype  # the model's (a tied table may live in the head's AMX tiles only)
     x_in = {m.in_features: torch.randn(batch, m.in_features, dtype=dtype) for m in linears}
     if packed:

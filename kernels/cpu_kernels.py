@@ -1,11 +1,11 @@
-"""CPU kernels in C (`cpu_kernels.c`): paged attention for short query chunks, the
-multi-LoRA delta for decode-like batches, weight-only 4/8-bit matmuls (`quant.py`), and a
-layer's small ops fused (residual add + RMSNorm, RoPE + KV write, SiLU * up). Built once per
-machine with the system C compiler into the loraplex cache, called through ctypes on float32
-tensors (attention, the multi-LoRA delta and the fused layer ops also on bfloat16 ones, with
-float32 math).
+"""CPU kernels in C (`csrc/`, one file per op family over the shared `isa.h`): paged attention for short
+query chunks, the multi-LoRA delta for decode-like batches, weight-only 4/8-bit matmuls (`quant.py`), and a
+layer's small ops fused (residual add + RMSNorm, RoPE + KV write, SiLU * up). Built once per machine with the
+system C compiler into the loraplex cache (the files compiled two at a time, linked into one library), called
+through the checked wrappers `ops` (`cpu_ops.py`: generated from one declaration, misuse raises) on float32
+tensors (attention, the multi-LoRA delta and the fused layer ops also on bfloat16 ones, with float32 math).
 
-No compiler, or a failed build: `library()` returns None (logged once) and callers keep the
+No compiler, or a failed build: `library()` returns None (logged once), `ops` raises, and callers keep the
 PyTorch path. `LORAPLEX_CC` names the compiler (default `cc`).
 """
 
@@ -20,21 +20,31 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger("loraplex")
+from loraplex.kernels import cpu_ops
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = tuple(CSRC / name for name in ("lora.c", "layer_ops.c", "attention.c", "quant.c", "dense.c", "kinds.c"))
+HEADERS = (CSRC / "isa.h", CSRC / "tiles.h")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
          "-fassociative-math", "-fno-signed-zeros", "-ffp-contract=fast"]
+LINK_FLAGS = ["-shared", "-fopenmp"]
+JOBS = 2  # compilers at once (SOURCES go slowest to compile first, so the two finish close together)
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _tried = False
+ops = cpu_ops.Ops(lambda: library())  # the checked wrappers, e.g. ops.q4_matmul(x, M, K, q, d, m, N, out)
 SGMV_DTYPES = (torch.float32, torch.bfloat16)  # x / y of the multi-LoRA kernel
 SGMV_KINDS = {(torch.float32, torch.float32): "sgmv_lora_table_f32", (torch.bfloat16, torch.bfloat16):
               "sgmv_lora_table_bf16", (torch.float32, torch.bfloat16): "sgmv_lora_table_f32_bf16w"}  # (x, weights)
+KV_KINDS = {cpu_ops.KIND_DTYPES[name]: code for name, code in cpu_ops.ELEMENT_KINDS.items()}  # the kernels' kv_kind
+WEIGHT_KINDS = dict(cpu_ops.WEIGHT_KINDS)  # the quantized kernels' weight kind: q4, q4_tiles, q4_tiles_f16, q8
 _kv_f16 = False  # whether the built library reads float16 K/V (compiled with F16C)
 _x8 = False  # whether it has an integer dot product for int8 activations (AVX2 and up)
 _amx = False  # whether it was built with AMX and the OS lets this process use the tiles
@@ -42,21 +52,36 @@ _dpbf16 = False  # whether it was built with AVX512-BF16 dot products
 
 
 def library() -> ctypes.CDLL | None:
-    global _library, _tried, _kv_f16, _x8, _amx, _dpbf16
+    """The ctypes library with every declared function's argtypes set (None without one); built on first use."""
+    global _library, _tried
     if _tried:  # every kernel call asks: no lock once the build was tried
         return _library
     with _lock:
         if not _tried:
             try:
                 _library = _load(_build())
-                _kv_f16 = bool(_library.kv_f16_supported())
-                _x8 = bool(_library.x8_supported())
-                _amx = bool(_library.amx_supported())
-                _dpbf16 = bool(_library.dpbf16_supported())
             except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
                 log.warning("C kernels unavailable (%s); using the PyTorch path", exc)
             _tried = True
     return _library
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    global _kv_f16, _x8, _amx, _dpbf16
+    lib = ctypes.CDLL(str(path))
+    cpu_ops.set_signatures(lib)
+    ops.bind(lib)
+    _kv_f16, _x8 = bool(ops.kv_f16_supported()), bool(ops.x8_supported())
+    _amx, _dpbf16 = bool(ops.amx_supported()), bool(ops.dpbf16_supported())
+    return lib
+
+
+def source_digest() -> bytes:
+    """sha256 of every C source and header (names and contents): what a build or a measurement depends on."""
+    digest = hashlib.sha256()
+    for path in (*SOURCES, *HEADERS):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.digest()
 
 
 def _cache_dir() -> Path:
@@ -64,27 +89,41 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
+def _cache_key(compiler: str, flags: list[str]) -> str:
+    """-march=native binaries are per CPU: the key has the sources, the flags, the compiler and the CPU's flags."""
+    build = " ".join([compiler, *flags, "|", *LINK_FLAGS]).encode()
+    return hashlib.sha256(source_digest() + build + _cpu_flags()).hexdigest()[:16]
+
+
 def _build() -> Path:
     compiler = os.environ.get("LORAPLEX_CC", "cc")
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler {compiler!r} on PATH")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode() + _cpu_flags()).hexdigest()[:16]
-    target = _cache_dir() / f"cpu_kernels-{key}.so"
+    flags = [*FLAGS, *cpu_ops.kind_defines()]
+    target = _cache_dir() / f"cpu_kernels-{_cache_key(compiler, flags)}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # concurrent builders: last rename wins
+        objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
+        with ThreadPoolExecutor(JOBS) as pool:  # each compiler is its own process: threads just wait on them
+            list(pool.map(lambda so: _run([compiler, *flags, "-c", str(so[0]), "-o", str(so[1])]),
+                          zip(SOURCES, objects)))
         built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
-                                capture_output=True, text=True, timeout=120)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:500]}")
+        _run([compiler, *LINK_FLAGS, *map(str, objects), "-o", str(built), "-lm"])
         os.replace(built, target)
+    log.info("built the C kernels into %s", target)
     return target
 
 
+def _run(command: list[str]) -> None:
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    if result.returncode != 0:
+        raise RuntimeError(f"{command[0]} failed: {result.stderr.strip()[:500]}")
+
+
 def _cpu_flags() -> bytes:
-    """-march=native binaries are per CPU: the cache key includes what the CPU offers."""
+    """What the CPU offers (/proc/cpuinfo's flags line)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -92,40 +131,6 @@ def _cpu_flags() -> bytes:
     except OSError:
         pass
     return b""
-
-
-def _load(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.paged_attention_f32.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64,
-                                        ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr]
-    lib.kv_f16_supported.argtypes = []
-    lib.kv_f16_supported.restype = ctypes.c_int
-    for fn in (lib.sgmv_lora_table_f32, lib.sgmv_lora_table_bf16, lib.sgmv_lora_table_f32_bf16w):
-        fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr]
-    lib.q4_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr]
-    lib.f32_matmul.argtypes = [ptr, i64, i64, ptr, i64, ptr]
-    lib.q8_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr]
-    lib.q4_matmul_x8.argtypes = lib.q4_matmul.argtypes
-    lib.q8_matmul_x8.argtypes = lib.q8_matmul.argtypes
-    lib.x8_supported.argtypes = []
-    lib.amx_supported.argtypes = []
-    lib.quant_matmul_amx.argtypes = [ctypes.c_int, ptr, ctypes.c_int, i64, i64, ptr, ptr, ptr, i64, i64, ctypes.c_int,
-                                     ptr]
-    lib.dpbf16_supported.argtypes = []
-    lib.quant_matmul_dpbf16.argtypes = lib.quant_matmul_amx.argtypes
-    lib.bf16_matmul_amx.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, i64, ctypes.c_int, ptr]
-    lib.quant_dequantize.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ptr]
-    lib.add_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int, ptr]
-    lib.rope_write_kv.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ptr]
-    lib.silu_mul.argtypes = [ptr, i64, i64, ctypes.c_int, ptr]
-    for fn in (lib.paged_attention_f32, lib.sgmv_lora_table_f32, lib.sgmv_lora_table_bf16,
-               lib.sgmv_lora_table_f32_bf16w, lib.q4_matmul, lib.q8_matmul, lib.q4_matmul_x8, lib.q8_matmul_x8,
-               lib.f32_matmul, lib.x8_supported, lib.amx_supported, lib.quant_matmul_amx, lib.dpbf16_supported,
-               lib.quant_matmul_dpbf16, lib.bf16_matmul_amx, lib.quant_dequantize, lib.add_rms_norm,
-               lib.rope_write_kv, lib.silu_mul):
-        fn.restype = ctypes.c_int
-    return lib
 
 
 @functools.cache  # asked per quantized matmul; the CPU does not change
@@ -138,9 +143,6 @@ def usable(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.floa
     """CPU tensors of `dtypes`, contiguous (the kernels index raw memory), and a built library."""
     return library() is not None and all(
         t.device.type == "cpu" and t.dtype in dtypes and t.is_contiguous() for t in tensors)
-
-
-KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}  # the kernels' kv_kind
 
 
 def usable_kv(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -198,12 +200,8 @@ def bf16_matmul_amx_c(x: torch.Tensor, packed: torch.Tensor, out_features: int) 
         raise ValueError(f"the AMX bf16 kernel takes float32 or bfloat16 x, not {x.dtype}")
     x = x.contiguous()
     out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
-    status = library().bf16_matmul_amx(x.data_ptr(), KV_KINDS[x.dtype], x.shape[0], x.shape[1], packed.data_ptr(),
-                                       out_features, KV_KINDS[x.dtype], out.data_ptr())
-    if status == -1:
-        raise MemoryError("the AMX bf16 kernel could not allocate its copy of x")
-    if status != 0:
-        raise RuntimeError(f"the AMX bf16 kernel refused x {tuple(x.shape)} (status {status})")
+    kind = KV_KINDS[x.dtype]
+    ops.bf16_matmul_amx(x, kind, x.shape[0], x.shape[1], packed, out_features, kind, out)  # -1: MemoryError
     return out
 
 
@@ -213,10 +211,7 @@ def f32_matmul_c(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows, k = weight.shape
     tokens = x.numel() // k
     out = x.new_empty(tokens, rows)  # 2-D: a third of torch.empty(shape tuple)'s ~2 us
-    status = library().f32_matmul(x.data_ptr(), tokens, k, weight.data_ptr(), rows, out.data_ptr())
-    if status != 0:
-        raise RuntimeError(f"the float32 kernel refused x {tuple(x.shape)}, weight {tuple(weight.shape)} "
-                           f"(status {status})")
+    ops.f32_matmul(x, tokens, k, weight, rows, out)  # K not a multiple of 8: RuntimeError ("refused", status -2)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], rows)
 
 
@@ -240,11 +235,9 @@ def paged_attention_c(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
         for t in (block_tables, seq_lens, query_start_loc, token_request))
     out = torch.empty_like(query)
-    library().paged_attention_f32(
-        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
-        seq_lens.data_ptr(), query_start_loc.data_ptr(), token_request.data_ptr(),
-        num_tokens, num_heads, num_kv_heads, head_dim, k_cache.shape[1], scale,
-        KV_KINDS[k_cache.dtype], KV_KINDS[query.dtype], out.data_ptr())
+    ops.paged_attention_f32(query, k_cache, v_cache, tables, tables.shape[1], seq_lens, query_start_loc,
+                            token_request, num_tokens, num_heads, num_kv_heads, head_dim, k_cache.shape[1], scale,
+                            KV_KINDS[k_cache.dtype], KV_KINDS[query.dtype], out)
     return out.to(dtype)
 
 
@@ -257,8 +250,7 @@ def add_rms_norm_c(x: torch.Tensor, weight: torch.Tensor, eps: float,
     as the PyTorch ops round), in one C call. With `residual`: residual += x in place first and
     the norm is of that sum."""
     out = torch.empty_like(x)
-    library().add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
-                           x.numel() // x.shape[-1], x.shape[-1], eps, KV_KINDS[x.dtype], out.data_ptr())
+    ops.add_rms_norm(x, residual, weight, x.numel() // x.shape[-1], x.shape[-1], eps, KV_KINDS[x.dtype], out)
     return out
 
 
@@ -270,9 +262,8 @@ def rope_write_kv_c(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num
     num_tokens, head_dim = qkv.shape[0], cos.shape[-1]
     q = qkv.new_empty(num_tokens, num_heads, head_dim)
     slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)
-    library().rope_write_kv(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), num_tokens, num_heads, num_kv_heads,
-                            head_dim, slots.contiguous().data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                            KV_KINDS[k_cache.dtype], KV_KINDS[qkv.dtype], q.data_ptr())
+    ops.rope_write_kv(qkv, cos, sin, num_tokens, num_heads, num_kv_heads, head_dim, slots.contiguous(), k_cache,
+                      v_cache, KV_KINDS[k_cache.dtype], KV_KINDS[qkv.dtype], q)
     return q
 
 
@@ -289,8 +280,7 @@ def silu_mul_c(gate_up: torch.Tensor) -> torch.Tensor:
     """[..., 2I] -> silu(gate) * up [..., I] in one C call (float32 or bfloat16)."""
     inter = gate_up.shape[-1] // 2
     out = gate_up.new_empty(*gate_up.shape[:-1], inter)
-    library().silu_mul(gate_up.data_ptr(), gate_up.numel() // gate_up.shape[-1], inter, KV_KINDS[gate_up.dtype],
-                       out.data_ptr())
+    ops.silu_mul(gate_up, gate_up.numel() // gate_up.shape[-1], inter, KV_KINDS[gate_up.dtype], out)
     return out
 
 
@@ -302,13 +292,11 @@ def sgmv_lora_table_c(x: torch.Tensor, table, tokens: torch.Tensor, token_slots:
     (`SGMV_KINDS`); accumulation is float32."""
     if not (x.is_contiguous() and y.is_contiguous()):
         raise ValueError("C SGMV needs contiguous inputs")
-    kernel = getattr(library(), SGMV_KINDS[(x.dtype, table.dtype)])
+    kernel = getattr(ops, SGMV_KINDS[(x.dtype, table.dtype)])
     if tokens.dtype != torch.int64 or token_slots.dtype != torch.int64:
         tokens, token_slots = tokens.to(torch.int64), token_slots.to(torch.int64)
     tokens, token_slots = tokens.contiguous(), token_slots.contiguous()
     a_ptrs, b_ptrs, ranks, scales, offsets = table.c_arrays
-    status = kernel(x.data_ptr(), a_ptrs, b_ptrs, ranks, scales, tokens.data_ptr(), token_slots.data_ptr(), offsets,
-                    len(tokens), x.shape[1], table.num_slices, table.max_rank, y.data_ptr())
-    if status != 0:
-        raise MemoryError("C SGMV could not allocate its row buffer")
+    kernel(x, a_ptrs, b_ptrs, ranks, scales, tokens, token_slots, offsets, len(tokens), x.shape[1], table.num_slices,
+           table.max_rank, y)  # -1 (its row buffer not allocated): MemoryError
     return y

@@ -17,11 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.kernels import cpu_kernels
-from loraplex.kernels.dispatch import use_cpu_kernel, use_triton
+from loraplex.kernels.autotune import TuneTable
+from loraplex.kernels.dispatch import CpuCaps, KernelConfig, use_cpu_kernel, use_triton
 
-# Query chunks up to this length take the C kernel on CPU; longer ones (prefill) the gathered
-# SDPA, which runs the many-query case as blocked GEMMs.
-CPU_KERNEL_MAX_QUERY_LEN = 32
+# Query chunks up to this length take the C kernel on CPU; longer ones (prefill) the gathered SDPA, which
+# runs the many-query case as blocked GEMMs (a model reads it from its `TuneTable`).
+CPU_KERNEL_MAX_QUERY_LEN = TuneTable.attention_kernel_query_len
 
 
 @dataclass
@@ -65,11 +66,12 @@ class PagedAttentionMetadata:
             self._reference = (query_batch, query_pos, mask[:, None], self.block_tables[:, :num_blocks])
         return self._reference
 
-    def cpu_parts(self) -> tuple["RequestPart | None", "RequestPart | None"]:
-        """(short-query requests, long-query requests) for the CPU dispatch; None when empty."""
+    def cpu_parts(self, max_short: int = CPU_KERNEL_MAX_QUERY_LEN) -> tuple["RequestPart | None", "RequestPart | None"]:
+        """(requests of at most `max_short` query tokens, the others) for the CPU kernels; None when empty.
+        Derived once per step: every layer passes the same `max_short`."""
         if self._cpu_parts is None:
             query_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
-            short = query_lens <= CPU_KERNEL_MAX_QUERY_LEN
+            short = query_lens <= max_short
             self._cpu_parts = (self._part(torch.nonzero(short).flatten()),
                                self._part(torch.nonzero(~short).flatten()))
         return self._cpu_parts
@@ -137,28 +139,56 @@ def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cach
 
 
 def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
-    if use_triton(key):
-        from loraplex.kernels.paged_attention_triton import write_kv_triton
-
-        return write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
-    write_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+    """Convenience dispatch on the backend setting (tests, benchmarks); a model picks once (`kv_writer`)."""
+    kv_writer(KernelConfig(backend="triton" if use_triton(key) else "native"))(key, value, k_cache, v_cache,
+                                                                               slot_mapping)
 
 
 def paged_attention(query, k_cache, v_cache, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
-    if use_triton(query):
+    """Convenience dispatch on the backend setting (tests, benchmarks); a model picks once (`attention_kernel`)."""
+    backend = "triton" if use_triton(query) else "cpu" if use_cpu_kernel(query) else "native"
+    caps = CpuCaps.detect() if backend == "cpu" else CpuCaps()
+    config = KernelConfig(backend=backend, dtype=query.dtype, kv_dtype=k_cache.dtype, caps=caps)
+    return attention_kernel(config)(query, k_cache, v_cache, meta, scale)
+
+
+def kv_writer(config: KernelConfig):
+    """`(key, value, k_cache, v_cache, slot_mapping) -> None` for a model's backend, chosen once."""
+    if config.backend == "triton":
+        from loraplex.kernels.paged_attention_triton import write_kv_triton
+
+        return write_kv_triton
+    return write_kv_reference
+
+
+def attention_kernel(config: KernelConfig):
+    """`(query, k_cache, v_cache, meta, scale) -> out` for a model's backend and dtypes, chosen once: Triton;
+    on CPU the C kernel for short query chunks (where it reads the model's and the cache's dtypes) and the
+    reference for the rest; else the reference."""
+    if config.backend == "triton":
         from loraplex.kernels.paged_attention_triton import paged_attention_triton
 
-        return paged_attention_triton(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                      meta.query_start_loc, meta.max_query_len, scale)
-    if use_cpu_kernel(query) and query.dtype in (torch.float32, torch.bfloat16) and \
-            cpu_kernels.usable_kv(k_cache, v_cache):
-        return _paged_attention_cpu(query, k_cache, v_cache, meta, scale)
-    return paged_attention_reference(query, k_cache, v_cache, meta, scale)
+        def triton(query, k_cache, v_cache, meta, scale):
+            return paged_attention_triton(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                          meta.query_start_loc, meta.max_query_len, scale)
+        return triton
+    if config.backend == "cpu" and config.dtype in (torch.float32, torch.bfloat16) and \
+            c_kernel_reads_kv(config.kv_dtype, config.caps.f16c):
+        max_short = config.tune.attention_kernel_query_len
+        return lambda query, k_cache, v_cache, meta, scale: _paged_attention_cpu(query, k_cache, v_cache, meta,
+                                                                                  scale, max_short)
+    return paged_attention_reference
 
 
-def _paged_attention_cpu(query, k_cache, v_cache, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+def c_kernel_reads_kv(kv_dtype: torch.dtype, f16c: bool) -> bool:
+    """K/V caches the C attention kernel reads: float32, bfloat16, float8 e4m3, or float16 where F16C converts."""
+    return kv_dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn) or kv_dtype == torch.float16 and f16c
+
+
+def _paged_attention_cpu(query, k_cache, v_cache, meta: PagedAttentionMetadata, scale: float,
+                         max_short: int = CPU_KERNEL_MAX_QUERY_LEN) -> torch.Tensor:
     """Short-query requests through the C kernel, the others through the reference."""
-    short, long = meta.cpu_parts()
+    short, long = meta.cpu_parts(max_short)
 
     def c_kernel(q, part):
         return cpu_kernels.paged_attention_c(q, k_cache, v_cache, part.meta.block_tables, part.meta.seq_lens,

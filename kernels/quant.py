@@ -7,25 +7,21 @@ Formats (`QuantizedWeight`), both grouped along the input dimension K:
 - `q8`: groups of `group` (32 for GGUF Q8_0, K for per-channel int8), symmetric, w = d * q with q
   in -127..127.
 
-`quantized_matmul` picks per call, by its number of tokens: up to `INT8_ACTIVATION_TOKENS`
-(decode), x rounded to int8 per group of 32 and integer dot products (`cpu_kernels.c`, as
-llama.cpp does); a few more, the C kernel on float32 x (each weight row dequantized once per call
-into L1, every token's dot product taken with it); from `DENSE_TOKENS` (prefill), the weight
-dequantized in C and oneDNN's GEMM, in bf16 where that measures faster (`dense_dtype`). On a CPU with
-AMX, calls of `AMX_TOKENS` go to the tile kernel instead (weight tiles dequantized to bf16 in L1,
-multiplied by the tile unit: the dense path's rounding without its dequantized copy); with AVX512-BF16
-but no AMX, calls of `DPBF16_TOKENS` to the same math on bf16 dot-product instructions. Where the engine
-runs q4 on AMX it keeps it in the tile kernel's order (`for_this_cpu`), which that kernel takes from 1
-token to `AMX_TILE_ORDER_TOKENS`. Without the C
-kernels: the reference, `x @ dequantize(w).T`; tests compare each path with the reference that
-rounds as it does.
+Kernels (`cpu_kernels`), each on one call's x [M, K]: `int8_matmul` (x rounded to int8 per group of 32 and
+integer dot products, as llama.cpp does), `float_matmul` (each weight row dequantized once per call into L1,
+every token's dot product taken with it), `dense_matmul` (the weight dequantized in C for oneDNN's GEMM),
+`amx_matmul` (weight tiles dequantized to bf16 in L1 and multiplied by the tile unit: the dense path's
+rounding without its dequantized copy) and `dpbf16_matmul` (the same math on AVX512-BF16 dot products). Which
+one takes a call of M tokens is a `QuantPlan`, one table per weight built at load by `plan` from the machine's
+`autotune.TuneTable`. On AMX q4 is kept in the tile kernel's order (`for_this_cpu`). Without the C kernels:
+the reference, `x @ dequantize(w).T`; tests compare each kernel with the reference that rounds as it does.
 """
 
 from __future__ import annotations
 
-import functools
+import bisect
 import logging
-import time
+from typing import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,38 +29,13 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.kernels import cpu_kernels
-from loraplex.kernels.dispatch import backend
+from loraplex.kernels.cpu_kernels import KV_KINDS, WEIGHT_KINDS
+from loraplex.kernels.autotune import TuneTable
+from loraplex.kernels.dispatch import CpuCaps
 
-log = logging.getLogger("loraplex")
+log = logging.getLogger(__name__)
 
 Q4_GROUP = 32
-# Calls of at most this many tokens (decode at batch 1-4) multiply int8 activations: there the float
-# kernel is bound by dequantizing weights, not reading them; from ~6 tokens its 3-token register
-# blocks win (BENCHMARKS.md, "Quantized weights").
-INT8_ACTIVATION_TOKENS = 4
-# Calls of at least this many tokens (prefill, larger decode batches) dequantize the weight in C and
-# run oneDNN's GEMM on it: in bfloat16 where the CPU multiplies it natively and faster (x, w and the
-# output rounded to bf16, float32 accumulation: what the bf16 engine does), else in float32 (same
-# numbers as the reference). Measured crossovers: BENCHMARKS.md, "Quantized weights".
-DENSE_TOKENS = {torch.bfloat16: 32, torch.float32: 96}
-# Where the CPU has AMX, calls of [low, high) tokens go to the tile kernel (bf16 rounding, as the dense
-# path): below, the int8 kernel is as fast; above, the dense GEMM's reuse wins (BENCHMARKS.md, "q4 in
-# bf16 on AMX").
-AMX_TOKENS = (3, 192)
-# A q4 weight in tile order (`pack_tiles`, what the engine keeps on AMX) takes the tile kernel for calls of
-# [low, high) tokens: read as one stream, it is as fast as the int8 kernel by rows at 1 token, faster from
-# 2, and faster than dequantizing for a GEMM up to ~330 (BENCHMARKS.md, "q4 in tile order"); the int8
-# kernel cannot read it. Outside: the dense GEMM, or (only where a test narrows the range) the weight by
-# rows on the other kernels.
-AMX_TILE_ORDER_TOKENS = (1, 320)
-# Without AMX but with AVX512-BF16 (Zen 4, Cooper Lake, some Xeons), calls of [low, high) tokens go to
-# the bf16 dot-product kernel (the tile kernel's numbers) or the float kernel, whichever measured faster
-# here (`dpbf16_wins`: on a Xeon without AMX, `vdpbf16ps` is no faster than two float FMAs); from high on,
-# the dense GEMM (BENCHMARKS.md, "q4 on AVX512-BF16 without AMX").
-DPBF16_TOKENS = (5, 192)
-DPBF16_MARGIN = 1.15
-DENSE_DTYPE: torch.dtype | None = None  # None: measured (`dense_dtype`)
-OUT_KINDS = {dtype: cpu_kernels.KV_KINDS[dtype] for dtype in (torch.float32, torch.bfloat16)}  # x / out kinds
 
 
 @dataclass
@@ -173,10 +144,10 @@ def unpack_tiles(w: QuantizedWeight) -> QuantizedWeight:
                            w.group, w.shape)
 
 
-def for_this_cpu(w: QuantizedWeight) -> QuantizedWeight:
-    """The layout the engine keeps `w` in here: q4 in tile order where the AMX kernel takes it (the
-    default kernels), else as it is."""
-    if w.kind == "q4" and not w.tiles and backend() == "auto" and cpu_kernels.amx_supported():  # q4: K in 32s
+def for_this_cpu(w: QuantizedWeight, amx: bool) -> QuantizedWeight:
+    """The layout the engine keeps `w` in: q4 in tile order where the AMX kernel takes it (`amx`: our C
+    kernels run, on a CPU with the tiles), else as it is."""
+    if w.kind == "q4" and not w.tiles and amx:  # q4: K in 32s
         return pack_tiles(w)
     return w
 
@@ -227,108 +198,38 @@ def reference_matmul(x: torch.Tensor, w: QuantizedWeight, int8_activations: bool
     return (quantize_activations(x) if int8_activations else x.float()) @ dequantize(w).T
 
 
-def dense_dtype() -> torch.dtype:
-    """The dense path's GEMM dtype: `DENSE_DTYPE` if set, else bfloat16 where the CPU multiplies it
-    natively and oneDNN's bf16 GEMM measures faster than its float32 one, else float32. Native is not
-    enough: on AVX512-BF16 without AMX a prefill-sized float32 GEMM measured 1.4-1.6x faster (BENCHMARKS.md)."""
-    return DENSE_DTYPE if DENSE_DTYPE is not None else measured_dense_dtype()
-
-
-@functools.cache  # once per process: the CPU does not change, and the two differ by far more than noise
-def measured_dense_dtype(seconds=None) -> torch.dtype:
-    if not cpu_kernels.native_bf16():
-        return torch.float32  # emulated bf16 is several times slower: nothing to measure
-    times = (seconds or gemm_seconds)((torch.float32, torch.bfloat16))
-    choice = min(times, key=times.get)
-    log.info("quantized prefill GEMMs in %s (%s)", str(choice).removeprefix("torch."),
-             ", ".join(f"{str(d).removeprefix('torch.')} {t * 1e3:.2f} ms" for d, t in times.items()))
-    return choice
-
-
-@functools.cache  # once per process, as `measured_dense_dtype`
-def dpbf16_wins(seconds=None) -> bool:
-    """Whether the bf16 dot-product kernel beats the float one at mid-size calls on this CPU by
-    `DPBF16_MARGIN`: the float kernel's sums are exact, and a near tie must not flip between runs."""
-    times = (seconds or kernel_seconds)()
-    wins = times["bf16 dot-product"] * DPBF16_MARGIN < times["float"]
-    log.info("quantized matmuls of %d-%d tokens on the %s kernel (%s)", DPBF16_TOKENS[0], DPBF16_TOKENS[1] - 1,
-             "bf16 dot-product" if wins else "float", ", ".join(f"{k} {t * 1e3:.2f} ms" for k, t in times.items()))
-    return wins
-
-
-def kernel_seconds(tokens: int = 32, size: int = 1024, rounds: int = 4) -> dict[str, float]:
-    """The best of `rounds` calls of each mid-size kernel on a q4 weight, taking turns."""
-    gen = torch.Generator().manual_seed(0)  # the global RNG is the user's
-    w = quantize(torch.randn(size, size, generator=gen), "q4")
-    x = torch.randn(tokens, size, generator=gen)
-    kernels = {"bf16 dot-product": lambda: dpbf16_matmul(x, w),
-               "float": lambda: quantized_matmul(x, w, int8_activations=False)}
-    best = {name: float("inf") for name in kernels}
-    for _ in range(rounds + 1):
-        for name, kernel in kernels.items():
-            start = time.perf_counter()
-            kernel()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
-
-
-def gemm_seconds(dtypes: tuple[torch.dtype, ...], tokens: int = 256, size: int = 1024, rounds: int = 4
-                 ) -> dict[torch.dtype, float]:
-    """The best of `rounds` prefill-sized GEMMs per dtype, the dtypes taking turns (noise hits both)."""
-    gen = torch.Generator().manual_seed(0)  # the global RNG is the user's
-    pairs = {d: (torch.randn(tokens, size, generator=gen).to(d), torch.randn(size, size, generator=gen).to(d))
-             for d in dtypes}
-    best = {d: float("inf") for d in dtypes}
-    for _ in range(rounds + 1):  # the first round warms oneDNN up
-        for d, (x, w) in pairs.items():
-            start = time.perf_counter()
-            F.linear(x, w)
-            best[d] = min(best[d], time.perf_counter() - start)
-    return best
-
-
 def dequantized(w: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """dequantize(w) in `dtype` (float32 or bfloat16), by the C kernel where it is built."""
-    lib = cpu_kernels.library()
-    if lib is None:
+    if cpu_kernels.library() is None:
         return dequantize(w).to(dtype)
     out = torch.empty(w.shape, dtype=dtype)
-    status = lib.quant_dequantize(_kind(w), w.q.data_ptr(), w.d.data_ptr(),
-                                  None if w.m is None else w.m.data_ptr(), w.group, *w.shape, OUT_KINDS[dtype],
-                                  out.data_ptr())
-    if status != 0:
-        raise RuntimeError(f"{w.kind} weight of shape {w.shape} (group {w.group}) cannot be dequantized")
+    cpu_kernels.ops.quant_dequantize(_kind(w), w.q, w.d, w.m, w.group, *w.shape, KV_KINDS[dtype], out)
     return out
 
 
 def amx_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     """x [M, K] float32 or bfloat16 -> [M, N] in x's dtype on AMX tiles (the C library built with AMX):
     the dense path's numbers (x and w rounded to bf16, float32 sums), without its dequantized copy."""
-    return _bf16_pairs_matmul(cpu_kernels.library().quant_matmul_amx, "AMX", x, w)
+    return _bf16_pairs_matmul(cpu_kernels.ops.quant_matmul_amx, x, w)
 
 
 def dpbf16_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     """`amx_matmul`'s numbers on AVX512-BF16 dot products (the C library built with AVX512-BF16)."""
-    return _bf16_pairs_matmul(cpu_kernels.library().quant_matmul_dpbf16, "AVX512-BF16", x, w)
+    return _bf16_pairs_matmul(cpu_kernels.ops.quant_matmul_dpbf16, x, w)
 
 
 def _kind(w: QuantizedWeight) -> int:
-    """The C kernels' code for the weight's format (cpu_kernels.c: 4, 8, Q4_TILES, Q4_TILES_F16)."""
+    """The C kernels' code for the weight's format."""
     if w.tiles:
-        return 6 if w.d.dtype == torch.float16 else 5
-    return 4 if w.kind == "q4" else 8
+        return WEIGHT_KINDS["q4_tiles_f16" if w.d.dtype == torch.float16 else "q4_tiles"]
+    return WEIGHT_KINDS[w.kind]
 
 
-def _bf16_pairs_matmul(kernel, name: str, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+def _bf16_pairs_matmul(kernel, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
-    status = kernel(_kind(w), x.data_ptr(), OUT_KINDS[x.dtype], x.shape[0], w.shape[1],
-                    w.q.data_ptr(), w.d.data_ptr(), None if w.m is None else w.m.data_ptr(), w.group, w.shape[0],
-                    OUT_KINDS[x.dtype], out.data_ptr())
-    if status == -1:
-        raise MemoryError(f"{w.kind} {name} kernel could not allocate its buffers")
-    if status != 0:
-        raise RuntimeError(f"{w.kind} {name} kernel refused shape {w.shape} (group {w.group}, status {status})")
+    kind = KV_KINDS[x.dtype]
+    kernel(_kind(w), x, kind, x.shape[0], w.shape[1], w.q, w.d, w.m, w.group, w.shape[0], kind, out)
     return out
 
 
@@ -336,55 +237,119 @@ def int8_activations_fit(w: QuantizedWeight) -> bool:
     return w.shape[1] % 32 == 0 and (w.kind == "q4" or w.group % 32 == 0)
 
 
-def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, int8_activations: bool | None = None) -> torch.Tensor:
-    """x [..., K] float32 or bfloat16 -> [..., N] in x's dtype: the C kernels where they are built,
-    else the reference; on AMX, calls of `AMX_TOKENS` tokens on the tile kernel (`AMX_TILE_ORDER_TOKENS`
-    for a weight in tile order); from `DENSE_TOKENS` tokens on, a GEMM on the dequantized weight.
-
-    `int8_activations` (default: for calls of at most `INT8_ACTIVATION_TOKENS` tokens, where the
-    CPU has an integer dot product and the groups are whole 32s) quantizes x per group of 32 and
-    multiplies in integers, as llama.cpp does for these formats; False keeps x in float32 (bf16 x
-    is exact in it); either, given, also keeps the call off the tile kernel."""
-    lib = cpu_kernels.library()
-    if lib is None or x.dtype not in OUT_KINDS or x.device.type != "cpu":
-        return reference_matmul(x, w).to(x.dtype)
-    flat = x.reshape(-1, w.shape[1])
-    tokens = flat.shape[0]
-    dense = dense_dtype()
-    dense_from = DENSE_TOKENS[dense]
-    if w.tiles:  # on AMX (`for_this_cpu`)
-        if int8_activations is None and cpu_kernels.amx_supported():
-            if AMX_TILE_ORDER_TOKENS[0] <= tokens < AMX_TILE_ORDER_TOKENS[1]:
-                return amx_matmul(flat, w).reshape(*x.shape[:-1], w.shape[0])
-            if tokens >= max(dense_from, AMX_TILE_ORDER_TOKENS[1]):
-                y = F.linear(flat.to(dense), dequantized(w, dense)).to(x.dtype)
-                return y.reshape(*x.shape[:-1], w.shape[0])
-        return quantized_matmul(x, unpack_tiles(w), int8_activations)  # a kernel that reads rows
-    if int8_activations is None and int8_activations_fit(w):  # the bf16 kernels' groups are whole 32s too
-        if cpu_kernels.amx_supported():
-            if AMX_TOKENS[0] <= tokens < AMX_TOKENS[1]:
-                return amx_matmul(flat, w).reshape(*x.shape[:-1], w.shape[0])
-        elif DPBF16_TOKENS[0] <= tokens < DPBF16_TOKENS[1] and cpu_kernels.dpbf16_supported():
-            if dpbf16_wins():
-                return dpbf16_matmul(flat, w).reshape(*x.shape[:-1], w.shape[0])
-            dense_from = DPBF16_TOKENS[1]  # the float kernel: where it ties the dot products, it beats the GEMM
-    if int8_activations is None:
-        int8_activations = tokens <= INT8_ACTIVATION_TOKENS
-    if not int8_activations and tokens >= dense_from:
-        y = F.linear(flat.to(dense), dequantized(w, dense)).to(x.dtype)
-        return y.reshape(*x.shape[:-1], w.shape[0])
-    flat = flat.float().contiguous()  # the kernels take float32 x (bf16 activations: exact)
-    out = torch.empty(flat.shape[0], w.shape[0], dtype=torch.float32)
-    args = (flat.data_ptr(), flat.shape[0], w.shape[1], w.q.data_ptr(), w.d.data_ptr())
-    status = -3
-    if int8_activations and int8_activations_fit(w) and cpu_kernels.int8_dot_supported():
-        status = lib.q4_matmul_x8(*args, w.m.data_ptr(), w.shape[0], out.data_ptr()) if w.kind == "q4" else \
-            lib.q8_matmul_x8(*args, w.group, w.shape[0], out.data_ptr())
-    if status == -3:  # float32 activations: asked for, or the only way these groups / this CPU have
-        status = lib.q4_matmul(*args, w.m.data_ptr(), w.shape[0], out.data_ptr()) if w.kind == "q4" else \
-            lib.q8_matmul(*args, w.group, w.shape[0], out.data_ptr())
-    if status == -1:
-        raise MemoryError(f"{w.kind} kernel could not allocate its buffers")
+def int8_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """x [M, K] rounded to int8 per group of 32 (llama.cpp's Q8_0) times w in integer dot products -> float32
+    (only where the library has them: `CpuCaps.int8_dot`)."""
+    x, out = _float_x(x, w)
+    if w.kind == "q4":
+        status = cpu_kernels.ops.q4_matmul_x8(x, x.shape[0], w.shape[1], w.q, w.d, w.m, w.shape[0], out)
+    else:
+        status = cpu_kernels.ops.q8_matmul_x8(x, x.shape[0], w.shape[1], w.q, w.d, w.group, w.shape[0], out)
     if status != 0:
-        raise RuntimeError(f"{w.kind} kernel refused shape {w.shape} (group {w.group})")
-    return out.reshape(*x.shape[:-1], w.shape[0]).to(x.dtype)
+        raise RuntimeError(f"{w.kind} int8-activation kernel not built for this CPU (status {status})")
+    return out
+
+
+def float_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """x [M, K] in float32 (bf16 activations: exact in it) times w, each weight row dequantized once -> float32."""
+    x, out = _float_x(x, w)
+    if w.kind == "q4":
+        cpu_kernels.ops.q4_matmul(x, x.shape[0], w.shape[1], w.q, w.d, w.m, w.shape[0], out)
+    else:
+        cpu_kernels.ops.q8_matmul(x, x.shape[0], w.shape[1], w.q, w.d, w.group, w.shape[0], out)
+    return out
+
+
+def dense_matmul(x: torch.Tensor, w: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The weight dequantized in C and oneDNN's GEMM in `dtype` (x, w and the output rounded to it)."""
+    return F.linear(x.to(dtype), dequantized(w, dtype))
+
+
+def _float_x(x: torch.Tensor, w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x.float().contiguous()
+    return x, torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+
+
+class QuantPlan:
+    """Which kernel multiplies `w` by a call of so many tokens: one table, built once per weight from this
+    machine's `TuneTable` and `CpuCaps`; a call looks its token count up and runs that kernel."""
+
+    def __init__(self, w: QuantizedWeight, routes: list[tuple[int, str, Callable]]) -> None:
+        self.w = w
+        self.starts = [start for start, _, _ in routes]  # ascending; the first is 1
+        self.names = [name for _, name, _ in routes]
+        self.kernels = [kernel for _, _, kernel in routes]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.w
+        flat = x.reshape(-1, w.shape[1])
+        kernel = self.kernels[bisect.bisect_right(self.starts, flat.shape[0]) - 1]
+        return kernel(flat).to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+
+    def describe(self) -> str:
+        ends = [*(s - 1 for s in self.starts[1:]), None]
+        return ", ".join(f"{n} {s}-{'' if e is None else e}" for s, e, n in zip(self.starts, ends, self.names))
+
+
+def plan(w: QuantizedWeight, tune: TuneTable, caps: CpuCaps, dtype: torch.dtype = torch.float32) -> QuantPlan:
+    """`w`'s kernels by token count for activations of `dtype` (float32 or bfloat16): without the C kernels the
+    reference; else what `route` says at each of the table's thresholds (the routes only change there)."""
+    if not caps.library:
+        return QuantPlan(w, [(1, "reference", lambda x: reference_matmul(x, w))])
+    routes = []
+    for start in _thresholds(tune):
+        name = route(w, start, tune, caps)
+        if not routes or routes[-1][1] != name:
+            routes.append((start, name, name))
+    rows = unpack_tiles(w) if w.tiles and {"dpbf16", "int8", "float"} & {n for _, n, _ in routes} else w
+    return QuantPlan(w, [(start, name, _kernel(name, w, rows, tune)) for start, name, _ in routes])
+
+
+def _thresholds(tune: TuneTable) -> list[int]:
+    edges = {1, tune.int8_activation_tokens + 1, tune.dense_tokens_bf16, tune.dense_tokens_f32,
+             *tune.amx_tokens, *tune.amx_tile_order_tokens, *tune.dpbf16_tokens}
+    return sorted(e for e in edges if e >= 1)
+
+
+def _kernel(name: str, w: QuantizedWeight, rows: QuantizedWeight, tune: TuneTable) -> Callable:
+    """`rows`: `w` by rows, for the kernels that cannot read the tile order (a tile-order weight's calls outside
+    the tile kernel's range, only where a table narrows it)."""
+    dense = tune.torch_dense_dtype
+    return {"amx": lambda x: amx_matmul(x, w), "dpbf16": lambda x: dpbf16_matmul(x, rows),
+            "int8": lambda x: int8_matmul(x, rows), "float": lambda x: float_matmul(x, rows),
+            "dense": lambda x: dense_matmul(x, w, dense)}[name]
+
+
+def route(w: QuantizedWeight, tokens: int, tune: TuneTable, caps: CpuCaps) -> str:
+    """The kernel for a call of `tokens` tokens: on AMX the tile kernel in its range; without AMX, bf16 dot
+    products where they measured faster; int8 activations for decode sizes; the float kernel; from the dense
+    threshold on (in the GEMM's dtype) a GEMM on the dequantized weight."""
+    dense_from = tune.dense_tokens(tune.torch_dense_dtype)
+    if w.tiles:  # kept in tile order only on AMX (`for_this_cpu`)
+        low, high = tune.amx_tile_order_tokens
+        if low <= tokens < high:
+            return "amx"
+        if tokens >= max(dense_from, high):
+            return "dense"
+    if int8_activations_fit(w):  # the bf16 kernels' groups are whole 32s too
+        if caps.amx and tune.amx_tokens[0] <= tokens < tune.amx_tokens[1]:
+            return "amx"
+        low, high = tune.dpbf16_tokens
+        if not caps.amx and caps.dpbf16 and low <= tokens < high:
+            if tune.dpbf16_wins:
+                return "dpbf16"
+            dense_from = high  # the float kernel: where it ties the dot products, it beats the GEMM
+    if tokens <= tune.int8_activation_tokens and caps.int8_dot and int8_activations_fit(w):
+        return "int8"
+    return "dense" if tokens >= dense_from and tokens > tune.int8_activation_tokens else "float"
+
+
+def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, tune: TuneTable | None = None,
+                     caps: CpuCaps | None = None) -> torch.Tensor:
+    """x [..., K] float32 or bfloat16 -> [..., N] in x's dtype, through a plan made for this call (tests and
+    benchmarks; the engine makes one plan per weight at load)."""
+    from loraplex.kernels import autotune
+
+    caps = CpuCaps.detect() if caps is None else caps
+    tune = tune or autotune.resolve(caps.native_bf16, caps.dpbf16, caps.amx) if caps.library else autotune.DEFAULT
+    return plan(w, tune, caps)(x)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from loraplex.kernels import cpu_kernels
-from loraplex.kernels.dispatch import to_device, use_cpu_kernel, use_triton
+from loraplex.kernels.dispatch import KernelConfig, to_device, use_triton
 
 
 @dataclass
@@ -202,22 +202,36 @@ class LoRATable:
         self.scales_arr[slot] = 0.0
 
 
-# The C kernel (cpu_kernels.c) beats per-segment GEMMs while segments are short, by the adapters'
-# dtype: float32 1.5-14x at 16 tokens over 1-16 adapters, even at 64 tokens of one adapter (AVX2,
-# benchmarks/lora_ops.py); bfloat16 (the AVX-512 loops) 3-11x at 16-64 tokens a segment, 1.7x at
-# 128, even at 256 (each small bf16 GEMM costs ~30 us, ~115 us a segment). Longer prefill segments
-# take the GEMMs.
-C_BELOW_MEAN_SEGMENT = {torch.float32: 64, torch.bfloat16: 256}
-
-
 def sgmv_lora_table(x: torch.Tensor, table: LoRATable, batch: LoRABatch, y: torch.Tensor) -> torch.Tensor:
-    """y += scale[s] * (x A[s]^T) Bt[s] for each token's slot s, on the CPU: one LoRA layer."""
-    if _mean_segment_below(batch, C_BELOW_MEAN_SEGMENT.get(table.dtype, 0)) and use_cpu_kernel(y) \
-            and cpu_kernels.usable(x, y, dtypes=cpu_kernels.SGMV_DTYPES) and x.dtype == y.dtype \
-            and (x.dtype, table.dtype) in cpu_kernels.SGMV_KINDS:
-        # decode-shaped batches: the C kernel reads each token's A and B in place
-        return cpu_kernels.sgmv_lora_table_c(x.contiguous(), table, batch.token_order, batch.order_slots, y)
-    return sgmv_lora_table_torch(x, table, batch, y)
+    """y += scale[s] * (x A[s]^T) Bt[s] for each token's slot s, on the CPU: one LoRA layer, with the kernels
+    the current backend setting picks (tests and benchmarks; a model picks once, `lora_kernel`)."""
+    from loraplex.kernels import autotune
+    from loraplex.kernels.dispatch import backend
+
+    config = KernelConfig(backend="cpu" if backend() == "auto" and cpu_kernels.library() else "native",
+                          dtype=x.dtype, lora_dtype=table.dtype, tune=autotune.DEFAULT)
+    return lora_kernel(config)(x, table, batch, y)
+
+
+def lora_kernel(config: KernelConfig):
+    """The multi-LoRA delta `(x, slots, batch, y) -> y` a model runs, chosen once: the Triton SGMV kernels on
+    stacked slots (CUDA, or forced), their reference on stacked slots elsewhere; on CPU tables, the C kernel
+    while a batch's segments are short (`TuneTable.lora_kernel_mean_segment_*`) and per-segment GEMMs else."""
+    if config.stacked_lora:
+        return sgmv_lora_stacked_triton if config.backend == "triton" else sgmv_lora_stacked_reference
+    c_pair = config.dtype in cpu_kernels.SGMV_DTYPES and (config.dtype, config.lora_dtype) in cpu_kernels.SGMV_KINDS
+    if config.backend != "cpu" or not c_pair:
+        return sgmv_lora_table_torch
+    tune = config.tune
+    limit = tune.lora_kernel_mean_segment_bf16 if config.lora_dtype == torch.bfloat16 else \
+        tune.lora_kernel_mean_segment_f32
+
+    def c_or_gemms(x, table, batch, y):
+        if batch.num_tokens < limit * batch.num_segments:  # decode-shaped: each token's A and B read in place
+            return cpu_kernels.sgmv_lora_table_c(x.contiguous(), table, batch.token_order, batch.order_slots, y)
+        return sgmv_lora_table_torch(x, table, batch, y)
+
+    return c_or_gemms
 
 
 def sgmv_lora_table_torch(x: torch.Tensor, table: LoRATable, batch: LoRABatch, y: torch.Tensor) -> torch.Tensor:
@@ -244,10 +258,6 @@ def sgmv_lora_table_torch(x: torch.Tensor, table: LoRATable, batch: LoRABatch, y
             torch.matmul(h[:, i * r:(i + 1) * r], b[:, lo:hi], out=delta[:, lo:hi])
         y.index_add_(0, idx, delta, alpha=table.scales[slot])
     return y
-
-
-def _mean_segment_below(batch: LoRABatch, tokens: int) -> bool:
-    return batch.num_tokens < tokens * batch.num_segments
 
 
 # ---- stacked layout on the device: what the Triton kernels read ----------------------------------
@@ -307,16 +317,27 @@ class StackedLoRA:
 
 
 def sgmv_lora_stacked(x: torch.Tensor, table: StackedLoRA, batch: LoRABatch, y: torch.Tensor) -> torch.Tensor:
-    """y += scale[s] * (x A[s]^T) B[s]^T per token, over the stacked layout: shrink into an fp32
-    buffer, expand into y (Triton on CUDA or when forced; the reference otherwise). Both read
-    only the columns below each token's rank that the shrink wrote: no memset of the buffer."""
-    h = torch.empty(x.shape[0], table.a.shape[1], dtype=torch.float32, device=x.device)
+    """y += scale[s] * (x A[s]^T) B[s]^T per token, over the stacked layout (Triton where the backend setting
+    says, else the reference; a model picks once, `lora_kernel`)."""
     if use_triton(x):
-        from loraplex.kernels.sgmv_triton import sgmv_expand_triton, sgmv_shrink_triton
+        return sgmv_lora_stacked_triton(x, table, batch, y)
+    return sgmv_lora_stacked_reference(x, table, batch, y)
 
-        sgmv_shrink_triton(x, table.a, table.ranks, batch, h, table.num_slices)
-        return sgmv_expand_triton(h, table.b, table.ranks, table.scales, batch, y, table.offsets,
-                                  table.offsets_t)
+
+def sgmv_lora_stacked_triton(x: torch.Tensor, table: StackedLoRA, batch: LoRABatch, y: torch.Tensor
+                             ) -> torch.Tensor:
+    """Shrink into an fp32 buffer, expand into y. Both read only the columns below each token's rank that the
+    shrink wrote: no memset of the buffer."""
+    from loraplex.kernels.sgmv_triton import sgmv_expand_triton, sgmv_shrink_triton
+
+    h = torch.empty(x.shape[0], table.a.shape[1], dtype=torch.float32, device=x.device)
+    sgmv_shrink_triton(x, table.a, table.ranks, batch, h, table.num_slices)
+    return sgmv_expand_triton(h, table.b, table.ranks, table.scales, batch, y, table.offsets, table.offsets_t)
+
+
+def sgmv_lora_stacked_reference(x: torch.Tensor, table: StackedLoRA, batch: LoRABatch, y: torch.Tensor
+                                ) -> torch.Tensor:
+    h = torch.empty(x.shape[0], table.a.shape[1], dtype=torch.float32, device=x.device)
     sgmv_shrink_reference(x, table.a, table.host_ranks, batch, h, table.num_slices)
     return sgmv_expand_reference(h, table.b, table.host_ranks, table.host_scales, batch, y, table.offsets)
 

@@ -1,4 +1,5 @@
-"""The engine on one background thread: submit requests, iterate their outputs, abort by id.
+"""The engine on one background thread: submit requests, iterate their outputs, abort by id;
+`AsyncEngine` is the `EngineClient` (platform/engine_client.py) a server talks to.
 
 Only the engine thread touches the engine's state; other threads talk to it through a queue
 of typed commands. Each request's outputs are deltas (the text, token ids and logprobs it
@@ -18,27 +19,16 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Iterator
 
 from loraplex.platform.engine import Engine, EngineStats
+from loraplex.platform.engine_client import (AdapterInfo, AdapterStatus, ClientTooSlowError, EngineDeadError,
+                                             Health, QueueFullError, StepFailedError, StructuredCheck,
+                                             StructuredOutputs)
 from loraplex.platform.request import Request, RequestOutput, SamplingParams
+
+__all__ = ["AsyncEngine", "ClientTooSlowError", "EngineDeadError", "QueueFullError", "StepFailedError"]
 
 _DONE = object()
 MAX_CONSECUTIVE_STEP_FAILURES = 3  # then the engine is considered broken: /health 503, fail fast
-log = logging.getLogger("loraplex.engine")
-
-
-class EngineDeadError(RuntimeError):
-    pass
-
-
-class StepFailedError(RuntimeError):
-    """An engine step raised; the requests in its batch were aborted, the engine goes on."""
-
-
-class ClientTooSlowError(RuntimeError):
-    """A reader left more than `max_unread_outputs` outputs unread; its request was aborted."""
-
-
-class QueueFullError(RuntimeError):
-    """More requests are waiting than `max_waiting_requests`; the caller should retry later."""
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -96,23 +86,56 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._num_queued = 0  # sequences (n per request) submitted, not yet handed to the scheduler
-        self.stats: EngineStats = engine.stats()
+        self._stats: EngineStats = engine.stats()
         self.closing: str | None = None  # why new requests are refused (shutting down)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
         self._thread.start()
 
-    # ---- the narrow facade the API uses (it never reaches into the engine) ----------------------
+    # ---- EngineClient: tokens, structured specs, adapters, health -----------------------------
+    # Each call that may take long (a long prompt, a compile, a disk read) runs in a worker
+    # thread: never on the caller's event loop, never on the engine thread.
 
     @property
-    def inputs(self):
-        """The engine's `InputProcessor`: tokenizing, chat templates, limits; any thread."""
-        return self.engine.inputs
+    def max_model_len(self) -> int:
+        return self.engine.inputs.limits.max_model_len
 
-    @property
-    def adapters(self):
-        """The adapter registry: load / unload / list; any thread."""
-        return self.engine.adapters
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await asyncio.to_thread(self.engine.inputs.token_ids, text, add_special_tokens)
+
+    async def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
+        return await asyncio.to_thread(self.engine.inputs.chat_token_ids, messages, add_generation_prompt,
+                                       chat_template_kwargs, tools)
+
+    async def detokenize(self, ids: list[int], param: str = "tokens") -> str:
+        return await asyncio.to_thread(self.engine.inputs.detokenize, ids, param)
+
+    def default_max_tokens(self, prompt_ids: list[int]) -> int:
+        return self.engine.inputs.default_max_tokens(prompt_ids)
+
+    async def validate_structured(self, spec: StructuredOutputs) -> StructuredCheck:
+        compiled = await asyncio.to_thread(self.engine.grammars.compile, spec)
+        return StructuredCheck(compiled.backend, tuple(compiled.unenforced))
+
+    async def load_adapter(self, name: str, path: str, confined: bool = False) -> AdapterInfo:
+        return await asyncio.to_thread(self.engine.adapters.load, name, path, False, confined)
+
+    def unload_adapter(self, name: str) -> None:
+        self.engine.adapters.unload(name)
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return self.engine.adapters.list()
+
+    def adapter_status(self) -> dict[str, AdapterStatus]:
+        return self.engine.adapters.status()
+
+    def stats(self) -> EngineStats:
+        """The snapshot the engine thread took after its last step."""
+        return self._stats
+
+    def health(self) -> Health:
+        return Health(self.is_alive, self.closing)
 
     @property
     def is_alive(self) -> bool:
@@ -205,7 +228,7 @@ class AsyncEngine:
         if not self.is_alive:
             raise EngineDeadError("the engine failed; see the server log")
         limit = self.max_waiting_requests
-        if limit is not None and self._num_queued + self.stats.num_waiting_seqs + incoming > limit:
+        if limit is not None and self._num_queued + self._stats.num_waiting_seqs + incoming > limit:
             raise QueueFullError(f"{limit} requests are already waiting (max_waiting_requests); retry later")
 
     def _enqueue(self, request: Request, loop: asyncio.AbstractEventLoop | None, items: asyncio.Queue | None = None,
@@ -226,28 +249,29 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._drain_commands(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
-                    try:
-                        outputs = self.engine.step()
-                        failures = 0
-                    except Exception:
-                        failures += 1
-                        if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
-                            raise
-                        log.exception("engine step failed; aborting the requests in its batch")
-                        outputs = []
-                        for request_id in self.engine.abort_running():
-                            stream = self._streams.get(request_id)
-                            if stream is not None:
-                                stream.put(StepFailedError("generation failed with an internal error; "
-                                                           "see the server log"))
-                    for out in outputs:
-                        self._publish(out)
-                self.stats = self.engine.stats()
+                    failures = self._step(failures)
+                self._stats = self.engine.stats()
         except BaseException as exc:  # the engine cannot continue: fail every stream, never hang
             log.exception("the engine failed and stopped")
             self.error = exc
             for stream in list(self._streams.values()):
                 stream.put(EngineDeadError("the engine failed; see the server log"))
+
+    def _step(self, failures: int) -> int:
+        """One engine step, its outputs published; back: consecutive failed steps. A failed step
+        aborts its batch; too many in a row and the engine is broken (raises)."""
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            if failures + 1 >= MAX_CONSECUTIVE_STEP_FAILURES:
+                raise
+            log.exception("engine step failed; aborting the requests in its batch")
+            for request_id in self.engine.abort_running():
+                self._fail(request_id, StepFailedError("generation failed with an internal error; see the server log"))
+            return failures + 1
+        for out in outputs:
+            self._publish(out)
+        return 0
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -255,31 +279,38 @@ class AsyncEngine:
         except queue.Empty:
             return
         while True:
-            if isinstance(command, _Add):
-                with self._lock:
-                    self._num_queued -= command.request.params.n
-                try:
-                    if self.closing is not None:
-                        raise EngineDeadError(self.closing)
-                    self.engine.add(command.request)
-                except (ValueError, EngineDeadError) as exc:  # an id in use, an adapter unloaded meanwhile
-                    stream = self._streams.get(command.request.request_id)
-                    if stream is not None:
-                        stream.put(exc)
-            elif isinstance(command, _Abort):
-                out = self.engine.abort(command.request_id)
-                if out is not None:
-                    self._publish(out)
-            elif isinstance(command, _FailAll):
-                for request_id in self.engine.unfinished_request_ids():
-                    self.engine.abort(request_id)
-                    stream = self._streams.get(request_id)
-                    if stream is not None:
-                        stream.put(EngineDeadError(command.reason))
+            self._apply(command)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _apply(self, command) -> None:
+        if isinstance(command, _Add):
+            self._add(command.request)
+        elif isinstance(command, _Abort):
+            out = self.engine.abort(command.request_id)
+            if out is not None:
+                self._publish(out)
+        elif isinstance(command, _FailAll):
+            for request_id in self.engine.unfinished_request_ids():
+                self.engine.abort(request_id)
+                self._fail(request_id, EngineDeadError(command.reason))
+
+    def _add(self, request: Request) -> None:
+        with self._lock:
+            self._num_queued -= request.params.n
+        try:
+            if self.closing is not None:
+                raise EngineDeadError(self.closing)
+            self.engine.add(request)
+        except (ValueError, EngineDeadError) as exc:  # an id in use, an adapter unloaded meanwhile
+            self._fail(request.request_id, exc)
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put(exc)
 
     def _publish(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)

@@ -246,16 +246,14 @@ class EngineConfig:
         return self.max_model_len
 
 
-def quantized_activation_dtype() -> tuple[str, str]:
-    """What dtype auto means under --quantization, and why. The weights are quantized either way, so
-    this is the activations' and the KV cache's dtype: bfloat16 halves the KV bytes a step reads and
-    is what the AMX tile kernel multiplies (BENCHMARKS.md, "q4 in bf16 on AMX"); emulated it is slow."""
-    from loraplex.kernels.cpu_kernels import amx_supported, native_bf16
-    from loraplex.kernels.quant import AMX_TILE_ORDER_TOKENS, AMX_TOKENS
-
-    if not native_bf16():
+def quantized_activation_dtype(caps, tune) -> tuple[str, str]:
+    """What dtype auto means under --quantization, and why (`caps`: `CpuCaps`, `tune`: `TuneTable`). The weights
+    are quantized either way, so this is the activations' and the KV cache's dtype: bfloat16 halves the KV
+    bytes a step reads and is what the AMX tile kernel multiplies (BENCHMARKS.md, "q4 in bf16 on AMX");
+    emulated it is slow."""
+    if not caps.native_bf16:
         return "float32", "bf16 is emulated on this CPU (no AVX512-BF16 / AMX)"
-    (low, high), (q4_low, q4_high) = AMX_TOKENS, AMX_TILE_ORDER_TOKENS
+    (low, high), (q4_low, q4_high) = tune.amx_tokens, tune.amx_tile_order_tokens
     amx = f"; quantized matmuls on AMX tiles: q4 (in tile order) {q4_low}-{q4_high - 1} tokens, 8-bit " \
-          f"{low}-{high - 1}" if amx_supported() else ""
+          f"{low}-{high - 1}" if caps.amx else ""
     return "bfloat16", "bf16 native" + amx

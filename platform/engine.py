@@ -7,9 +7,8 @@ by design; `async_engine.py` puts it on a background thread.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import sys
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,20 +16,22 @@ import torch
 
 from loraplex.adapters.registry import AdapterRegistry
 from loraplex.grammar.manager import GrammarManager
-from loraplex.kernels.dispatch import backend as kernel_backend, to_device
-from loraplex.platform.config import EngineConfig, ModelConfig, quantized_activation_dtype
+from loraplex.kernels.dispatch import to_device
+from loraplex.platform.config import EngineConfig
 from loraplex.platform.cuda_graphs import CudaCapture
 from loraplex.platform.device import DeviceMemory, cuda_used_bytes, kv_blocks_for
-from loraplex.platform.dtype_probe import resolve_dtype
 from loraplex.platform.input_processor import InputProcessor, Limits
 from loraplex.platform.kv_cache_manager import KVCacheManager
 from loraplex.platform.model_runner import ModelRunner, kv_bytes_per_block, profile_step
 from loraplex.platform.model_store import gguf_source
 from loraplex.platform.models.llama import load_model
 from loraplex.platform.output_processor import OutputProcessor
+from loraplex.platform.resolve import resolve
 from loraplex.platform.request import Request, RequestOutput, SamplingParams
 from loraplex.platform.sampler import Sampler, prompt_logprobs
 from loraplex.platform.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -56,77 +57,46 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         from transformers import AutoTokenizer
 
-        self.model_config = ModelConfig.from_folder(config.model)
-        self.device = device = config.torch_device
-        if self.model_config.prequantized and config.quantization == "none":  # as vLLM reads it from the checkpoint
-            print(f"[loraplex] {self.model_config.prequantized[0]} 4-bit checkpoint: quantization -> q4 (its bits kept)",
-                  file=sys.stderr)
-            config = dataclasses.replace(config, quantization="q4")
-        if config.quantization != "none" and device.type != "cpu":
-            raise ValueError(f"quantization {config.quantization} runs CPU kernels; on {device} use quantization none")
-        if config.kv_cache_dtype.startswith("fp8") and (device.type != "cpu" or kernel_backend() == "triton"):
-            raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype} runs the CPU kernels (not the Triton ones yet); "
-                             f"on {device} use kv_cache_dtype auto or float16")
-        if config.dtype == "auto" and config.quantization != "none":
-            chosen, why = quantized_activation_dtype()
-            print(f"[loraplex] dtype auto -> {chosen} under quantization {config.quantization} ({why})",
-                  file=sys.stderr)
-            config = dataclasses.replace(config, dtype=chosen)
-        if config.dtype == "auto" and device.type == "cpu":  # decided once, by measurement where it can go either way
-            chosen, packed, why = resolve_dtype(self.model_config)
-            packed = packed and config.pack_weights
-            layout = "" if chosen != "float32" else ", weights packed" if packed else ", weights plain"
-            print(f"[loraplex] dtype auto -> {chosen}{layout} ({why})", file=sys.stderr)
-            config = dataclasses.replace(config, dtype=chosen, pack_weights=packed)
-        self.config = config
-        self.max_model_len = config.resolve_max_model_len(self.model_config)
+        resolved = resolve(config)
+        for note in resolved.notes:
+            log.info("%s", note)
+        self.resolved = resolved
+        self.config, self.model_config, self.device = config, model, device = \
+            resolved.engine, resolved.model, resolved.device
+        self.max_model_len, self.max_loras = resolved.max_model_len, resolved.max_loras
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
-        dtype = config.torch_dtype
         memory_before = cuda_used_bytes(device) if device.type == "cuda" else None
-        self.model = load_model(config.model, self.model_config, dtype, self.max_model_len, config.pack_weights,
-                                config.quantization, gguf_source(config.model), device)
-        self.max_loras, why = config.resolve_max_loras(self.model_config)
-        # the Triton kernels read adapters stacked on the device; the CPU paths read them in place
-        stacked = device.type == "cuda" or kernel_backend() == "triton"
-        lora_dtype = config.torch_lora_dtype  # the model's or bf16 under float32: checked by EngineConfig
-        if stacked and lora_dtype != dtype:
-            raise ValueError(f"lora_dtype {lora_dtype} under dtype {dtype} on the Triton / CUDA path: adapters "
-                             "there are in the model's dtype")
-        self.adapters = AdapterRegistry(self.model_config, self.max_loras, config.max_lora_rank,
-                                        config.max_cpu_loras, lora_dtype, config.lora_memory, device, stacked)
+        self.model = load_model(config.model, model, resolved.kernels, self.max_model_len, gguf_source(config.model),
+                                device)
+        self.adapters = AdapterRegistry(model, self.max_loras, config.max_lora_rank, config.max_cpu_loras,
+                                        resolved.kernels.lora_dtype, config.lora_memory, device,
+                                        resolved.kernels.stacked_lora)
         self.model.attach_lora(self.adapters.slots)
-        print(f"[loraplex] adapters: max_loras={self.max_loras} per batch ({why}); CPU cache bounded by "
-              f"lora_memory={config.lora_memory / 2**20:.0f} MiB", file=sys.stderr)
-        num_blocks = self._num_kv_blocks(memory_before)
+        num_blocks = resolved.num_kv_blocks or self._kv_blocks_from_device(memory_before)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.eos_token_ids = self._eos_token_ids()
-        self.grammars = GrammarManager(self.tokenizer, self.model_config.vocab_size, list(self.eos_token_ids),
+        self.grammars = GrammarManager(self.tokenizer, model.vocab_size, list(self.eos_token_ids),
                                        config.grammar_backend, config.grammar_compile_timeout_s)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    self.max_loras, config.lora_cycle_steps, self.eos_token_ids,
                                    self.grammars.new_grammar)
-        self.runner = ModelRunner(self.model, self.model_config, self.kv, config.torch_kv_dtype, device)
+        self.runner = ModelRunner(self.model, model, self.kv, config.torch_kv_dtype, device)
         if device.type == "cuda" and not config.enforce_eager:
             self.runner.enable_graphs(CudaCapture(), config.max_num_seqs, self.max_model_len,
                                       self.adapters.slots.null_slot)
-        self.sampler = Sampler(self.model_config.vocab_size, self.eos_token_ids, config.seed, self.grammars,
+        self.sampler = Sampler(model.vocab_size, self.eos_token_ids, config.seed, self.grammars,
                                config.json_close_window, device)
-        self.inputs = InputProcessor(self.tokenizer, Limits(self.model_config.vocab_size, self.max_model_len,
+        self.inputs = InputProcessor(self.tokenizer, Limits(model.vocab_size, self.max_model_len,
                                                             config.max_num_seqs, config.block_size, num_blocks),
                                      self.adapters, self.grammars)
         self.outputs = OutputProcessor(self.tokenizer)
         self.num_jump_forward_tokens = 0
         self._log_kv_size(num_blocks, config.torch_kv_dtype)
 
-    def _num_kv_blocks(self, memory_before: tuple[int, int] | None) -> int:
-        """As given; on CUDA what `gpu_memory_utilization` leaves after a profiling pass at
-        max_num_batched_tokens; on CPU `kv_cache_memory` bytes."""
+    def _kv_blocks_from_device(self, memory_before: tuple[int, int]) -> int:
+        """CUDA: what `gpu_memory_utilization` leaves after a profiling pass at max_num_batched_tokens."""
         config = self.config
         block_bytes = kv_bytes_per_block(self.model_config, config.block_size, config.torch_kv_dtype)
-        if config.num_kv_blocks:
-            return config.num_kv_blocks
-        if memory_before is None:
-            return max(1, config.kv_cache_memory // block_bytes)
         torch.cuda.reset_peak_memory_stats(self.device)
         profile_step(self.model, self.model_config, config.torch_kv_dtype, config.block_size,
                      config.max_num_batched_tokens, self.max_model_len, config.max_num_seqs, self.device)
@@ -134,9 +104,8 @@ class Engine:
         memory = DeviceMemory(total, used_before, torch.cuda.max_memory_allocated(self.device))
         torch.cuda.empty_cache()
         num_blocks = kv_blocks_for(memory, config.gpu_memory_utilization, block_bytes)
-        print(f"[loraplex] KV sized from the device: {total / 2**30:.1f} GiB x {config.gpu_memory_utilization} - "
-              f"{used_before / 2**30:.2f} GiB in use before start - {memory.peak_torch / 2**30:.2f} GiB profiled peak",
-              file=sys.stderr)
+        log.info("KV sized from the device: %.1f GiB x %s - %.2f GiB in use before start - %.2f GiB profiled peak",
+                 total / 2**30, config.gpu_memory_utilization, used_before / 2**30, memory.peak_torch / 2**30)
         return num_blocks
 
     def _eos_token_ids(self) -> tuple[int, ...]:
@@ -152,9 +121,9 @@ class Engine:
     def _log_kv_size(self, num_blocks: int, dtype) -> None:
         tokens = num_blocks * self.config.block_size
         mib = num_blocks * kv_bytes_per_block(self.model_config, self.config.block_size, dtype) / 2**20
-        print(f"[loraplex] KV cache: {num_blocks} blocks x {self.config.block_size} tokens = {tokens} tokens "
-              f"({mib:.0f} MiB); max concurrency at max_model_len={self.max_model_len}: "
-              f"{tokens / self.max_model_len:.2f}x", file=sys.stderr)
+        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB); max concurrency at max_model_len=%d: "
+                 "%.2fx", num_blocks, self.config.block_size, tokens, mib, self.max_model_len,
+                 tokens / self.max_model_len)
 
     # ---- admission -------------------------------------------------------------------------
 

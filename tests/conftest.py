@@ -44,14 +44,23 @@ def make_tokenizer(folder: Path):
     return fast
 
 
+def tuned(monkeypatch, **fields) -> None:
+    """The autotune table's entries (thresholds or measured choices) set for this test: engines built after
+    this, and `quant.quantized_matmul`, read them."""
+    import dataclasses
+
+    from loraplex.kernels import autotune
+
+    resolve = autotune.resolve
+    monkeypatch.setattr(autotune, "DEFAULT", dataclasses.replace(autotune.DEFAULT, **fields))
+    monkeypatch.setattr(autotune, "resolve", lambda *a, **kw: dataclasses.replace(resolve(*a, **kw), **fields))
+
+
 def without_bf16_kernels(monkeypatch) -> None:
     """No quantized matmul call takes the AMX or the AVX512-BF16 kernels (their bf16 rounding): the float
     and int8 kernels' exact math, whatever the CPU."""
-    from loraplex.kernels import quant
-
     nowhere = (1 << 30, 1 << 30)
-    for name in ("AMX_TOKENS", "AMX_TILE_ORDER_TOKENS", "DPBF16_TOKENS"):
-        monkeypatch.setattr(quant, name, nowhere)
+    tuned(monkeypatch, amx_tokens=nowhere, amx_tile_order_tokens=nowhere, dpbf16_tokens=nowhere)
 
 
 def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:

@@ -34,7 +34,8 @@ def test_wheel_contains_every_package_folder(tmp_path):
         for name in sources:
             assert f"loraplex/{folder}/{name}" in names
     assert "loraplex/platform/models/llama.py" in names
-    assert "loraplex/kernels/cpu_kernels.c" in names  # built on first use, so it must ship
+    csrc = sorted(p.name for p in (ROOT / "kernels" / "csrc").iterdir() if p.suffix in (".c", ".h"))
+    assert csrc and all(f"loraplex/kernels/csrc/{name}" in names for name in csrc)  # built on first use: they ship
     assert not any(n.startswith(("loraplex/platform/__init__", "platform/")) for n in names)
 
 

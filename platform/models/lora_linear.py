@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from loraplex.kernels.sgmv import LoRABatch, LoRATable, StackedLoRA, sgmv_lora_stacked, sgmv_lora_table
-from loraplex.platform.models.linear import PackedLinear
+from loraplex.kernels.dispatch import KernelConfig
+from loraplex.kernels.sgmv import LoRABatch, LoRATable, StackedLoRA
+from loraplex.platform.models.layers import LoRADelta
+from loraplex.platform.models.linear import Linear
+from loraplex.platform.models.quantized import projection_format
 
 
 class LoRAContext:
@@ -22,17 +25,17 @@ class LoRAContext:
         self.batch: LoRABatch | None = None
 
 
-class LoRALinear(PackedLinear):
-    def __init__(self, in_features: int, out_features: int, bias: bool, context: LoRAContext) -> None:
-        super().__init__(in_features, out_features, bias=bias)
-        self.context = context
+class LoRALinear(Linear):
+    def __init__(self, in_features: int, out_features: int, bias: bool, context: LoRAContext,
+                 kernels: KernelConfig, name: str = "") -> None:
+        super().__init__(in_features, out_features, bias, kernels, projection_format(kernels.quantization))
+        self.context, self.name = context, name
         self.lora: LoRATable | StackedLoRA | None = None  # set by the model's attach_lora
+        self.add_lora = LoRADelta(kernels)  # the layout of `lora` follows the same config
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
+        y = self.apply_method(self, x)
         batch, lora = self.context.batch, self.lora
         if batch is None or lora is None:
             return y
-        if isinstance(lora, StackedLoRA):
-            return sgmv_lora_stacked(x, lora, batch, y)
-        return sgmv_lora_table(x, lora, batch, y)
+        return self.add_lora(x, lora, batch, y)

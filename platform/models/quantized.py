@@ -22,12 +22,23 @@ GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_pro
               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
 
 
+def projection_format(method: str) -> tuple[str, int | None] | None:
+    """(kind, group) of a decoder projection's weight under `--quantization method` (None: not quantized)."""
+    return {"none": None, "q4": ("q4", 32), "int8": ("q8", None)}[method]
+
+
+def head_format(method: str) -> tuple[str, int | None] | None:
+    """(kind, group) of the LM head's weight: 8 bits, in GGUF Q8_0's groups of 32 beside q4."""
+    return {"none": None, "q4": ("q8", 32), "int8": ("q8", None)}[method]
+
+
 def quantize_model(model, method: str, gguf: Path | None = None, blocks: dict | None = None) -> None:
-    """`blocks`: q4 weights already read (a GPTQ / AWQ checkpoint's), kept as they are."""
+    """Each linear layer's quantized weight set from the float32 weights, before any rounding to the model's
+    dtype; the layers' `QuantizedLinear` keep it when their weights are processed. `blocks`: q4 weights already
+    read (a GPTQ / AWQ checkpoint's), kept as they are."""
     config: ModelConfig = model.config
     if blocks is None and method == "q4" and gguf is not None:
         blocks = _gguf_blocks(gguf, config)
-    tied = config.tie_word_embeddings
     for i, layer in enumerate(model.layers):
         for fused, parts in FUSED_PROJECTIONS.items():
             module = getattr(layer.self_attn if fused in ("qkv_proj", "o_proj") else layer.mlp, fused)
@@ -35,14 +46,14 @@ def quantize_model(model, method: str, gguf: Path | None = None, blocks: dict | 
                 weight = concat([blocks[(i, p)] for p in parts])
                 _check_same(weight, module.weight, f"layer {i} {fused}")
             else:
-                weight = quantize(module.weight, "q4" if method == "q4" else "q8")
-            module.quantize(weight)
+                weight = quantize(module.weight, *projection_format(method))
+            module.quantized = weight
     if blocks is not None and "lm_head" in blocks:
         head = blocks["lm_head"]
         _check_same(head, model.lm_head.weight, "lm_head")
     else:
-        head = quantize(model.lm_head.weight, "q8", 32 if method == "q4" else None)
-    model.lm_head.quantize(head, keep_weight=tied)  # a tied weight is also the embedding table
+        head = quantize(model.lm_head.weight, *head_format(method))
+    model.lm_head.quantized = head
 
 
 def _gguf_blocks(path: Path, config: ModelConfig) -> dict:

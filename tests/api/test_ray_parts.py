@@ -125,7 +125,7 @@ def test_an_evicted_adapter_is_unloaded_once_its_requests_end(tiny_model_dir, ti
     import torch
 
     from loraplex.adapters.registry import AdapterRegistry
-    from loraplex.api.ray_serve import _Held, engine_replica
+    from loraplex.api.replica import EngineReplica, _Held
     from loraplex.platform.config import ModelConfig
 
     registry = AdapterRegistry(ModelConfig.from_folder(tiny_model_dir), 2, 16, None, torch.float32)
@@ -133,8 +133,8 @@ def test_an_evicted_adapter_is_unloaded_once_its_requests_end(tiny_model_dir, ti
         registry.load(name, str(path))
 
     async def run():
-        replica = object.__new__(engine_replica(2))  # its state only: no Ray, no engine
-        replica.front, replica.replica = types.SimpleNamespace(adapters=registry, shutdown=lambda: None), "r1"
+        replica = object.__new__(EngineReplica)  # its state only: no Ray, no engine
+        replica.client, replica.replica = types.SimpleNamespace(unload_adapter=registry.unload), "r1"
         replica.held, replica.loop = {"a", "b", "c"}, asyncio.get_running_loop()
 
         def evict(name: str) -> None:  # as Ray does it: off the event loop

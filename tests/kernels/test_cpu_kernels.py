@@ -6,6 +6,7 @@ import torch
 
 from loraplex.kernels import cpu_kernels, dispatch
 from loraplex.kernels.paged_attention import CPU_KERNEL_MAX_QUERY_LEN, paged_attention
+from conftest import tuned
 from paged_case import make_case
 
 needs_kernel = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler here")
@@ -168,7 +169,6 @@ def test_bf16_adapters_under_float32_activations(c_kernel, monkeypatch):
     PyTorch path widen the weights, so the result is the float32 one on the same (bf16) values."""
     from lora_case import lora_case, reference, table_from_stacked
 
-    from loraplex.kernels import sgmv
     from loraplex.kernels.sgmv import LoRABatch, sgmv_lora_table
 
     s, ranks, x, a, b, scales, offsets = lora_case(0, 16, 16, 16, 64, [96, 32, 32], torch.float32)
@@ -181,7 +181,7 @@ def test_bf16_adapters_under_float32_activations(c_kernel, monkeypatch):
     kernel = cpu_kernels.sgmv_lora_table_c
     monkeypatch.setattr(cpu_kernels, "sgmv_lora_table_c", lambda *args: calls.append(1) or kernel(*args))
     if not c_kernel:
-        monkeypatch.setattr(sgmv, "C_BELOW_MEAN_SEGMENT", {})
+        tuned(monkeypatch, lora_kernel_mean_segment_f32=0, lora_kernel_mean_segment_bf16=0)
     got = sgmv_lora_table(x, table, LoRABatch.build(s), y0.clone())
     assert got.dtype == torch.float32 and calls == ([1] if c_kernel else [])
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
@@ -233,12 +233,14 @@ def test_c_sgmv_bf16_rounds_to_nearest_even_like_torch():
 @pytest.mark.parametrize("dtype,short,long", [(torch.float32, 60, 150), (torch.bfloat16, 250, 300)])
 def test_c_sgmv_is_skipped_for_long_segments_and_non_contiguous_outputs(dtype, short, long, monkeypatch):
     """Prefill-shaped segments take the GEMM path from a length that depends on the adapters' dtype
-    (bf16: the AVX-512 loops beat small bf16 GEMMs for longer); a strided output never takes the kernel."""
+    (bf16: the AVX-512 loops beat small bf16 GEMMs for longer); a strided output is misuse the binding
+    refuses (the kernel would write wrong rows), never a silent fallback."""
     from lora_case import lora_case, table_from_stacked
 
     from loraplex.kernels.sgmv import LoRABatch, sgmv_lora_table
 
     calls = []
+    kernel = cpu_kernels.sgmv_lora_table_c
     monkeypatch.setattr(cpu_kernels, "sgmv_lora_table_c", lambda *args: calls.append(1))
     for length in (short, long):
         s, ranks, x, a, b, scales, offsets = lora_case(3, 2 * length, 2, 8, 64, [64], dtype)
@@ -246,11 +248,11 @@ def test_c_sgmv_is_skipped_for_long_segments_and_non_contiguous_outputs(dtype, s
         table = table_from_stacked(a, b, ranks, scales, offsets)
         sgmv_lora_table(x, table, LoRABatch.build(s), torch.zeros(2 * length, 64, dtype=dtype))
     assert calls == [1]  # the short segments only
-    calls.clear()
+    monkeypatch.setattr(cpu_kernels, "sgmv_lora_table_c", kernel)
     s, ranks, x, a, b, scales, offsets = lora_case(4, 8, 8, 8, 64, [64])
-    wide = torch.zeros(8, 64, 2)[..., 0]  # a strided output: the kernel would write wrong rows
-    sgmv_lora_table(x, table_from_stacked(a, b, ranks, scales, offsets), LoRABatch.build(s), wide)
-    assert calls == []
+    wide = torch.zeros(8, 64, 2)[..., 0]  # a strided output
+    with pytest.raises(ValueError, match="contiguous"):
+        sgmv_lora_table(x, table_from_stacked(a, b, ranks, scales, offsets), LoRABatch.build(s), wide)
 
 
 @needs_kernel
@@ -314,3 +316,121 @@ def test_float32_kernel_on_plain_rows_is_f_linear(m):
         torch.testing.assert_close(got, torch.nn.functional.linear(x, w), atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="refused"):
         cpu_kernels.f32_matmul_c(torch.zeros(2, 12), torch.zeros(4, 12))  # K not a multiple of 8
+
+
+# ---- the checked bindings (cpu_ops.py): misuse raises, naming the function and the argument ----
+
+def _f32_args(m=2, k=16, n=3):
+    return [torch.randn(m, k), m, k, torch.randn(n, k), n, torch.empty(m, n)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("index,bad,error,match", [
+    (0, torch.randn(2, 16, dtype=torch.float64), TypeError, "f32_matmul: x must be torch.float32"),
+    (3, torch.randn(16, 3).T, ValueError, "f32_matmul: w must be contiguous"),
+    (3, torch.randn(2, 16), ValueError, "f32_matmul: w holds 32 elements, the sizes passed need N \\* K = 48"),
+    (5, torch.empty(5), ValueError, "f32_matmul: out holds 5 elements"),
+    (5, None, TypeError, "f32_matmul: out must be a torch.Tensor, not NoneType"),
+    (0, [1.0] * 32, TypeError, "f32_matmul: x must be a torch.Tensor, not list"),
+    (0, torch.empty(2, 16, device="meta"), ValueError, "f32_matmul: x must be on the CPU"),
+    (1, "2", TypeError, "f32_matmul: M must be an int"),
+])
+def test_checked_call_refuses_misuse(index, bad, error, match):
+    args = _f32_args()
+    args[index] = bad
+    with pytest.raises(error, match=match):
+        cpu_kernels.ops.f32_matmul(*args)
+
+
+@needs_kernel
+def test_checked_call_runs_and_maps_statuses():
+    args = _f32_args()
+    assert cpu_kernels.ops.f32_matmul(*args) == 0
+    torch.testing.assert_close(args[5], args[0] @ args[3].T, atol=1e-5, rtol=1e-5)
+    with pytest.raises(TypeError, match="f32_matmul"):  # an argument missing
+        cpu_kernels.ops.f32_matmul(*args[:5])
+    with pytest.raises(RuntimeError, match="f32_matmul refused its arguments \\(status -2\\)"):  # K % 8
+        cpu_kernels.ops.f32_matmul(torch.zeros(2, 12), 2, 12, torch.zeros(4, 12), 4, torch.empty(2, 4))
+
+
+@needs_kernel
+def test_nullable_arguments_take_none_and_the_others_do_not():
+    x, w = torch.randn(3, 16), torch.randn(16)
+    out = torch.empty(3, 16)
+    cpu_kernels.ops.add_rms_norm(x, None, w, 3, 16, 1e-5, cpu_kernels.KV_KINDS[torch.float32], out)  # no residual
+    with pytest.raises(TypeError, match="add_rms_norm: w must be a torch.Tensor, not NoneType"):
+        cpu_kernels.ops.add_rms_norm(x, None, None, 3, 16, 1e-5, 0, out)
+    with pytest.raises(TypeError, match="add_rms_norm: residual must be torch.float32 or torch.bfloat16"):
+        cpu_kernels.ops.add_rms_norm(x, x.half(), w, 3, 16, 1e-5, 0, out)
+    index = [torch.zeros(n, dtype=torch.int64) for n in (1, 1, 2, 1)]  # tables, seq_lens, starts, token_request
+    with pytest.raises(ValueError, match="paged_attention_f32: token_request holds 1 elements"):  # 2 tokens
+        cpu_kernels.ops.paged_attention_f32(torch.zeros(2, 1, 8), torch.zeros(1, 4, 1, 8), torch.zeros(1, 4, 1, 8),
+                                            index[0], 1, *index[1:], 2, 1, 1, 8, 4, 1.0, 0, 0, torch.empty(2, 1, 8))
+
+
+def test_returned_statuses_are_handed_back_and_the_others_raise():
+    """The int8-activation kernels' -3 (not built for this CPU) is read by the caller; elsewhere -3 raises and
+    -1 is a MemoryError. A stand-in C function: any CPU, no library needed."""
+    from loraplex.kernels import cpu_ops
+
+    decl = {fn.name: fn for fn in cpu_ops.DECLARATIONS}
+    x, q, dm, out = torch.zeros(1, 32), torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 1), torch.zeros(1, 2)
+    args = (x, 1, 32, q, dm, dm, 2, out)
+    assert cpu_ops.checked(decl["q4_matmul_x8"], lambda *a: -3)(*args) == -3
+    with pytest.raises(RuntimeError, match="q4_matmul refused its arguments \\(status -3\\)"):
+        cpu_ops.checked(decl["q4_matmul"], lambda *a: -3)(*args)
+    with pytest.raises(MemoryError, match="q4_matmul_x8 could not allocate"):
+        cpu_ops.checked(decl["q4_matmul_x8"], lambda *a: -1)(*args)
+
+
+def test_ops_without_a_library_raises_clearly():
+    from loraplex.kernels import cpu_ops
+
+    with pytest.raises(RuntimeError, match="ops.q4_matmul: the C kernels are not available here"):
+        cpu_ops.Ops(lambda: None).q4_matmul
+
+
+@needs_kernel
+def test_the_declaration_covers_every_exported_function():
+    import shutil
+    import subprocess
+
+    from loraplex.kernels import cpu_ops
+
+    if shutil.which("nm") is None:
+        pytest.skip("no nm here to list the library's symbols")
+    listing = subprocess.run(["nm", "-D", "--defined-only", cpu_kernels.library()._name], capture_output=True,
+                             text=True, check=True).stdout
+    exported = {line.split()[-1] for line in listing.splitlines() if line.split()[1:2] == ["T"]}
+    assert exported == {fn.name for fn in cpu_ops.DECLARATIONS}
+
+
+@needs_kernel
+def test_the_library_was_built_with_pythons_kind_codes():
+    from loraplex.kernels import cpu_ops
+
+    codes = torch.full((len(cpu_ops.KIND_NAMES),), -1, dtype=torch.int64)
+    assert cpu_kernels.ops.kind_codes(codes) == len(cpu_ops.KIND_NAMES)
+    assert dict(zip(cpu_ops.KIND_NAMES, codes.tolist())) == {**cpu_ops.ELEMENT_KINDS, **cpu_ops.WEIGHT_KINDS}
+    assert cpu_kernels.KV_KINDS == {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}
+    assert cpu_kernels.WEIGHT_KINDS == {"q4": 4, "q4_tiles": 5, "q4_tiles_f16": 6, "q8": 8}
+
+
+def test_changing_any_one_source_file_changes_the_cache_key(monkeypatch, tmp_path):
+    import shutil
+
+    files = [*cpu_kernels.SOURCES, *cpu_kernels.HEADERS]
+    assert {p.name for p in files} == {p.name for p in cpu_kernels.CSRC.iterdir() if p.suffix in (".c", ".h")}
+    for path in files:
+        shutil.copy(path, tmp_path / path.name)
+    monkeypatch.setattr(cpu_kernels, "SOURCES", tuple(tmp_path / p.name for p in cpu_kernels.SOURCES))
+    monkeypatch.setattr(cpu_kernels, "HEADERS", tuple(tmp_path / p.name for p in cpu_kernels.HEADERS))
+    keys = {cpu_kernels._cache_key("cc", cpu_kernels.FLAGS)}
+    for path in files:
+        copy = tmp_path / path.name
+        original = copy.read_bytes()
+        copy.write_bytes(original + b"\n")
+        keys.add(cpu_kernels._cache_key("cc", cpu_kernels.FLAGS))
+        copy.write_bytes(original)
+    assert len(keys) == len(files) + 1
+    assert cpu_kernels._cache_key("cc", cpu_kernels.FLAGS) in keys  # the same sources: the same key again

@@ -116,3 +116,21 @@ def test_silu_mul(dtype, tokens):
     gate_up = (torch.randn(tokens, 2 * 1540, generator=g) * 4).to(dtype)  # 1540: a tail past the vector width
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(cpu_kernels.silu_mul_c(gate_up), F.silu(gate) * up, **TOL[dtype])
+
+
+@needs_kernel
+def test_layer_kernels_refuse_misuse_instead_of_reading_wrong_memory():
+    """The checked bindings (cpu_ops.py) name the function and the argument."""
+    x, w = torch.randn(8, 16), torch.randn(16)
+    with pytest.raises(ValueError, match="add_rms_norm: x must be contiguous"):
+        cpu_kernels.add_rms_norm_c(torch.randn(16, 8).T, w, 1e-5)
+    with pytest.raises(ValueError, match="silu_mul: out holds 4 elements, the sizes passed need T \\* I = 64"):
+        cpu_kernels.ops.silu_mul(x, 8, 8, cpu_kernels.KV_KINDS[torch.float32], torch.empty(4))
+    qkv, cos = torch.randn(2, 3 * 8), torch.randn(2, 8)
+    caches = torch.zeros(4, 2, 1, 8), torch.zeros(4, 2, 1, 8)
+    with pytest.raises(TypeError, match="rope_write_kv: slots must be torch.int64, not torch.int32"):
+        cpu_kernels.ops.rope_write_kv(qkv, cos, cos, 2, 1, 1, 8, torch.tensor([0, 1], dtype=torch.int32), *caches,
+                                      0, 0, torch.empty(2, 1, 8))
+    with pytest.raises(TypeError, match="rope_write_kv"):  # an argument too many
+        cpu_kernels.ops.rope_write_kv(qkv, cos, cos, 2, 1, 1, 8, torch.tensor([0, 1]), *caches, 0, 0,
+                                      torch.empty(2, 1, 8), 0)

@@ -3,48 +3,52 @@ bit for bit (against the gguf package's own dequantizer), quantizing at load wit
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
-from conftest import without_bf16_kernels
-from loraplex.kernels import cpu_kernels, quant
-from loraplex.kernels.dispatch import forced_backend
+from loraplex.kernels import autotune, cpu_kernels, quant
+from loraplex.kernels.dispatch import CpuCaps
 from loraplex.kernels.quant import (concat, dequantize, from_gguf, quantize, quantized_matmul, reference_matmul,
                                     rows)
 
 FORMATS = [("q4", None), ("q8", None), ("q8", 32)]
 
 
-KERNEL_ONLY = {torch.float32: 1 << 30, torch.bfloat16: 1 << 30}  # no call takes the dense GEMM
+CAPS = CpuCaps.detect()
+TUNE = dataclasses.replace(autotune.DEFAULT, dense_tokens_f32=1 << 30, dense_tokens_bf16=1 << 30)  # no dense GEMM
+
+
+def tune(**fields) -> autotune.TuneTable:
+    return dataclasses.replace(autotune.DEFAULT, **fields)
 
 
 @pytest.mark.parametrize("kind,group", FORMATS)
 @pytest.mark.parametrize("m", [1, 3, 16, 64])
-def test_kernel_matches_dequantize_then_matmul(kind, group, m, monkeypatch):
-    monkeypatch.setattr(quant, "DENSE_TOKENS", KERNEL_ONLY)
+def test_kernel_matches_dequantize_then_matmul(kind, group, m):
     if cpu_kernels.library() is None:
         pytest.fail("the C kernels did not build (a C compiler is part of the set-up)")
     gen = torch.Generator().manual_seed(m)
     weight = torch.randn(37, 192, generator=gen) * 0.05  # 37 rows: not a multiple of the kernel's 4
     w = quantize(weight, kind, group)
     x = torch.randn(m, 192, generator=gen)
-    got = quantized_matmul(x, w, int8_activations=False)
+    got = quant.float_matmul(x, w)
     torch.testing.assert_close(got, reference_matmul(x, w), atol=2e-5, rtol=1e-5)
     x3 = torch.randn(2, 5, 192, generator=gen)  # any leading shape
-    assert quantized_matmul(x3, w).shape == (2, 5, 37)
+    assert quantized_matmul(x3, w, TUNE).shape == (2, 5, 37)
 
 
 @pytest.mark.parametrize("kind,group,k", [("q4", None, 1600), ("q8", 40, 1000)])
 @pytest.mark.parametrize("m", [7, 64])
-def test_float_kernel_over_long_rows(kind, group, k, m, monkeypatch):
+def test_float_kernel_over_long_rows(kind, group, k, m):
     """Rows longer than one L1 part of K (1600: three parts; 1000: two, the last ending in a partial
     vector, groups of 40), token blocks of 6 and a tail."""
-    monkeypatch.setattr(quant, "DENSE_TOKENS", KERNEL_ONLY)
     gen = torch.Generator().manual_seed(k + m)
     w = quantize(torch.randn(37, k, generator=gen) * 0.05, kind, group)
     x = torch.randn(m, k, generator=gen)
-    torch.testing.assert_close(quantized_matmul(x, w, int8_activations=False), reference_matmul(x, w),
+    torch.testing.assert_close(quant.float_matmul(x, w), reference_matmul(x, w),
                                atol=5e-5, rtol=1e-5)
 
 
@@ -61,7 +65,7 @@ def test_int8_activation_kernel_matches_its_reference(kind, group, m, k):
     w = quantize(weight, kind, group)
     x = torch.randn(m, k, generator=gen) * torch.rand(m, k // 32, 1, generator=gen).repeat(1, 1, 32).reshape(m, k)
     x[0, :32] = 0  # an all-zero group: scale 0, no division by it
-    got = quantized_matmul(x, w, int8_activations=True)
+    got = quant.int8_matmul(x, w) if x8 else quant.float_matmul(x, w)
     torch.testing.assert_close(got, reference_matmul(x, w, int8_activations=x8), atol=2e-5, rtol=1e-5)
     # what rounding x to 8 bits costs: within a few of its steps per output, not a different answer
     float_out = reference_matmul(x, w)
@@ -72,43 +76,42 @@ def test_int8_activation_kernel_matches_its_reference(kind, group, m, k):
 @pytest.mark.parametrize("kind,group", FORMATS)
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, {"atol": 1e-4, "rtol": 1e-5}),
                                              (torch.bfloat16, {"atol": 1e-3, "rtol": 2 ** -7})])
-def test_dense_path_is_a_gemm_on_the_dequantized_weight(kind, group, dtype, tolerance, monkeypatch):
+def test_dense_path_is_a_gemm_on_the_dequantized_weight(kind, group, dtype, tolerance):
     """Prefill-sized calls: the weight dequantized in C, then oneDNN; in bfloat16 (emulated where
     the CPU lacks it) within one bf16 rounding of the same product rounded in the reference."""
-    monkeypatch.setattr(quant, "DENSE_DTYPE", dtype)
-    monkeypatch.setattr(quant, "DENSE_TOKENS", {dtype: 8})
-    without_bf16_kernels(monkeypatch)
+    nowhere = (1 << 30, 1 << 30)
+    table = tune(dense_dtype=str(dtype).removeprefix("torch."), dense_tokens_f32=8, dense_tokens_bf16=8,
+                 amx_tokens=nowhere, amx_tile_order_tokens=nowhere, dpbf16_tokens=nowhere)
     gen = torch.Generator().manual_seed(7)
     w = quantize(torch.randn(37, 576, generator=gen) * 0.05, kind, group)
     torch.testing.assert_close(quant.dequantized(w), dequantize(w), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(quant.dequantized(w, torch.bfloat16), dequantize(w).bfloat16(), atol=1e-6, rtol=2 ** -8)
     x = torch.randn(2, 5, 576, generator=gen)  # 10 tokens: dense
-    got = quantized_matmul(x, w)
+    got = quantized_matmul(x, w, table)
     assert got.shape == (2, 5, 37) and got.dtype == torch.float32
     torch.testing.assert_close(got, reference_matmul(x, w, dense_dtype=dtype), **tolerance)
     if dtype == torch.float32:
         torch.testing.assert_close(got, reference_matmul(x, w), atol=1e-4, rtol=1e-5)
 
 
-def test_decode_sized_calls_take_int8_activations_and_larger_ones_float(monkeypatch):
-    without_bf16_kernels(monkeypatch)  # without the bf16 kernels (their dispatch: below)
+def test_decode_sized_calls_take_int8_activations_and_larger_ones_float():
+    nowhere = (1 << 30, 1 << 30)
+    table = tune(amx_tokens=nowhere, amx_tile_order_tokens=nowhere, dpbf16_tokens=nowhere)
     gen = torch.Generator().manual_seed(5)
     w = quantize(torch.randn(16, 256, generator=gen), "q4")
-    n = quant.INT8_ACTIVATION_TOKENS  # decode at batch 1-4: measured faster than the float kernel
+    n = table.int8_activation_tokens  # decode at batch 1-4: measured faster than the float kernel
     at, above = torch.randn(n, 256, generator=gen), torch.randn(n + 1, 256, generator=gen)
     x8 = cpu_kernels.int8_dot_supported()
-    torch.testing.assert_close(quantized_matmul(at, w), reference_matmul(at, w, int8_activations=x8),
+    torch.testing.assert_close(quantized_matmul(at, w, table), reference_matmul(at, w, int8_activations=x8),
                                atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(quantized_matmul(above, w), reference_matmul(above, w), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(quantized_matmul(above, w, table), reference_matmul(above, w), atol=2e-5, rtol=1e-5)
     many = torch.randn(40, 256, generator=gen)  # raised, the int8 bound wins over the dense GEMM's
-    monkeypatch.setattr(quant, "INT8_ACTIVATION_TOKENS", 64)
-    monkeypatch.setattr(quant, "DENSE_TOKENS", {torch.float32: 8, torch.bfloat16: 8})
-    torch.testing.assert_close(quantized_matmul(many, w), reference_matmul(many, w, int8_activations=x8),
+    raised = dataclasses.replace(table, int8_activation_tokens=64, dense_tokens_f32=8, dense_tokens_bf16=8)
+    torch.testing.assert_close(quantized_matmul(many, w, raised), reference_matmul(many, w, int8_activations=x8),
                                atol=2e-5, rtol=1e-5)
-    monkeypatch.setattr(quant, "INT8_ACTIVATION_TOKENS", 4)
     odd = quantize(torch.randn(16, 240, generator=gen), "q8", 48)  # groups of 48: not whole 32s
     x = torch.randn(1, 240, generator=gen)
-    torch.testing.assert_close(quantized_matmul(x, odd), reference_matmul(x, odd), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(quantized_matmul(x, odd, table), reference_matmul(x, odd), atol=2e-5, rtol=1e-5)
 
 
 BF16_TOLERANCE = {"atol": 1e-3, "rtol": 2 ** -7}  # one bf16 rounding of the output, sums in another order
@@ -140,56 +143,53 @@ def test_bf16_kernels_are_the_bf16_gemm_on_the_dequantized_weight(kernel, kind, 
         torch.testing.assert_close(got.float(), want, **BF16_TOLERANCE)
 
 
-@pytest.mark.parametrize("amx", [True, False])
-def test_bf16_kernels_take_the_calls_they_are_faster_for(amx, monkeypatch):
-    """Decision logic on any CPU (the kernels faked): with AMX, AMX_TOKENS calls go to the tiles; without
-    it, DPBF16_TOKENS calls to the dot products; others (and calls that ask for an activation format, or
-    groups that are not whole 32s) to the paths above."""
-    taken = {"amx": [], "dpbf16": []}
-    monkeypatch.setattr(cpu_kernels, "amx_supported", lambda: amx)
-    monkeypatch.setattr(cpu_kernels, "dpbf16_supported", lambda: True)
-    monkeypatch.setattr(quant, "dpbf16_wins", lambda: True)
-    for name in taken:
-        monkeypatch.setattr(quant, f"{name}_matmul",
-                            lambda x, w, name=name: taken[name].append(x.shape[0]) or reference_matmul(x, w))
+FAKE_AMX = CpuCaps(library=True, native_bf16=True, amx=True, dpbf16=True, int8_dot=True)
+FAKE_DPBF16 = dataclasses.replace(FAKE_AMX, amx=False)
+
+
+@pytest.mark.parametrize("caps,wins,want", [
+    (FAKE_AMX, True, "int8 1-2, amx 3-191, dense 192-"),
+    (FAKE_DPBF16, True, "int8 1-4, dpbf16 5-191, dense 192-"),
+    # where the dot products do not win, the float kernel keeps their calls, even past the dense threshold
+    (FAKE_DPBF16, False, "int8 1-4, float 5-191, dense 192-"),
+    (CpuCaps(library=True, int8_dot=True), True, "int8 1-4, float 5-95, dense 96-"),
+    (CpuCaps(library=True), True, "float 1-95, dense 96-"),
+    (CpuCaps(), True, "reference 1-")])
+def test_each_weight_gets_one_table_of_kernels_by_token_count(caps, wins, want):
+    """Decision logic on any CPU (capabilities faked): the plan is built once per weight from the table."""
+    w = quantize(torch.randn(16, 256, generator=torch.Generator().manual_seed(9)), "q4")
+    assert quant.plan(w, tune(dpbf16_wins=wins), caps).describe() == want
+    odd = quantize(torch.randn(16, 240), "q8", 48)  # groups of 48: not whole 32s, so no bf16 or int8 kernel
+    assert quant.plan(odd, tune(dpbf16_wins=wins), caps).names[0] in ("float", "reference")
+
+
+def test_a_call_runs_the_kernel_its_token_count_names(monkeypatch):
+    taken = []
+    for name in ("amx", "int8", "dense"):
+        monkeypatch.setattr(quant, f"{name}_matmul", lambda x, w, *a, name=name: taken.append((name, x.shape[0]))
+                            or reference_matmul(x, w))
     gen = torch.Generator().manual_seed(9)
     w = quantize(torch.randn(16, 256, generator=gen), "q4")
-    low, high = quant.AMX_TOKENS if amx else quant.DPBF16_TOKENS
-    for tokens in (low - 1, low, high - 1, high):
-        quantized_matmul(torch.randn(tokens, 256, generator=gen), w)
-    assert taken == {"amx": [low, high - 1] if amx else [], "dpbf16": [] if amx else [low, high - 1]}
-    quantized_matmul(torch.randn(low, 256, generator=gen), w, int8_activations=False)
-    quantized_matmul(torch.randn(low, 240, generator=gen), quantize(torch.randn(16, 240, generator=gen), "q8", 48))
-    assert sum(map(len, taken.values())) == 2
+    plan = quant.plan(w, tune(), FAKE_AMX)
+    for tokens in (2, 3, 191, 192):
+        plan(torch.randn(tokens, 256, generator=gen))
+    assert taken == [("int8", 2), ("amx", 3), ("amx", 191), ("dense", 192)]
 
 
-@pytest.mark.parametrize("amx,backend", [(True, "auto"), (False, "auto"), (True, "torch")])
-def test_q4_is_kept_in_tile_order_where_the_amx_kernel_reads_it(amx, backend, monkeypatch):
-    """Decision logic (AMX faked): the engine's layout is the tile order on AMX with the default kernels,
-    by rows elsewhere; q8 stays by rows. A weight in tile order takes the tile kernel from 1 token up to
-    AMX_TILE_ORDER_TOKENS, the dense GEMM from there; an activation format asked for by name, by rows."""
-    monkeypatch.setattr(cpu_kernels, "amx_supported", lambda: amx)
+@pytest.mark.parametrize("amx", [True, False])
+def test_q4_is_kept_in_tile_order_where_the_amx_kernel_reads_it(amx):
+    """The engine's layout is the tile order where our AMX kernel runs, by rows elsewhere; q8 stays by rows. A
+    weight in tile order takes the tile kernel from 1 token up to the table's bound, the dense GEMM from there;
+    narrowed, the calls outside go to the kernels by rows."""
     gen = torch.Generator().manual_seed(4)
     w = quantize(torch.randn(20, 64, generator=gen), "q4")
-    with forced_backend(backend):
-        kept = quant.for_this_cpu(w)
-        assert not quant.for_this_cpu(quantize(torch.randn(20, 64, generator=gen), "q8")).tiles
-    assert kept.tiles == (amx and backend == "auto")
-    if not kept.tiles:
+    kept = quant.for_this_cpu(w, amx)
+    assert kept.tiles == amx and not quant.for_this_cpu(quantize(torch.randn(20, 64, generator=gen), "q8"), amx).tiles
+    if not amx:
         return
-    taken, dense = [], []
-    rounded = quant.dense_dtype()  # the fake tile kernel rounds as the GEMM: one reference for both
-    monkeypatch.setattr(quant, "amx_matmul", lambda x, w: taken.append((x.shape[0], w.tiles))
-                        or reference_matmul(x, w, dense_dtype=rounded))
-    monkeypatch.setattr(quant, "dequantized", lambda w, dtype: dense.append(w.tiles) or dequantize(w).to(dtype))
-    high = quant.AMX_TILE_ORDER_TOKENS[1]
-    for tokens in (1, 2, high - 1, high):
-        x = torch.randn(tokens, 64, generator=gen)
-        torch.testing.assert_close(quantized_matmul(x, kept), reference_matmul(x, w, dense_dtype=rounded),
-                                   **BF16_TOLERANCE)
-    assert taken == [(1, True), (2, True), (high - 1, True)] and dense == [True]
-    quantized_matmul(torch.randn(3, 64, generator=gen), kept, int8_activations=False)
-    assert len(taken) == 3 and len(dense) == 1  # the float kernel, on the rows
+    assert quant.plan(kept, tune(), FAKE_AMX).describe() == "amx 1-319, dense 320-"
+    narrowed = quant.plan(kept, tune(amx_tile_order_tokens=(3, 320)), FAKE_AMX)
+    assert narrowed.describe() == "int8 1-2, amx 3-319, dense 320-"
 
 
 def q4_weight(rows_: int, k: int, scales: torch.dtype, gen: torch.Generator):
@@ -237,88 +237,35 @@ def test_tile_order_gives_the_numbers_of_the_kernels_by_rows(tokens, dtype, scal
     tiles = quant.pack_tiles(w)
     assert tiles.d.dtype == scales
     x = torch.randn(tokens, 576, generator=gen).to(dtype)
-    got = quantized_matmul(x, tiles)
+    table = autotune.resolve(CAPS.native_bf16, CAPS.dpbf16, CAPS.amx)
+    got = quantized_matmul(x, tiles, table)
     assert got.dtype == dtype
-    if tokens < quant.AMX_TILE_ORDER_TOKENS[1]:
+    if tokens < table.amx_tile_order_tokens[1]:
         assert torch.equal(got, quant.amx_matmul(x, w))
     else:
-        dense = quant.dense_dtype()
+        dense = table.torch_dense_dtype
         assert torch.equal(got, torch.nn.functional.linear(x.to(dense), quant.dequantized(w, dense)).to(dtype))
     torch.testing.assert_close(got.float(), reference_matmul(x, w, dense_dtype=torch.bfloat16), **BF16_TOLERANCE)
-    for int8 in (False, True):
-        assert torch.equal(quantized_matmul(x, tiles, int8_activations=int8),
-                           quantized_matmul(x, w, int8_activations=int8))
-
-
-@pytest.mark.parametrize("dpbf16_wins", [True, False])
-def test_without_amx_mid_size_calls_stay_off_the_dense_gemm(dpbf16_wins, monkeypatch):
-    """DPBF16_TOKENS calls take the dot-product kernel or, where it does not win, the float one (from x
-    in L1, no dequantized copy through memory), even past DENSE_TOKENS; from its upper end, the GEMM."""
-    dense, dots = [], []
-    monkeypatch.setattr(cpu_kernels, "amx_supported", lambda: False)
-    monkeypatch.setattr(cpu_kernels, "dpbf16_supported", lambda: True)
-    monkeypatch.setattr(quant, "dpbf16_wins", lambda: dpbf16_wins)
-    monkeypatch.setattr(quant, "dpbf16_matmul", lambda x, w: dots.append(x.shape[0]) or reference_matmul(x, w))
-    monkeypatch.setattr(quant, "dequantized", lambda w, dtype: dense.append(dtype) or dequantize(w).to(dtype))
-    monkeypatch.setattr(quant, "DENSE_DTYPE", torch.float32)
-    monkeypatch.setattr(quant, "DENSE_TOKENS", {torch.float32: 8})
-    gen = torch.Generator().manual_seed(3)
-    w = quantize(torch.randn(16, 256, generator=gen), "q4")
-    low, high = quant.DPBF16_TOKENS
-    for tokens in (low, high - 1):
-        x = torch.randn(tokens, 256, generator=gen)
-        torch.testing.assert_close(quantized_matmul(x, w), reference_matmul(x, w), atol=2e-5, rtol=1e-5)
-    assert dense == [] and dots == ([low, high - 1] if dpbf16_wins else [])
-    quantized_matmul(torch.randn(high, 256, generator=gen), w)
-    assert dense == [torch.float32]
-
-
-@pytest.mark.parametrize("native,bf16_ms,want", [(True, 1.0, torch.bfloat16), (True, 3.0, torch.float32),
-                                                 (False, 1.0, torch.float32)])
-def test_dense_dtype_is_the_faster_gemm_where_bf16_is_native(native, bf16_ms, want, monkeypatch):
-    """Decision logic with a fake timing: native bf16 is not enough (without AMX its GEMM measured
-    slower than float32's); emulated bf16 is never measured."""
-    measured = []
-    monkeypatch.setattr(cpu_kernels, "native_bf16", lambda: native)
-
-    def seconds(dtypes):
-        measured.append(dtypes)
-        return {torch.float32: 2e-3, torch.bfloat16: bf16_ms * 1e-3}
-
-    assert quant.measured_dense_dtype.__wrapped__(seconds) == want
-    assert measured == ([(torch.float32, torch.bfloat16)] if native else [])
-
-
-def test_probes_time_each_candidate_and_leave_the_global_rng_alone():
-    torch.manual_seed(1)
-    want = torch.rand(4)
-    torch.manual_seed(1)
-    times = quant.gemm_seconds((torch.float32, torch.bfloat16), tokens=8, size=64, rounds=1)
-    assert set(times) == {torch.float32, torch.bfloat16} and all(0 < t < 1 for t in times.values())
-    if cpu_kernels.dpbf16_supported():
-        kernels = quant.kernel_seconds(tokens=8, size=64, rounds=1)
-        assert set(kernels) == {"bf16 dot-product", "float"} and all(0 < t < 1 for t in kernels.values())
-    assert torch.equal(torch.rand(4), want)
+    for kernel in (quant.float_matmul, quant.int8_matmul):  # a narrowed table's calls by rows
+        assert torch.equal(kernel(x, quant.unpack_tiles(tiles)), kernel(x, w))
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 40])
-def test_bf16_activations_come_back_in_bf16(tokens, monkeypatch):
+def test_bf16_activations_come_back_in_bf16(tokens):
     """A bf16 model's activations: each path (int8 at 1 token, the float kernel or a bf16 one at 8, the
     dense GEMM at 40) returns bf16, within a bf16 rounding of the float32 answer."""
-    monkeypatch.setattr(quant, "DENSE_TOKENS", {torch.float32: 32, torch.bfloat16: 32})
+    table = dataclasses.replace(autotune.resolve(CAPS.native_bf16, CAPS.dpbf16, CAPS.amx), dense_tokens_f32=32,
+                                dense_tokens_bf16=32)
     gen = torch.Generator().manual_seed(tokens)
     w = quantize(torch.randn(48, 256, generator=gen) * 0.05, "q4")
     x = torch.randn(tokens, 256, generator=gen).bfloat16()
-    got = quantized_matmul(x, w)
+    got = quantized_matmul(x, w, table)
     assert got.dtype == torch.bfloat16
-    low, high = quant.AMX_TOKENS if cpu_kernels.amx_supported() else quant.DPBF16_TOKENS
-    bf16_kernel = (cpu_kernels.amx_supported() or cpu_kernels.dpbf16_supported() and quant.dpbf16_wins()) \
-        and low <= tokens < high
-    if bf16_kernel or (tokens >= 32 and quant.dense_dtype() == torch.bfloat16):  # weights rounded to bf16 too
+    kernel = quant.route(w, tokens, table, CAPS)
+    if kernel in ("amx", "dpbf16") or kernel == "dense" and table.dense_dtype == "bfloat16":  # w rounded too
         want = reference_matmul(x, w, dense_dtype=torch.bfloat16)
     else:
-        int8 = tokens <= quant.INT8_ACTIVATION_TOKENS and cpu_kernels.int8_dot_supported()
-        want = reference_matmul(x.float(), w, int8_activations=int8)
+        want = reference_matmul(x.float(), w, int8_activations=kernel == "int8")
     torch.testing.assert_close(got.float(), want, **BF16_TOLERANCE)
 
 
@@ -343,7 +290,7 @@ def test_gguf_blocks_are_read_bit_for_bit(type_name):
     expected = torch.from_numpy(quants.dequantize(raw, kind))
     torch.testing.assert_close(dequantize(w), expected, atol=1e-6, rtol=1e-6)
     x = torch.randn(5, 128)
-    torch.testing.assert_close(quantized_matmul(x, w, int8_activations=False), x @ expected.T, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(quant.float_matmul(x, w), x @ expected.T, atol=2e-5, rtol=1e-5)
 
 
 def test_rows_and_concat_keep_each_row_with_its_scales():

@@ -1,14 +1,22 @@
-"""`PackedLinear` on plain float32 weights: decode-sized calls go to our C kernel, the rest (and anything it
-cannot take) to `F.linear`, with the same numbers."""
+"""A linear layer's weight format is a method object chosen once from the model's `KernelConfig`
+(`kernels/linear_methods.py`); plain float32 rows send decode-sized calls to our C kernel and larger ones
+to `F.linear`, with the same numbers."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from loraplex.kernels import cpu_kernels
-from loraplex.platform.models import linear as linear_module
-from loraplex.platform.models.linear import F32_KERNEL_TOKENS, PackedLinear
+from loraplex.kernels import linear_methods as lm
+from loraplex.kernels.autotune import TuneTable
+from loraplex.kernels.dispatch import CpuCaps, KernelConfig
+from loraplex.platform.models.linear import Linear
+
+CPU = KernelConfig(backend="cpu", caps=CpuCaps(library=True))
+LIMIT = TuneTable().f32_kernel_tokens
 
 
 @pytest.fixture
@@ -26,41 +34,68 @@ def calls(monkeypatch) -> list[tuple[int, ...]]:
     return seen
 
 
-def layer(in_features: int = 64, bias: bool = True) -> PackedLinear:
+def layer(config: KernelConfig = CPU, in_features: int = 64, bias: bool = True) -> Linear:
     torch.manual_seed(0)
-    return PackedLinear(in_features, 48, bias=bias).requires_grad_(False)
+    linear = Linear(in_features, 48, bias, config)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(48, in_features))
+        if bias:
+            linear.bias.copy_(torch.randn(48))
+    reference = (linear.weight.clone(), None if linear.bias is None else linear.bias.clone())
+    linear.process_weights_after_loading()
+    linear.reference = reference
+    return linear
 
 
-@pytest.mark.parametrize("shape", [(1, 64), (F32_KERNEL_TOKENS, 64), (4, 3, 64)])
+@pytest.mark.parametrize("config,in_features,expected", [
+    (CPU, 64, lm.PlainF32Linear),
+    (CPU, 60, lm.TorchLinear),  # K not a multiple of 8: the kernel cannot take it
+    (dataclasses.replace(CPU, backend="native"), 64, lm.TorchLinear),  # LORAPLEX_KERNELS=torch
+    (dataclasses.replace(CPU, pack_weights=True), 64, lm.OneDNNLinear),
+    (dataclasses.replace(CPU, dtype=torch.bfloat16, pack_weights=True), 64, lm.TorchLinear),  # bf16 emulated
+    (dataclasses.replace(CPU, dtype=torch.bfloat16, pack_weights=True, caps=CpuCaps(True, True)), 64,
+     lm.OneDNNLinear),
+    (dataclasses.replace(CPU, dtype=torch.bfloat16, pack_weights=True, caps=CpuCaps(True, True, amx=True)), 64,
+     lm.AMXLinear),
+    (dataclasses.replace(CPU, dtype=torch.bfloat16, pack_weights=True, caps=CpuCaps(True, True, amx=True)), 48,
+     lm.OneDNNLinear),  # the tiles take K in 32s
+    (dataclasses.replace(CPU, device_type="cuda", pack_weights=True), 64, lm.TorchLinear)])
+def test_each_layer_gets_its_format_once_from_the_config(config, in_features, expected):
+    assert type(lm.linear_method(config, in_features)) is expected
+    assert type(lm.linear_method(config, in_features, ("q4", 32))) is lm.QuantizedLinear
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (LIMIT, 64), (4, 3, 64)])
 def test_decode_sized_calls_take_the_kernel(calls, shape):
     linear, x = layer(), torch.randn(*shape)
-    torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, linear.weight, linear.bias),
-                               atol=1e-5, rtol=1e-5)
+    weight, bias = linear.reference
+    torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
     assert calls == [shape]
 
 
-def test_larger_calls_and_what_the_kernel_cannot_take_go_to_f_linear(calls, monkeypatch):
-    layer()(torch.randn(F32_KERNEL_TOKENS + 1, 64))
-    layer(in_features=60)(torch.randn(2, 60))  # K not a multiple of 8
-    layer()(torch.randn(2, 128)[:, ::2])  # x not contiguous
-    x = torch.randn(2, 64, requires_grad=True)  # what autograd must see goes to F.linear
-    layer()(x).sum().backward()
-    assert x.grad is not None
-    trained = PackedLinear(64, 48)
-    trained(torch.randn(2, 64)).sum().backward()
-    assert trained.weight.grad is not None
-    layer().to(torch.bfloat16)(torch.randn(2, 64, dtype=torch.bfloat16))
-    monkeypatch.setattr(linear_module, "backend", lambda: "torch")  # LORAPLEX_KERNELS=torch
-    layer()(torch.randn(2, 64))
-    assert calls == []
-
-
-def test_a_packed_weight_never_takes_the_kernel(calls):
-    from loraplex.platform.models.linear import can_pack
-
-    if not can_pack(torch.float32):
-        pytest.skip("no oneDNN in this torch build")
+def test_larger_calls_and_other_formats_go_to_torch(calls):
     linear = layer()
-    linear.pack()
-    linear(torch.randn(2, 64))
+    x = torch.randn(LIMIT + 1, 64)
+    torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, *linear.reference))
+    layer(in_features=60)(torch.randn(2, 60))
+    layer(dataclasses.replace(CPU, backend="native"))(torch.randn(2, 64))
     assert calls == []
+
+
+def test_a_packed_weight_never_takes_the_kernel_and_keeps_no_plain_copy(calls):
+    if not lm.can_pack(torch.float32, False):
+        pytest.skip("no oneDNN in this torch build")
+    linear = layer(dataclasses.replace(CPU, pack_weights=True))
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, *linear.reference), atol=1e-5, rtol=1e-5)
+    assert calls == [] and linear.weight is None and linear.packed is not None
+    assert torch.equal(linear.dense_weight(), linear.reference[0])
+
+
+def test_a_shared_weight_is_kept_when_packed():
+    if not lm.can_pack(torch.float32, False):
+        pytest.skip("no oneDNN in this torch build")
+    linear = Linear(64, 48, False, dataclasses.replace(CPU, pack_weights=True))
+    linear.shared_weight = True
+    linear.process_weights_after_loading()
+    assert linear.weight is not None and linear.packed is not None

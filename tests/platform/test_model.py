@@ -105,9 +105,10 @@ def test_missing_weight_is_a_clear_error(tmp_path, tiny_model_dir):
 def test_packed_weights_give_the_same_logits_without_a_plain_copy(tmp_path, tied, monkeypatch):
     """Packed for oneDNN or plain rows (chunks of 7 tokens: our float32 kernel, where C kernels build)."""
     from loraplex.kernels import cpu_kernels
-    from loraplex.platform.models.linear import PackedLinear, can_pack
+    from loraplex.kernels.linear_methods import can_pack
+    from loraplex.platform.models.linear import Linear
 
-    if not can_pack(torch.float32):
+    if not can_pack(torch.float32, False):
         pytest.skip("no oneDNN in this torch build")
     kernel_calls = []
     kernel = cpu_kernels.f32_matmul_c
@@ -122,7 +123,7 @@ def test_packed_weights_give_the_same_logits_without_a_plain_copy(tmp_path, tied
             assert bool(kernel_calls) == (cpu_kernels.library() is not None)
     torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
     model = engine.model
-    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed is not None for m in linears)
     assert all(m.weight is None for m in linears if m is not model.lm_head)  # no second copy kept
     assert (model.lm_head.weight is model.embed_tokens.weight) if tied else model.lm_head.weight is None
@@ -138,7 +139,7 @@ def test_bf16_weights_on_amx_are_packed_for_the_tile_kernel(tmp_path, arch, over
     hidden size is no multiple of 32 (those layers stay on oneDNN, down_proj's 96 inputs go to the tiles);
     `dense_weight` gives the weight back exactly."""
     from loraplex.kernels import cpu_kernels
-    from loraplex.platform.models.linear import PackedLinear
+    from loraplex.platform.models.linear import Linear
 
     if not cpu_kernels.amx_supported():
         pytest.skip("this CPU has no AMX-BF16")
@@ -150,7 +151,7 @@ def test_bf16_weights_on_amx_are_packed_for_the_tile_kernel(tmp_path, arch, over
         logits[pack] = prompt_logits(engines[pack], ids, 7)
     torch.testing.assert_close(logits[True], logits[False], atol=0.05, rtol=0.02)
     plain, model = engines[False].model, engines[True].model
-    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
     on_tiles = [m.in_features % 32 == 0 for m in linears]
     assert any(on_tiles) and all((m.amx_packed is not None) == tiles and (m.packed is None) == tiles
                                  for m, tiles in zip(linears, on_tiles))
@@ -168,7 +169,7 @@ def test_fused_layer_kernels_run_and_match_the_pytorch_ops(tiny_model_dir, dtype
     calls; the logits equal those of the PyTorch ops they replace (float32: to rounding order;
     bfloat16: they round where those ops round)."""
     from loraplex.kernels import cpu_kernels
-    import loraplex.platform.models.llama as llama
+    from loraplex.kernels.dispatch import forced_backend
 
     if cpu_kernels.library() is None:
         pytest.skip("no C compiler here")
@@ -182,7 +183,9 @@ def test_fused_layer_kernels_run_and_match_the_pytorch_ops(tiny_model_dir, dtype
     layers = engine.model.config.num_layers
     assert calls.count("rope_write_kv_c") == calls.count("silu_mul_c") == 3 * layers  # 3 chunks of 16 / 16 / 5
     assert calls.count("add_rms_norm_c") == 3 * (2 * layers + 1)
-    monkeypatch.setattr(llama, "use_cpu_kernel", lambda x: False)
-    plain = prompt_logits(engine, ids, 16).float()
+    with forced_backend("torch"):  # the PyTorch ops, chosen when the engine is built
+        plain_engine = Engine(EngineConfig(model=str(tiny_model_dir), dtype=dtype, num_kv_blocks=16))
+    plain = prompt_logits(plain_engine, ids, 16).float()
+    assert len(calls) == 3 * (4 * layers + 1)  # the torch engine made none
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == "float32" else dict(atol=5e-2, rtol=0)
     torch.testing.assert_close(fused, plain, **tol)

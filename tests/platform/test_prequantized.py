@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from conftest import make_tiny_model, without_bf16_kernels
+from conftest import make_tiny_model, tuned, without_bf16_kernels
 from loraplex.kernels import quant
 from loraplex.kernels.quant import dequantize
 from loraplex.platform import LLM, SamplingParams
@@ -143,7 +143,7 @@ def test_adapters_on_a_gptq_base_match_peft_on_its_weights(tmp_path, monkeypatch
     from conftest import make_peft_adapter, peft_greedy
 
     without_bf16_kernels(monkeypatch)
-    monkeypatch.setattr(quant, "DENSE_DTYPE", torch.float32)
+    tuned(monkeypatch, dense_dtype="float32")
     src = make_tiny_model(tmp_path / "m", "llama", seed=5)
     expected = write_checkpoint(src, tmp_path / "q", "gptq", 32, False)
     adapter = make_peft_adapter(src, tmp_path / "a", rank=8, seed=2)

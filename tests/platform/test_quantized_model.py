@@ -10,14 +10,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import make_peft_adapter, make_tiny_model, peft_greedy, without_bf16_kernels
+from conftest import make_peft_adapter, make_tiny_model, peft_greedy, tuned, without_bf16_kernels
 from loraplex.kernels import cpu_kernels, quant
 from loraplex.kernels.quant import dequantize
 from loraplex.platform import LLM
 from loraplex.platform.config import EngineConfig, quantized_activation_dtype
 from loraplex.platform.engine import Engine
-from loraplex.platform.models import linear
-from loraplex.platform.models.linear import PackedLinear
+from loraplex.platform.models.linear import Linear
 from loraplex.platform.request import SamplingParams
 from test_model import prompt_logits
 
@@ -58,12 +57,11 @@ def dequantized_folder(engine: Engine, src, dst):
 def test_quantized_logits_are_the_dequantized_models(tmp_path, method, tied, dense, monkeypatch):
     """The prompt's matmuls on the kernels, or on a float32 GEMM of the dequantized weights (the
     bf16 GEMM's rounding is tested in tests/kernels/test_quant.py)."""
-    monkeypatch.setattr(quant, "DENSE_DTYPE", torch.float32)
-    monkeypatch.setattr(quant, "DENSE_TOKENS", {torch.float32: 1 if dense else 1 << 30})
     without_bf16_kernels(monkeypatch)  # its bf16 rounding: test_quant.py and below
+    tuned(monkeypatch, dense_dtype="float32", dense_tokens_f32=1 if dense else 1 << 30)
     folder = make_tiny_model(tmp_path / "m", "llama", seed=3, tie_word_embeddings=tied)
     engine = Engine(EngineConfig(model=str(folder), num_kv_blocks=16, quantization=method, dtype="float32"))
-    linears = [m for m in engine.model.modules() if isinstance(m, PackedLinear)]
+    linears = [m for m in engine.model.modules() if isinstance(m, Linear)]
     assert all(m.quantized is not None for m in linears)
     assert all(m.weight is None for m in linears if m is not engine.model.lm_head)  # no float copy kept
     reference = Engine(EngineConfig(model=str(dequantized_folder(engine, folder, tmp_path / "ref")),
@@ -89,9 +87,9 @@ def test_adapters_on_a_quantized_base_match_peft_on_the_dequantized_model(tmp_pa
                                                                            monkeypatch):
     """auto keeps adapters in bfloat16 on a quantized base (QLoRA-style): lossless for adapters
     trained in bf16; float32 keeps any adapter's float32 weights."""
-    monkeypatch.setattr(quant, "DENSE_DTYPE", torch.float32)  # exact prefill GEMMs and float32 decode:
-    monkeypatch.setattr(quant, "INT8_ACTIVATION_TOKENS", 0)  # the adapters' math, token for token
     without_bf16_kernels(monkeypatch)
+    # exact prefill GEMMs and float32 decode: the adapters' math, token for token
+    tuned(monkeypatch, dense_dtype="float32", int8_activation_tokens=0)
     llm = LLM(str(tiny_model_dir), num_kv_blocks=64, quantization="q4", dtype="float32", max_loras=4,
               lora_dtype=lora_dtype)
     assert llm.engine.adapters.dtype == (torch.bfloat16 if lora_dtype == "auto" else torch.float32)
@@ -136,8 +134,11 @@ def test_quantization_settings_that_cannot_hold_are_refused(tiny_model_dir):
 def test_auto_under_quantization_is_bf16_where_native(tiny_model_dir, native, monkeypatch):
     from loraplex.kernels import cpu_kernels
 
+    from loraplex.kernels.autotune import TuneTable
+    from loraplex.kernels.dispatch import CpuCaps
+
     monkeypatch.setattr(cpu_kernels, "native_bf16", lambda: native)
-    dtype, why = quantized_activation_dtype()
+    dtype, why = quantized_activation_dtype(CpuCaps.detect(), TuneTable())
     assert dtype == ("bfloat16" if native else "float32") and why
     engine = Engine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=16, quantization="q4"))
     assert engine.config.dtype == dtype and engine.model.embed_tokens.weight.dtype == getattr(torch, dtype)
@@ -169,9 +170,9 @@ def test_q4_on_amx_is_served_from_tile_order(tmp_path, monkeypatch):
     config = EngineConfig(model=str(folder), num_kv_blocks=16, quantization="q4", dtype="bfloat16")
     tiles = Engine(config)
     projections = [m.quantized for m in tiles.model.modules()
-                   if isinstance(m, PackedLinear) and m is not tiles.model.lm_head]
+                   if isinstance(m, Linear) and m is not tiles.model.lm_head]
     assert projections and all(w.tiles for w in projections)
-    monkeypatch.setattr(linear, "for_this_cpu", lambda w: w)
+    monkeypatch.setattr(quant, "for_this_cpu", lambda w, amx: w)
     by_rows = Engine(config)
     assert not by_rows.model.layers[0].mlp.down_proj.quantized.tiles
     ids = torch.randint(3, 448, (40,), generator=torch.Generator().manual_seed(6)).tolist()
@@ -187,9 +188,9 @@ def test_lora_dtype_is_the_models_or_bf16_under_float32(tiny_model_dir, monkeypa
         config(dtype="bfloat16", lora_dtype="float32")
     with pytest.raises(ValueError, match="lora_dtype must be"):
         config(lora_dtype="int8")
-    from loraplex.platform import engine as engine_module
+    from loraplex.platform import resolve
 
-    monkeypatch.setattr(engine_module, "kernel_backend", lambda: "triton")  # adapters stacked per dtype there
+    monkeypatch.setattr(resolve, "resolve_backend", lambda device: "triton")  # adapters stacked per dtype there
     with pytest.raises(ValueError, match="Triton / CUDA path"):
         Engine(config(dtype="float32", lora_dtype="bfloat16"))
 
@@ -199,6 +200,7 @@ def test_gguf_blocks_that_are_not_the_folders_weights_are_refused(tmp_path, tiny
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFWriter, quants
 
+    from loraplex.kernels.dispatch import kernel_config
     from loraplex.platform.config import ModelConfig
     from loraplex.platform.models.llama import load_model
 
@@ -217,7 +219,8 @@ def test_gguf_blocks_that_are_not_the_folders_weights_are_refused(tmp_path, tiny
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(ValueError, match="do not match the model folder"):
-        load_model(tiny_model_dir, config, torch.float32, 64, quantization="q4", gguf=path)
+        load_model(tiny_model_dir, config, kernel_config(torch.device("cpu"), torch.float32, quantization="q4"), 64,
+                   gguf=path)
 
 
 @pytest.mark.e2e
@@ -226,8 +229,7 @@ def test_default_model_q4_activation_roundings_stay_close_to_the_float_model(def
     GEMMs in bfloat16 (forced here, emulated on CPUs without native bf16) and decode at batch 1
     on int8 activations. The weights are the float model's, so what differs is that rounding:
     measured max |logit diff| 0.44 on a logit range of 34 and 37 of 38 top-1 tokens the same."""
-    monkeypatch.setattr(quant, "DENSE_DTYPE", torch.bfloat16)
-    monkeypatch.setattr(quant, "DENSE_TOKENS", {torch.bfloat16: 8})
+    tuned(monkeypatch, dense_dtype="bfloat16", dense_tokens_bf16=8)
     q4 = Engine(EngineConfig(model=str(default_model_dir), num_kv_blocks=64, quantization="q4", dtype="float32"))
     fp32 = Engine(EngineConfig(model=str(default_model_dir), dtype="float32", num_kv_blocks=64))
     text = ("The history of the Roman Empire spans many centuries. It began when Augustus became the first "
@@ -280,7 +282,7 @@ def test_default_model_q4_bf16_head_tiles_stand_for_the_table_and_the_8bit_head(
     q4 = Engine(EngineConfig(model=str(default_model_dir), num_kv_blocks=32, quantization="q4", dtype="bfloat16"))
     model = q4.model
     head = model.lm_head
-    assert head.amx_packed is not None and head.quantized.kind == "q8"
+    assert head.head_tiles is not None and head.quantized.kind == "q8"
     assert model.embed_tokens.weight is None and head.weight is None
     ids = torch.tensor([1, 17, 4000, 49151])
     table = dequantize(head.quantized).to(torch.bfloat16)

@@ -1,0 +1,33 @@
+"""413 for bodies over the limit, before any work is queued (ASGI middleware)."""
+
+from __future__ import annotations
+
+from starlette.exceptions import HTTPException
+
+from loraplex.api.errors import error_response
+
+
+class BodyLimit:
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await error_response(413, self.message())(scope, receive, send)
+        received = 0
+
+        async def limited_receive():  # a body sent in chunks, or longer than it declared
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                raise HTTPException(413, self.message())
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def message(self) -> str:
+        return f"request body larger than {self.limit} bytes (max_request_body_bytes)"

@@ -1,0 +1,30 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+
+from loraplex.api import openai_format as fmt
+from loraplex.api.auth import require_user
+from loraplex.api.errors import bad_input
+from loraplex.api.generation import given, respond
+from loraplex.api.protocol import ChatCompletionRequest
+from loraplex.api.state import ServerState, state_of
+
+router = APIRouter(dependencies=[Depends(require_user)])
+
+
+@router.post("/v1/chat/completions")
+async def chat(body: ChatCompletionRequest, request: Request, state: ServerState = Depends(state_of)):
+    adapter = await state.adapters.resolve(body.model)
+    client = state.client
+    with bad_input():
+        messages, tools = body.chat_messages(), body.prompt_tools()
+    with bad_input("messages"):
+        ids = await client.tokenize_chat(messages, body.add_generation_prompt, body.chat_template_kwargs, tools)
+    max_tokens = given(body.max_completion_tokens, given(body.max_tokens, client.default_max_tokens(ids)))
+    with bad_input():
+        params = body.sampling_params(max_tokens, body.num_logprobs(), body.prompt_logprobs)
+    calls_tools = params.structured is not None and params.structured.kind == "tools"
+    view = fmt.ChatView(body.model, body.n, body.top_logprobs or 0, calls_tools)
+    return await respond(state, request, body, [ids], [params], adapter, view)

@@ -1,0 +1,50 @@
+"""Service endpoints: GET /health, /version, /metrics, and the model list /v1/models (the base
+model, then each adapter with the base as its parent)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import Response
+
+import loraplex
+from loraplex.api import openai_format as fmt
+from loraplex.api.auth import require_user
+from loraplex.api.errors import APIError, error_response
+from loraplex.api.state import ServerState, state_of
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(state: ServerState = Depends(state_of)):
+    problem = state.client.health().problem
+    return Response(status_code=200) if problem is None else error_response(503, problem)
+
+
+@router.get("/version")
+async def version():
+    return {"version": loraplex.__version__}
+
+
+@router.get("/metrics")
+async def metrics(state: ServerState = Depends(state_of)):
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def _cards(state: ServerState) -> list[dict]:
+    config = state.config
+    return fmt.model_list(config.served_model_name, config.model_path, state.client.max_model_len, state.created,
+                          await state.adapters.infos())["data"]
+
+
+@router.get("/v1/models", dependencies=[Depends(require_user)])
+async def models(state: ServerState = Depends(state_of)):
+    return {"object": "list", "data": await _cards(state)}
+
+
+@router.get("/v1/models/{model_id:path}", dependencies=[Depends(require_user)])
+async def model(model_id: str, state: ServerState = Depends(state_of)):
+    for card in await _cards(state):
+        if card["id"] == model_id:
+            return card
+    raise APIError(404, f"The model `{model_id}` does not exist.", "model")

@@ -1,0 +1,73 @@
+"""Server and cluster settings: frozen dataclasses whose fields carry their default, help and
+command-line spelling, as `EngineConfig`'s do. `loraplex serve` generates its flags from them
+(`api/flags.py`), so each default is written once, here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ROUTINGS = ("adapter", "round-robin")  # round-robin: Ray's RoundRobinRouter, adapter-blind (the baseline)
+
+
+def setting(default, help: str, **cli):
+    """A setting: its default, and what `loraplex serve --help` says of it. `cli` may name the
+    flag, its `dest`, `choices`, a `size` parser, a `metavar`, an `env` variable read when the
+    flag is not given, `invert` (a `--disable-x` flag for a setting on by default), or
+    `flag=None` (no flag: set in code only)."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One OpenAI-compatible server (also each Ray replica's app)."""
+
+    served_model_name: str = setting("", "the base model's id (default: its folder's name)")
+    model_path: str = setting("", "the base model's folder, shown as its card's root", flag=None)
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(8000, "port to listen on")
+    api_key: str | None = setting(None, "key for /v1/*, /tokenize, /detokenize (or LORAPLEX_API_KEY)",
+                                  env="LORAPLEX_API_KEY")
+    admin_api_key: str | None = setting(None, "the only key that opens the adapter admin endpoints "
+                                              "(or LORAPLEX_ADMIN_API_KEY)", env="LORAPLEX_ADMIN_API_KEY")
+    adapter_roots: tuple[str, ...] = setting((), "folder the admin endpoint may load adapters from (repeatable; "
+                                                 "none: runtime loading off)", flag="--adapter-root", metavar="DIR")
+    enable_lora_resolver: bool = setting(False, "serve an unregistered adapter name by loading the PEFT folder of "
+                                                "that name from an --adapter-root on its first request")
+    max_waiting_requests: int | None = setting(1024, "beyond this, 429 with Retry-After")
+    max_request_body_bytes: int = setting(4 << 20, "beyond this, 413", size=True)
+    request_timeout_s: float | None = setting(None, "seconds; beyond this, 504", flag="--request-timeout")
+    shutdown_timeout_s: float = setting(30.0, "on SIGTERM, seconds in-flight requests get to finish",
+                                        flag="--shutdown-timeout")
+    enable_ui: bool = setting(True, "no web console at /ui", flag="--disable-ui", invert=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """`loraplex serve --ray`: replicas, routing and the Ray instance."""
+
+    replicas: int = setting(2, "engine replicas (the minimum when autoscaling)")
+    max_replicas: int | None = setting(None, "autoscale up to this many replicas")
+    target_ongoing_requests: int = setting(16, "per replica, what the autoscaler aims at")
+    max_adapters_per_replica: int = setting(16, "adapters a replica keeps (LRU); Ray routes each adapter to "
+                                                "replicas holding it")
+    routing: str = setting("adapter", "adapter: Ray's model multiplexing by adapter; round-robin: adapter-blind "
+                                      "(a baseline)", flag="--ray-routing", dest="ray_routing", choices=list(ROUTINGS))
+    replica_cpus: float = setting(1.0, "Ray CPUs (and torch threads) per replica")
+    # the engine batches: Ray should not queue in front of it
+    max_ongoing_requests: int = setting(256, "requests Ray hands one replica at once")
+    address: str | None = setting(None, "join a running cluster (e.g. auto after `ray start`); default: a local "
+                                        "Ray on 127.0.0.1", flag="--ray-address", dest="ray_address")
+    num_cpus: int | None = setting(None, "CPUs of the local Ray (default: all)", flag="--ray-num-cpus",
+                                   dest="ray_num_cpus")
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1 or (self.max_replicas is not None and self.max_replicas < self.replicas):
+            raise ValueError(f"need 1 <= replicas <= max_replicas, got {self.replicas}, {self.max_replicas}")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
+        if self.max_adapters_per_replica < 1 or self.replica_cpus < 0:
+            raise ValueError("max_adapters_per_replica must be >= 1 and replica_cpus >= 0")

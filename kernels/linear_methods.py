@@ -1,0 +1,195 @@
+"""Weight formats as objects, in the shape of vLLM's `LinearMethodBase`: `create_weights` (the layer's float
+parameters, which the loader fills), `process_weights_after_loading` (pack, quantize or tile them, once) and
+`apply`. `linear_method` picks one per layer from the model's `KernelConfig`, once, before the model is built;
+`apply` decides nothing but what its token-count table says.
+
+- `TorchLinear`: `F.linear` on the plain weight (CUDA, `LORAPLEX_KERNELS=torch`, no oneDNN).
+- `PlainF32Linear`: float32 rows as they are; our C kernel streams them for decode-sized calls, MKL's GEMM
+  beyond (BENCHMARKS.md, "float32 weights: plain rows and our kernel"); `dtype=auto` picks it where the probe
+  measures it faster than oneDNN's packing.
+- `OneDNNLinear`: the weight reordered once into oneDNN's blocked layout (BENCHMARKS.md, "Engine speed").
+- `AMXLinear`: bf16 weights packed into our AMX kernel's B tiles (BENCHMARKS.md, "Dense bf16 weights on AMX").
+- `QuantizedLinear`: q4 (GGUF Q4_1 blocks, GPTQ, AWQ) or 8-bit weights, kept in the layout this CPU's kernels
+  read, multiplied through a `quant.QuantPlan` (BENCHMARKS.md, "Quantized weights").
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraplex.kernels import cpu_kernels, quant
+from loraplex.kernels.dispatch import KernelConfig
+from loraplex.kernels.quant import QuantizedWeight
+
+
+class LinearMethod:
+    """A weight format. The layer holds `weight` [N, K] (and `bias`) until `process_weights_after_loading`;
+    `layer.shared_weight` marks a weight another module also reads (a tied embedding table): kept."""
+
+    name = "plain"
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        layer.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pass
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dense_weight(self, layer: nn.Module) -> torch.Tensor:
+        """The weight as a plain [N, K] tensor (prompt logprobs' slices, tests)."""
+        return layer.weight
+
+    @staticmethod
+    def _drop_weight(layer: nn.Module) -> None:
+        if not getattr(layer, "shared_weight", False):
+            layer.weight = None
+
+
+class TorchLinear(LinearMethod):
+    name = "torch"
+
+    def apply(self, layer, x):
+        return F.linear(x, layer.weight, layer.bias)
+
+
+class PlainF32Linear(LinearMethod):
+    """Up to `max_tokens` tokens a call our C kernel (inputs are the model's own activations: contiguous,
+    never seen by autograd); beyond, MKL's GEMM on the same rows."""
+
+    name = "float32 rows"
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+
+    def apply(self, layer, x):
+        weight = layer.weight  # a parameter: each read goes through Module.__getattr__
+        if x.numel() <= self.max_tokens * layer.in_features:
+            y = cpu_kernels.f32_matmul_c(x, weight)
+            return y if layer.bias is None else y + layer.bias
+        return F.linear(x, weight, layer.bias)
+
+
+class OneDNNLinear(LinearMethod):
+    name = "oneDNN packed"
+
+    def process_weights_after_loading(self, layer):
+        layer.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach())
+        self._drop_weight(layer)
+
+    def apply(self, layer, x):
+        return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
+
+    def dense_weight(self, layer):
+        return layer.weight if layer.weight is not None else layer.packed.to_dense()
+
+
+class AMXLinear(LinearMethod):
+    name = "AMX tiles"
+
+    def process_weights_after_loading(self, layer):
+        layer.amx_packed = cpu_kernels.pack_bf16_amx(layer.weight.detach())
+        self._drop_weight(layer)
+
+    def apply(self, layer, x):
+        y = cpu_kernels.bf16_matmul_amx_c(x.reshape(-1, layer.in_features), layer.amx_packed, layer.out_features)
+        y = y.reshape(*x.shape[:-1], layer.out_features)
+        return y if layer.bias is None else y + layer.bias
+
+    def dense_weight(self, layer):
+        return cpu_kernels.unpack_bf16_amx(layer.amx_packed, layer.out_features)
+
+    def rows(self, layer, index: torch.Tensor) -> torch.Tensor:
+        """Rows of the weight read from the tiles: a tied embedding table with no copy of its own."""
+        return cpu_kernels.rows_bf16_amx(layer.amx_packed, index)
+
+
+class QuantizedLinear(LinearMethod):
+    """`kind` "q4" or "q8" (`group`: None = per output channel). The loader may hand over the weight already
+    quantized (`layer.quantized`: a GGUF's or GPTQ / AWQ checkpoint's bits); else it is quantized from the
+    float weight. Set `layer.head_tiles` (bf16 AMX tiles holding exactly the same values) before processing
+    and calls from the tile kernel's lower bound on read them instead (a tied 8-bit head)."""
+
+    name = "quantized"
+
+    def __init__(self, kind: str, group: int | None, config: KernelConfig) -> None:
+        self.kind, self.group, self.config = kind, group, config
+
+    def create_weights(self, layer, in_features, out_features, bias):
+        super().create_weights(layer, in_features, out_features, bias)
+        layer.quantized = None
+        layer.head_tiles = None
+
+    def process_weights_after_loading(self, layer):
+        config = self.config
+        weight = layer.quantized if layer.quantized is not None else quant.quantize(layer.weight, self.kind, self.group)
+        if weight.shape != (layer.out_features, layer.in_features):
+            raise ValueError(f"quantized weight of shape {weight.shape} for a {layer.out_features}x"
+                             f"{layer.in_features} layer")
+        amx = config.backend == "cpu" and config.caps.amx
+        layer.quantized = quant.for_this_cpu(weight, amx)
+        layer.plan = quant.plan(layer.quantized, config.tune, config.caps if config.backend == "cpu" else
+                                type(config.caps)())
+        self._drop_weight(layer)
+
+    def apply(self, layer, x):
+        if layer.head_tiles is not None and x.numel() >= self.config.tune.amx_tokens[0] * layer.in_features:
+            y = cpu_kernels.bf16_matmul_amx_c(x.reshape(-1, layer.in_features), layer.head_tiles, layer.out_features)
+            y = y.reshape(*x.shape[:-1], layer.out_features)
+        else:
+            y = layer.plan(x)
+        return y if layer.bias is None else y + layer.bias
+
+    def dense_weight(self, layer):
+        return quant.dequantize(layer.quantized)
+
+    def rows(self, layer, index: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.rows_bf16_amx(layer.head_tiles, index)
+
+
+def can_pack(dtype: torch.dtype, native_bf16: bool) -> bool:
+    """oneDNN (CPU), in float32, or in bfloat16 where the CPU multiplies bf16 natively."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or dtype == torch.bfloat16 and native_bf16
+
+
+def amx_packs(config: KernelConfig, dtype: torch.dtype, in_features: int) -> bool:
+    """Whether a weight of `dtype` goes to our AMX bf16 kernel (else, packed, to oneDNN)."""
+    return config.backend == "cpu" and config.caps.amx and dtype == torch.bfloat16 and in_features % 32 == 0
+
+
+def linear_method(config: KernelConfig, in_features: int, quantized: tuple[str, int | None] | None = None
+                  ) -> LinearMethod:
+    """The weight format of one layer: `quantized` (kind, group) where the model is served quantized; else
+    packed for oneDNN or our AMX kernel where weights are packed, plain float32 rows for our kernel, or torch."""
+    if quantized is not None:
+        return QuantizedLinear(*quantized, config)
+    if config.device_type != "cpu":
+        return TorchLinear()
+    if config.pack_weights and can_pack(config.dtype, config.caps.native_bf16):
+        return AMXLinear() if amx_packs(config, config.dtype, in_features) else OneDNNLinear()
+    if config.backend == "cpu" and config.dtype == torch.float32 and in_features % 8 == 0:
+        return PlainF32Linear(config.tune.f32_kernel_tokens)
+    return TorchLinear()
+
+
+def tile_table_into_head(config: KernelConfig, head: nn.Module, table: torch.Tensor) -> bool:
+    """A tied table held once, as the head's AMX tiles: true where the head now serves `rows` (the table's
+    own copy can go). An 8-bit head gets the tiles only where the table is exactly its values (a GGUF's
+    Q8_0 blocks): they take its calls of a few tokens and more (BENCHMARKS.md, "q4 in bf16 on AMX")."""
+    if not amx_packs(config, table.dtype, table.shape[1]):
+        return False
+    if isinstance(head.method, QuantizedLinear):
+        if not torch.equal(quant.dequantize(head.quantized).to(table.dtype), table):
+            return False  # quantized at load: the head's numbers are not the table's
+        head.head_tiles = cpu_kernels.pack_bf16_amx(table.detach())
+    elif not isinstance(head.method, AMXLinear):
+        return False
+    head.shared_weight = False
+    head.weight = None
+    return True

@@ -1,0 +1,130 @@
+"""Fused ops as modules that pick their implementation once, in `__init__`, from the model's `KernelConfig`
+(vLLM's `CustomOp`): `forward_native` (PyTorch ops), `forward_cpu` (our C kernels, where they take the
+model's dtypes) and `forward_cuda` (Triton; PyTorch ops where there is no Triton kernel). The model files
+call these and name no kernel."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraplex.kernels import cpu_kernels
+from loraplex.kernels.dispatch import KernelConfig
+from loraplex.kernels.paged_attention import PagedAttentionMetadata, attention_kernel, kv_writer
+from loraplex.kernels.sgmv import lora_kernel
+
+LAYER_DTYPES = (torch.float32, torch.bfloat16)  # what the C layer ops read and write
+
+
+class CustomOp(nn.Module):
+    def __init__(self, config: KernelConfig) -> None:
+        super().__init__()
+        if config.backend == "cpu" and self.cpu_kernel_takes(config):
+            self.forward = self.forward_cpu
+        elif config.backend == "triton":
+            self.forward = self.forward_cuda
+        else:
+            self.forward = self.forward_native
+
+    def cpu_kernel_takes(self, config: KernelConfig) -> bool:
+        return config.dtype in LAYER_DTYPES
+
+    def forward_cuda(self, *args):
+        return self.forward_native(*args)
+
+
+class RMSNorm(CustomOp):
+    """RMSNorm(x); with `residual`: (RMSNorm(residual + x), residual + x), the sum written into `residual`
+    (vLLM's fused add: the layer's residual add and the next norm in one pass)."""
+
+    def __init__(self, dim: int, eps: float, config: KernelConfig) -> None:
+        super().__init__(config)
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward_cpu(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        out = cpu_kernels.add_rms_norm_c(x, self.weight, self.eps, residual)
+        return out if residual is None else (out, residual)
+
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = residual = residual + x
+        out = self._norm(x)
+        return out if residual is None else (out, residual)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one op, same numbers as below
+        h = x.float()  # float32 statistics, as the reference implementation does
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class SiluAndMul(CustomOp):
+    """[..., 2I] -> silu(gate) * up [..., I]."""
+
+    def forward_cpu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.silu_mul_c(gate_up)
+
+    def forward_native(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class RopeKVWrite(CustomOp):
+    """The fused qkv rows [T, (Hq + 2 Hkv) D] -> rotated q [T, Hq, D]; rotated k and v written into the caches
+    at the step's slot mapping."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, config: KernelConfig) -> None:
+        super().__init__(config)
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.write_kv = kv_writer(config)
+
+    def cpu_kernel_takes(self, config: KernelConfig) -> bool:
+        """The model's kind in the caches, float16 caches under a float32 model where F16C converts, or float8
+        e4m3 caches under either."""
+        kv, dtype = config.kv_dtype, config.dtype
+        return dtype in LAYER_DTYPES and (kv in (dtype, torch.float8_e4m3fn) or
+                                          dtype == torch.float32 and kv == torch.float16 and config.caps.f16c)
+
+    def forward_cpu(self, qkv, rope, k_cache, v_cache, meta: PagedAttentionMetadata) -> torch.Tensor:
+        return cpu_kernels.rope_write_kv_c(qkv, *rope, self.num_heads, self.num_kv_heads, meta.slot_mapping,
+                                           k_cache, v_cache)
+
+    def forward_native(self, qkv, rope, k_cache, v_cache, meta: PagedAttentionMetadata) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
+        # q and k rotate together: one pass over both instead of one each
+        qk = apply_rope(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        self.write_kv(k, v.view(-1, self.num_kv_heads, self.head_dim), k_cache, v_cache, meta.slot_mapping)
+        return q
+
+
+class PagedAttention(nn.Module):
+    """Attention of each query token over its request's paged context (`kernels/paged_attention.py` chooses
+    the kernel once from the config)."""
+
+    def __init__(self, scale: float, config: KernelConfig) -> None:
+        super().__init__()
+        self.scale = scale
+        self.kernel = attention_kernel(config)
+
+    def forward(self, q, k_cache, v_cache, meta: PagedAttentionMetadata) -> torch.Tensor:
+        return self.kernel(q, k_cache, v_cache, meta, self.scale)
+
+
+class LoRADelta:
+    """y += each token's adapter delta, through the multi-LoRA kernel chosen once for the config."""
+
+    def __init__(self, config: KernelConfig) -> None:
+        self.kernel = lora_kernel(config)
+
+    def __call__(self, x, slots, batch, y) -> torch.Tensor:
+        return self.kernel(x, slots, batch, y)

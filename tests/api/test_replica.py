@@ -1,0 +1,87 @@
+"""An engine replica of `loraplex serve --ray`, without Ray: `EngineReplica` constructed directly
+over a real engine client and the catalog (called as Ray would, through `.remote`), driven with
+requests as the ingress forwards them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from loraplex.api.ray_serve import AdapterCatalog
+from loraplex.api.replica import CACHE_HEADER, REPLICA_HEADER, EngineReplica
+from loraplex.api.settings import ServerConfig
+from loraplex.platform.config import EngineConfig
+from loraplex.platform.engine_client import build_engine_client, read_adapter_info
+
+
+class _Remote:
+    def __init__(self, method) -> None:
+        self.remote = method  # an async method: `await handle.name.remote(...)` as with an actor
+
+
+class ActorHandle:
+    """A Ray actor handle's shape over the catalog object itself."""
+
+    def __init__(self, actor) -> None:
+        for name in ("get", "list", "register", "unregister", "report", "metrics"):
+            setattr(self, name, _Remote(getattr(actor, name)))
+
+
+def described(path: str, body: dict) -> tuple[dict, bytes]:
+    return ({"method": "POST", "path": path, "query_string": b"", "client": ["127.0.0.1", 0],
+             "headers": [(b"content-type", b"application/json")]}, json.dumps(body).encode())
+
+
+async def forward(replica: EngineReplica, path: str, body: dict, adapter: str | None) -> tuple[dict, dict, dict]:
+    start, chunks = None, b""
+    async for message in replica.forward(*described(path, body), adapter):
+        if isinstance(message, dict):
+            start = message
+        else:
+            chunks += message
+    headers = {k.decode(): v.decode() for k, v in start["headers"]}
+    return start, headers, json.loads(chunks)
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model_dir):
+    client = build_engine_client(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64,
+                                              max_loras=2))
+    yield client
+    client.shutdown()
+
+
+def test_a_replica_reads_a_shared_adapter_once_and_lets_go_when_the_catalog_does(client, tiny_model_dir,
+                                                                                   tiny_adapters):
+    catalog = AdapterCatalog([read_adapter_info(str(tiny_model_dir), 64, "a0", str(tiny_adapters[0]))])
+
+    async def drive():
+        replica = EngineReplica(client, ServerConfig(served_model_name="tiny"), ActorHandle(catalog), "r1")
+        kept = {}  # Ray's multiplexing LRU: keeps what the hook returns until it evicts
+
+        async def multiplexed_hold(name: str):
+            kept[name] = await replica.hold(name)
+            return kept[name]
+
+        replica.hook = multiplexed_hold
+        body = {"model": "tiny:a0", "prompt": [5, 9, 14], "max_tokens": 3}
+        first, headers, reply = await forward(replica, "/v1/completions", body, "a0")
+        assert first["status"] == 200 and reply["usage"]["completion_tokens"] == 3
+        assert headers[REPLICA_HEADER] == "r1" and headers[CACHE_HEADER] == "miss"
+        assert "a0" in replica.held  # what Ray's multiplexing LRU now keeps
+        _, headers, _ = await forward(replica, "/v1/completions", body, "a0")
+        assert headers[CACHE_HEADER] == "hit"
+        _, headers, _ = await forward(replica, "/v1/completions", {**body, "model": "tiny"}, None)
+        assert CACHE_HEADER not in headers  # the base model
+        status, headers, reply = await forward(replica, "/v1/completions", {**body, "model": "nope"}, "nope")
+        assert status["status"] == 404 and CACHE_HEADER not in headers
+        assert await catalog.unregister("a0", wait_s=0)
+        await replica.report()  # the heartbeat brings the catalog's change
+        assert "a0" not in {a.name for a in client.list_adapters()}
+        assert "r1" in await catalog.metrics()
+        replica.reporter.cancel()
+        kept.clear()
+
+    asyncio.run(drive())

@@ -1,0 +1,33 @@
+"""Server and cluster settings come from their dataclasses' fields: the flags' defaults are the
+fields' defaults (one place each), given flags arrive unchanged, keys fall back to the environment."""
+
+from __future__ import annotations
+
+from loraplex.api.cli import build_parser
+from loraplex.api.flags import values
+from loraplex.api.serve import server_config
+from loraplex.api.settings import ClusterConfig, ServerConfig
+
+
+def test_flag_defaults_are_the_settings_defaults(monkeypatch):
+    monkeypatch.delenv("LORAPLEX_API_KEY", raising=False)
+    monkeypatch.delenv("LORAPLEX_ADMIN_API_KEY", raising=False)
+    args = build_parser().parse_args(["serve"])
+    assert server_config(args, "/models/m") == ServerConfig(served_model_name="m", model_path="/models/m")
+    assert ClusterConfig(**values(ClusterConfig, args)) == ClusterConfig()
+
+
+def test_given_flags_reach_the_settings(tmp_path, monkeypatch):
+    monkeypatch.setenv("LORAPLEX_ADMIN_API_KEY", "from-env")
+    args = build_parser().parse_args([
+        "serve", "--host", "0.0.0.0", "--port", "9", "--served-model-name", "base", "--api-key", "k",
+        "--adapter-root", str(tmp_path), "--adapter-root", str(tmp_path), "--enable-lora-resolver",
+        "--max-waiting-requests", "3", "--max-request-body-bytes", "1MiB", "--request-timeout", "2.5",
+        "--shutdown-timeout", "4", "--disable-ui", "--replicas", "3", "--ray-routing", "round-robin",
+        "--ray-address", "auto", "--ray-num-cpus", "5"])
+    assert server_config(args, "/m") == ServerConfig(
+        served_model_name="base", model_path="/m", host="0.0.0.0", port=9, api_key="k", admin_api_key="from-env",
+        adapter_roots=(str(tmp_path),) * 2, enable_lora_resolver=True, max_waiting_requests=3,
+        max_request_body_bytes=1 << 20, request_timeout_s=2.5, shutdown_timeout_s=4.0, enable_ui=False)
+    assert ClusterConfig(**values(ClusterConfig, args)) == ClusterConfig(replicas=3, routing="round-robin",
+                                                                          address="auto", num_cpus=5)
