@@ -6,9 +6,9 @@ count, bf16 x, every format taking turns: "cold" runs the 30 layers' own weights
 the engine: 212 MB in bf16, 66 MB in q4 in tile order), "hot" one layer's weights 30 times (in cache:
 the kernel's arithmetic alone).
 Formats: bf16 on the engine's dense path (our AMX tile kernel where it packs, else oneDNN), and
-q4 through `quantized_matmul` by rows and as the engine keeps it (`quant.for_this_cpu`: in tile
+q4 through its `quant.plan` by rows and as the engine keeps it (`quant.for_this_cpu`: in tile
 order on AMX). With `--float32` (float32 x): the two float32 layouts `dtype=auto`'s probe chooses
-between, packed for oneDNN and plain rows (our C kernel up to `F32_KERNEL_TOKENS`, then MKL's
+between, packed for oneDNN and plain rows (our C kernel up to the autotune table's `f32_kernel_tokens`, then MKL's
 GEMM), and `F.linear` on plain rows (MKL throughout, as transformers runs). Best of `--rounds`, ms.
 
     .venv/bin/python benchmarks/projections.py [--tokens 1 2 4 16 64 128 --rounds 7] [--float32]
@@ -23,7 +23,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from loraplex.kernels import cpu_kernels, quant
+from loraplex.kernels import autotune, cpu_kernels, quant
+from loraplex.kernels.dispatch import CpuCaps, kernel_config
 from loraplex.platform.models.linear import Linear
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of qkv, o, gate_up, down
@@ -38,11 +39,12 @@ def gguf_like(weight: torch.Tensor) -> quant.QuantizedWeight:
 
 def dense_layer(n: int, k: int, gen: torch.Generator, dtype: torch.dtype = torch.bfloat16,
                 pack: bool = True) -> Linear:
-    layer = Linear(k, n, bias=False).to(dtype).requires_grad_(False)
+    """One layer in the weight format the engine would choose for `dtype` (packed, or plain rows)."""
+    kernels = kernel_config(torch.device("cpu"), dtype, pack_weights=pack)
+    layer = Linear(k, n, False, kernels).to(dtype)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(n, k, generator=gen) * 0.02)
-    if pack:
-        layer.pack()
+    layer.process_weights_after_loading()
     return layer
 
 
@@ -51,18 +53,23 @@ def float32_formats(gen: torch.Generator) -> dict[str, list[list]]:
     plain = [[dense_layer(n, k, gen, torch.float32, pack=False) for n, k in SHAPES] for _ in range(LAYERS)]
     return {"float32 packed (oneDNN)": [[lambda x, m=m: m(x) for m in layer] for layer in packed],
             "float32 plain rows (ours, then MKL)": [[lambda x, m=m: m(x) for m in layer] for layer in plain],
-            "F.linear (MKL)": [[lambda x, m=m: F.linear(x, m.weight) for m in layer] for layer in plain]}
+            "F.linear (MKL)": [[lambda x, m=m: F.linear(x, m.dense_weight()) for m in layer] for layer in plain]}
+
+
+_CAPS = CpuCaps.detect()
+TUNE = autotune.resolve(_CAPS.native_bf16, _CAPS.dpbf16, _CAPS.amx) if _CAPS.library else autotune.DEFAULT
 
 
 def bf16_formats(gen: torch.Generator) -> dict[str, list[list]]:
     rows = [[gguf_like(torch.randn(n, k, generator=gen) * 0.02) for n, k in SHAPES] for _ in range(LAYERS)]
     dense = [[dense_layer(n, k, gen) for n, k in SHAPES] for _ in range(LAYERS)]
-    kept = [[quant.for_this_cpu(w) for w in layer] for layer in rows]
+    caps = CpuCaps.detect()
+    kept = [[quant.for_this_cpu(w, caps.amx) for w in layer] for layer in rows]
     return {
         "bf16, dense path": [[lambda x, m=m: m(x) for m in layer] for layer in dense],
-        "q4 by rows": [[lambda x, w=w: quant.quantized_matmul(x, w) for w in layer] for layer in rows],
+        "q4 by rows": [[quant.plan(w, TUNE, caps) for w in layer] for layer in rows],
         f"q4 as kept ({'tile order' if kept[0][0].tiles else 'by rows'})":
-            [[lambda x, w=w: quant.quantized_matmul(x, w) for w in layer] for layer in kept],
+            [[quant.plan(w, TUNE, caps) for w in layer] for layer in kept],
     }
 
 

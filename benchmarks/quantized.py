@@ -8,7 +8,7 @@ float model and q4 in bfloat16 ("none-bf16", "q4-bf16": what `dtype=auto` serves
 and with `--quantization q4`): bytes of the linear
 weights kept, decode step and tok/s per batch size (prefix caching off, the same prompts for
 all), perplexity on benchmarks/data/perplexity.txt (from prompt logprobs, so prefill's matmuls:
-q4's run as a GEMM in `quant.dense_dtype()`, bf16 where it measures faster; again with every
+q4's run as a GEMM in the autotune table's `dense_dtype`, bf16 where it measures faster; again with every
 quantized matmul on the int8-activation kernel that decode at batch 1 takes, where it does: not for
 q4 on AMX, kept in tile order); q4 and none with 16
 distinct adapters at batch 16 against their own base (and q4-bf16). Beside them in the same run:
@@ -17,6 +17,8 @@ llama.cpp through llama-cpp-python (if installed) on the same GGUF file and prom
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import argparse
 import math
@@ -31,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from loraplex.kernels import cpu_kernels, quant
+from loraplex.kernels import autotune, cpu_kernels, quant
 from loraplex.kernels.cpu_kernels import native_bf16
 from loraplex.platform import LLM, SamplingParams
 from loraplex.platform.model_store import _gguf_path, default_model_dir
@@ -63,16 +65,22 @@ def takes_int8_activations(llm: LLM) -> bool:
 
 def perplexity(llm: LLM, int8_activations: bool = False) -> float:
     """From prompt logprobs, so from prefill-sized matmuls (for q4 / int8 a GEMM in
-    `quant.dense_dtype()`: bf16 where native and measured faster, else float32); `int8_activations`
+    the autotune table's `dense_dtype`: bf16 where native and measured faster, else float32); `int8_activations`
     sends every matmul through the int8-activation kernels that decode takes, to measure what
     rounding x to 8 bits costs."""
     ids = llm.get_tokenizer()(TEXT.read_text())["input_ids"]
-    default = quant.INT8_ACTIVATION_TOKENS
-    quant.INT8_ACTIVATION_TOKENS = len(ids) if int8_activations else default
+    layers = [m for m in llm.engine.model.modules() if isinstance(m, Linear) and m.quantized is not None]
+    plans = [m.plan for m in layers]
+    if int8_activations:  # each weight's plan rebuilt with the int8 kernels' range covering the whole prompt
+        kernels = llm.engine.resolved.kernels
+        tune = dataclasses.replace(kernels.tune, int8_activation_tokens=len(ids))
+        for m in layers:
+            m.plan = quant.plan(m.quantized, tune, kernels.caps)
     try:
         (out,) = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0))
     finally:
-        quant.INT8_ACTIVATION_TOKENS = default
+        for m, plan in zip(layers, plans):
+            m.plan = plan
     logprobs = [entry[token].logprob for token, entry in zip(ids[1:], out.prompt_logprobs[1:])]
     return math.exp(-sum(logprobs) / len(logprobs))
 
@@ -181,11 +189,12 @@ def main() -> None:
         shutil.rmtree(adapter_dir, ignore_errors=True)
 
     none = next((r for r in rows if r["method"] == "none"), None)
-    low, high = quant.AMX_TILE_ORDER_TOKENS
-    amx = f", AMX tiles for {quant.AMX_TOKENS[0]}-{quant.AMX_TOKENS[1] - 1}; q4 in tile order: AMX tiles for " \
+    tune = autotune.DEFAULT
+    low, high = tune.amx_tile_order_tokens
+    amx = f", AMX tiles for {tune.amx_tokens[0]}-{tune.amx_tokens[1] - 1}; q4 in tile order: AMX tiles for " \
           f"{low}-{high - 1}" if cpu_kernels.amx_supported() else ""
     print(f"\nSmolLM2-135M-Instruct, float32 activations (bf16 in -bf16 rows; quantized matmuls: int8 activations "
-          f"for <= {quant.INT8_ACTIVATION_TOKENS} tokens{amx}), "
+          f"for <= {tune.int8_activation_tokens} tokens{amx}), "
           f"{args.new_tokens} new tokens, greedy, no prefix cache, "
           f"{torch.get_num_threads()} threads; adapters: rank {args.adapter_rank} on "
           f"{' '.join(args.adapter_targets)}\n")

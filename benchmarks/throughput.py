@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.platform import LLM, SamplingParams
-from loraplex.platform.models.linear import Linear, native_bf16
+from loraplex.kernels.cpu_kernels import native_bf16
+from loraplex.platform.models.linear import Linear
 
 WORDS = ("the quick brown fox jumps over the lazy dog while paged attention keeps every block "
          "of keys and values in a pool shared by all requests of the batch").split()
