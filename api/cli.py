@@ -13,6 +13,7 @@ from loraplex.api.settings import ClusterConfig, ServerConfig
 
 
 def _default_model(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="[loraplex] %(message)s")  # the conversion's progress
     from loraplex.platform.model_store import materialize_default_model
 
     print(materialize_default_model())

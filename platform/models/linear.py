@@ -11,13 +11,6 @@ from loraplex.kernels.linear_methods import LinearMethod, linear_method
 
 
 class Linear(nn.Module):
-    # what a method may keep after processing (left None by the others): oneDNN's layout, AMX tiles, a
-    # quantized weight, and a tied head's AMX tiles beside its 8-bit weight
-    packed: torch.Tensor | None = None
-    amx_packed: torch.Tensor | None = None
-    quantized = None
-    head_tiles: torch.Tensor | None = None
-
     def __init__(self, in_features: int, out_features: int, bias: bool, kernels: KernelConfig,
                  quantized: tuple[str, int | None] | None = None) -> None:
         super().__init__()

@@ -19,7 +19,7 @@ from loraplex.kernels.paged_attention import PagedAttentionMetadata
 from loraplex.kernels.sgmv import LoRABatch
 from loraplex.platform.config import ModelConfig
 from loraplex.platform.models import FUSED_PROJECTIONS
-from loraplex.platform.models.layers import PagedAttention, RMSNorm, RopeKVWrite, SiluAndMul
+from loraplex.kernels.custom_ops import PagedAttention, RMSNorm, RopeKVWrite, SiluAndMul
 from loraplex.platform.models.linear import Linear
 from loraplex.platform.models.lora_linear import LoRAContext, LoRALinear
 from loraplex.platform.models.quantized import head_format, quantize_model, read_prequantized

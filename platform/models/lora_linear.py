@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from loraplex.kernels.custom_ops import LoRADelta
 from loraplex.kernels.dispatch import KernelConfig
 from loraplex.kernels.sgmv import LoRABatch, LoRATable, StackedLoRA
-from loraplex.platform.models.layers import LoRADelta
 from loraplex.platform.models.linear import Linear
 from loraplex.platform.models.quantized import projection_format
 

@@ -309,3 +309,13 @@ def test_shapes_the_formats_cannot_hold_are_refused():
         quantize(torch.randn(4, 64), "q8", 12)
     with pytest.raises(ValueError, match="unknown quantization"):
         quantize(torch.randn(4, 64), "q3")
+
+
+def test_a_plan_can_hand_its_larger_calls_to_another_kernel():
+    """A tied 8-bit head whose values are also bf16 AMX tiles: the plan below the bound, the tiles from it."""
+    w = quantize(torch.randn(16, 256, generator=torch.Generator().manual_seed(2)), "q8", 32)
+    taken = []
+    plan = quant.plan(w, tune(), FAKE_AMX).taking_from(3, "head tiles", lambda x: taken.append(len(x)) or x[:, :16])
+    assert plan.describe() == "int8 1-2, head tiles 3-"
+    plan(torch.randn(3, 256))
+    assert taken == [3]

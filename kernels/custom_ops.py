@@ -1,7 +1,7 @@
 """Fused ops as modules that pick their implementation once, in `__init__`, from the model's `KernelConfig`
 (vLLM's `CustomOp`): `forward_native` (PyTorch ops), `forward_cpu` (our C kernels, where they take the
 model's dtypes) and `forward_cuda` (Triton; PyTorch ops where there is no Triton kernel). The model files
-call these and name no kernel."""
+(`platform/models/`) build these and name no kernel."""
 
 from __future__ import annotations
 
