@@ -63,6 +63,22 @@ def without_bf16_kernels(monkeypatch) -> None:
     tuned(monkeypatch, amx_tokens=nowhere, amx_tile_order_tokens=nowhere, dpbf16_tokens=nowhere)
 
 
+# make_tiny_model's families: transformers' own config and model classes
+FAMILY_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "granite": ("GraniteConfig", "GraniteForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+}
+
+
 def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """A 2-layer random model of the given family, saved like any Hugging Face checkpoint."""
     import transformers
@@ -74,11 +90,7 @@ def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **override
                   rms_norm_eps=1e-5, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
                   pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
     common.update(overrides)
-    config_cls, model_cls = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-    }[arch]
+    config_cls, model_cls = (getattr(transformers, name) for name in FAMILY_CLASSES[arch])
     torch.manual_seed(seed)
     model = model_cls(config_cls(**common))
     with torch.no_grad():  # a spread of logits that does not tie at random init
