@@ -20,13 +20,22 @@ from pathlib import Path
 import regex
 import torch
 
+from loraplex.adapters.vocab_weights import VOCAB_KEY, VOCAB_MODULES, BaseTables, read_vocab_weights, vocab_shapes
 from loraplex.platform.config import ModelConfig
-from loraplex.platform.models import FUSED_PROJECTIONS
+from loraplex.platform.models import FUSED_PROJECTIONS, PHI3_PROJECTIONS, fused_projections
+from loraplex.platform.models.moe import lora_refusal
 
-# peft module name -> (our fused layer, slice index within it)
-TARGETS = {part: (fused, i) for fused, parts in FUSED_PROJECTIONS.items() for i, part in enumerate(parts)}
+# peft module name -> (our fused layer, slice index within it), of every family (`_collect` refuses a module
+# the base model does not have: Phi-3's qkv_proj on a Llama, q_proj on a Phi-3)
+TARGETS = {part: (fused, i) for projections in (FUSED_PROJECTIONS, PHI3_PROJECTIONS)
+           for fused, parts in projections.items() for i, part in enumerate(parts)}
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)"
                   r"\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+# LoRA variants whose forward is not y = x W^T + s (x A^T) B^T (or whose weights are not plain A / B)
+_VARIANTS = {"use_dora": "DoRA (use_dora=true)", "use_qalora": "QA-LoRA (use_qalora=true)",
+             "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+             "use_bdlora": "block-diagonal LoRA (use_bdlora)", "arrow_config": "Arrow routing (arrow_config)",
+             "monteclora_config": "MonteCLoRA (monteclora_config)", "kasa_config": "KaSA (kasa_config)"}
 
 
 class AdapterError(ValueError):
@@ -45,51 +54,79 @@ class LoRAWeights:
     # LoRATable). A module the adapter does not target is a zero slice of a projection it touches.
     projections: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
     content_hash: str = ""
+    # LoRA on the embedding table: (A^T [vocab, r], B^T [r, hidden]); on the head: (A [r, hidden], B^T [r, vocab])
+    embedding: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    head: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    # "embed_tokens" / "lm_head" -> the adapter's own full weight [vocab, hidden] (adapters/vocab_weights.py)
+    replacements: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    modules_to_save: frozenset[str] = frozenset()
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.projections.values())
+        """Every tensor the adapter holds, full weights included (one tensor two modules share counts once)."""
+        pairs = [*self.projections.values(), self.embedding or (), self.head or ()]
+        tensors = {id(t): t for t in [*(t for pair in pairs for t in pair), *self.replacements.values()]}
+        return sum(t.nbytes for t in tensors.values())
+
+
+def fused_parts(fused: str, shapes: dict[str, tuple[int, int]]) -> tuple[str, ...]:
+    """The peft modules a fused projection stacks: itself where the base model has it as one module (Phi-3's
+    qkv_proj and gate_up_proj are in its `module_shapes`), else its separate parts."""
+    return (fused,) if fused in shapes else FUSED_PROJECTIONS[fused]
 
 
 def fused_offsets(fused: str, shapes: dict[str, tuple[int, int]]) -> list[int]:
     """Output offset of each slice of a fused projection, plus the total."""
     offsets = [0]
-    for part in FUSED_PROJECTIONS[fused]:
+    for part in fused_parts(fused, shapes):
         offsets.append(offsets[-1] + shapes[part][1])
     return offsets
 
 
 def adapter_bytes(config: ModelConfig, rank: int, dtype: torch.dtype, modules=tuple(TARGETS)) -> int:
     """Bytes of one adapter of `rank` targeting `modules` in every layer, in our fused layout
-    (a projection that is touched stores all of its slices)."""
+    (a projection that is touched stores all of its slices), plus a LoRA on the embedding / head where
+    `modules` names them (full weights from modules_to_save are not counted: `LoRAWeights.nbytes` is)."""
     shapes = module_shapes(config)
-    fused = {TARGETS[m][0] for m in modules}
-    per_layer = sum((len(FUSED_PROJECTIONS[f]) * shapes[FUSED_PROJECTIONS[f][0]][0]
-                     + sum(shapes[p][1] for p in FUSED_PROJECTIONS[f])) * rank for f in fused)
-    return per_layer * config.num_layers * torch.empty(0, dtype=dtype).element_size()
+    fused = {TARGETS[m][0] for m in modules if m in TARGETS}
+    per_layer = sum((len(fused_parts(f, shapes)) * shapes[fused_parts(f, shapes)[0]][0]
+                     + fused_offsets(f, shapes)[-1]) * rank for f in fused)
+    vocab = sum(sum(rows * cols for rows, cols in vocab_shapes(config)[m]) * rank for m in VOCAB_MODULES
+                if m in modules)
+    return (per_layer * config.num_layers + vocab) * torch.empty(0, dtype=dtype).element_size()
 
 
 def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """peft module -> (in_features, out_features) of the base model."""
+    """peft module -> (in_features, out_features) of the base model: the separate projections' (every family's
+    geometry), and the fused modules of a family whose checkpoint holds them fused (Phi-3)."""
     q, kv, h, i = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, \
         config.hidden_size, config.intermediate_size
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+              "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    for fused, parts in fused_projections(config.architecture).items():
+        if parts == (fused,) and fused not in shapes:
+            shapes[fused] = (h, sum(shapes[p][1] for p in FUSED_PROJECTIONS[fused]))
+    return shapes
 
 
 def read_peft_adapter(name: str, path: str | Path, config: ModelConfig, max_lora_rank: int,
-                      dtype: torch.dtype = torch.float32, confined: bool = False) -> LoRAWeights:
+                      dtype: torch.dtype = torch.float32, confined: bool = False,
+                      base: BaseTables | None = None) -> LoRAWeights:
     """`confined`: the folder came from a client (an adapter root): `path` must be absolute and
     free of symbolic links, and it is opened one component at a time without following any, its
     files as regular, singly linked files (no hard link to elsewhere), all through one
-    directory handle, so a link swapped in after the caller's check cannot redirect the read."""
+    directory handle, so a link swapped in after the caller's check cannot redirect the read.
+    `base`: the served model's embedding table and head, which copies of them in the folder are
+    checked against (equal: dropped; else the adapter's own full weight, in the model's dtype)."""
     folder = Path(path)
     fail = lambda reason: AdapterError(f"adapter {name!r} ({folder}): {reason}")  # noqa: E731
     try:
         with _Folder(folder, confined) as files:
             raw = _read_config(files, fail)
+            _refuse_moe_targets(config, raw, (), fail)  # named before target_parameters' general refusal
             _check_config(raw, max_lora_rank, fail)
             tensors = _read_weights(files, fail)
+            _refuse_moe_targets(config, raw, tensors, fail)
     except (FileNotFoundError, NotADirectoryError):
         raise fail("not a folder") from None
     except OSError as exc:  # a link loop, a name too long, a link where none may be
@@ -99,7 +136,11 @@ def read_peft_adapter(name: str, path: str | Path, config: ModelConfig, max_lora
     scaling = alpha / rank ** 0.5 if raw.get("use_rslora") else alpha / rank
     targets = _target_modules(raw.get("target_modules"), fail)
     layers = _layers(raw, config, fail)
-    weights = _collect(tensors, targets, rank, config, fail)
+    vocab_keys = {key for key in tensors if VOCAB_KEY.match(key)}
+    vocab = read_vocab_weights({k: tensors[k] for k in vocab_keys}, raw, targets, rank, config, dtype, base, fail)
+    weights = _collect({k: t for k, t in tensors.items() if k not in vocab_keys}, targets, rank, config, fail)
+    if not weights and vocab.embedding is None and vocab.head is None and not vocab.replacements:
+        raise fail("no LoRA weights found")
     stray = sorted({layer for layer, _ in weights} - layers)
     if stray:
         raise fail(f"weights for layers {stray[:5]}, which layers_to_transform does not list")
@@ -109,7 +150,8 @@ def read_peft_adapter(name: str, path: str | Path, config: ModelConfig, max_lora
     for key in sorted(tensors):
         digest.update(key.encode())
         digest.update(tensors[key].contiguous().view(torch.uint8).numpy().tobytes())
-    return LoRAWeights(name, str(folder), rank, scaling, frozenset(targets), projections, digest.hexdigest())
+    return LoRAWeights(name, str(folder), rank, scaling, frozenset(targets), projections, digest.hexdigest(),
+                       vocab.embedding, vocab.head, vocab.replacements, vocab.modules_to_save)
 
 
 def _fuse(weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], rank: int,
@@ -119,7 +161,8 @@ def _fuse(weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], ran
     step reads them: each token streams its own adapter, and one contiguous stream per layer reads
     ~1.2x faster than separate allocations (TLB and hardware prefetch; benchmarks/multi_lora.py)."""
     layout = [(layer, fused, parts, fused_offsets(fused, shapes))  # the order a step reads them in
-              for layer in sorted({layer for layer, _ in weights}) for fused, parts in FUSED_PROJECTIONS.items()
+              for layer in sorted({layer for layer, _ in weights})
+              for fused, parts in ((fused, fused_parts(fused, shapes)) for fused in FUSED_PROJECTIONS)
               if any((layer, part) in weights for part in parts)]
     buffer = torch.zeros(sum(rank * (len(parts) * shapes[parts[0]][0] + offsets[-1])
                              for _, _, parts, offsets in layout), dtype=dtype)
@@ -202,15 +245,22 @@ def _read_config(files: _Folder, fail) -> dict:
     return raw
 
 
+def _refuse_moe_targets(config: ModelConfig, raw: dict, keys, fail) -> None:
+    reason = lora_refusal(config, raw, keys)
+    if reason is not None:
+        raise fail(reason)
+
+
 def _check_config(raw: dict, max_lora_rank: int, fail) -> None:
     if raw.get("peft_type", "LORA") != "LORA":
         raise fail(f"peft_type {raw.get('peft_type')!r} is not supported (only LORA)")
-    if raw.get("use_dora"):
-        raise fail("DoRA (use_dora=true) is not supported")
-    if raw.get("modules_to_save"):
-        raise fail(f"modules_to_save {raw['modules_to_save']} is not supported (full weights, not LoRA)")
-    if raw.get("bias", "none") != "none" or raw.get("lora_bias"):
+    for key, variant in _VARIANTS.items():
+        if raw.get(key):
+            raise fail(f"{variant} is not supported")
+    if raw.get("bias", "none") != "none":
         raise fail(f"bias={raw.get('bias')!r} is not supported (only 'none')")
+    if raw.get("lora_bias"):
+        raise fail("lora_bias=true (a bias on lora_B) is not supported")
     for key in ("rank_pattern", "alpha_pattern"):
         if raw.get(key):
             raise fail(f"{key} (per-module ranks or alphas) is not supported")
@@ -240,28 +290,33 @@ def _layers(raw: dict, config: ModelConfig, fail) -> set[int]:
     return set(layers)
 
 
+# each module we serve -> the full names peft matches a target_modules regex against
+_MODULE_NAMES = {**{m: [f"model.layers.0.{block}.{m}" for block in ("self_attn", "mlp")] for m in TARGETS},
+                 "embed_tokens": ["model.embed_tokens"], "lm_head": ["lm_head"]}
+
+
 def _target_modules(value, fail) -> set[str]:
-    if isinstance(value, str):  # peft: a regex matched against full module names
+    if isinstance(value, str) and value != "all-linear":  # peft: a regex matched against full module names
         if len(value) > 1024:
             raise fail("target_modules regex is longer than 1024 characters")
         try:  # the `regex` engine, with a time bound: a client's pattern may backtrack forever
-            matched = {m for m in TARGETS if value == m or any(
-                regex.fullmatch(value, f"model.layers.0.{block}.{m}", timeout=0.05) for block in ("self_attn", "mlp"))}
+            matched = {m for m, names in _MODULE_NAMES.items() if value == m or any(
+                regex.fullmatch(value, name, timeout=0.05) for name in names)}
         except regex.error as exc:
             raise fail(f"target_modules regex is invalid ({exc})") from None
         except TimeoutError:
             raise fail("target_modules regex takes too long to match (catastrophic backtracking)") from None
         if not matched:
-            raise fail(f"target_modules regex {value!r} matches none of {sorted(TARGETS)}")
+            raise fail(f"target_modules regex {value!r} matches none of {sorted(_MODULE_NAMES)}")
         return matched
-    if value in ("all-linear",):
-        raise fail("target_modules='all-linear' includes lm_head, which is not supported; list the modules")
+    if value == "all-linear":  # peft: every linear layer but the output layer
+        return set(TARGETS)
     if value is not None and (not isinstance(value, list) or not all(isinstance(m, str) for m in value)):
         raise fail(f"target_modules must be a list of module names or a regex, got {type(value).__name__}")
     modules = set(value or [])
-    unknown = modules - set(TARGETS)
+    unknown = modules - set(_MODULE_NAMES)
     if unknown:
-        raise fail(f"unsupported target modules {sorted(unknown)}; supported: {sorted(TARGETS)}")
+        raise fail(f"unsupported target modules {sorted(unknown)}; supported: {sorted(_MODULE_NAMES)}")
     if not modules:
         raise fail("target_modules is empty")
     return modules
@@ -299,10 +354,14 @@ def _collect(tensors: dict[str, torch.Tensor], targets: set[str], rank: int, con
     for key, tensor in tensors.items():
         match = _KEY.match(key)
         if match is None:
-            raise fail(f"unexpected weight {key!r} (only LoRA A/B of {sorted(TARGETS)} are supported)")
+            raise fail(f"unexpected weight {key!r} (only LoRA A/B of {sorted(_MODULE_NAMES)} and full weights "
+                       f"of {list(VOCAB_MODULES)} are supported)")
         layer, module, which = int(match[1]), match[2], match[3]
         if module not in targets:
             raise fail(f"weight {key!r} is for {module}, which target_modules does not list")
+        if not any(module in parts for parts in fused_projections(config.architecture).values()):
+            raise fail(f"weight {key!r} is for {module}, which a {config.architecture} does not have: wrong base "
+                       "model?")
         if layer >= config.num_layers:
             raise fail(f"weight {key!r}: the base model has {config.num_layers} layers")
         pairs.setdefault((layer, module), {})[which] = tensor
@@ -316,6 +375,4 @@ def _collect(tensors: dict[str, torch.Tensor], targets: set[str], rank: int, con
             raise fail(f"layer {layer} {module}: shapes A{tuple(a.shape)} B{tuple(b.shape)} do not fit the base "
                        f"model (expected A({rank}, {in_f}) B({out_f}, {rank})): wrong base model?")
         weights[(layer, module)] = (a.float(), b.float())
-    if not weights:
-        raise fail("no LoRA weights found")
     return weights

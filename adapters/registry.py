@@ -36,6 +36,7 @@ class AdapterInfo:
     content_hash: str
     confined: bool = False  # from an adapter root: every read follows no link (peft_format)
     target_modules: tuple[str, ...] = ()
+    modules_to_save: tuple[str, ...] = ()  # modules whose full weight the adapter brings (embed_tokens, lm_head)
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ class AdapterRegistry:
                 raise AdapterError(f"adapter {name!r} is already loaded (from {self._adapters[name].path})")
         weights = self._read(name, path, confined)  # slow part, unlocked
         info = AdapterInfo(name, weights.path, weights.rank, weights.content_hash, confined,
-                           tuple(sorted(weights.target_modules)))
+                           tuple(sorted(weights.target_modules)), tuple(sorted(weights.modules_to_save)))
         with self._lock:
             if name in self._adapters:
                 if not replace:
@@ -159,7 +160,7 @@ class AdapterRegistry:
             return len(self._cpu), self._cpu_bytes
 
     def _read(self, name: str, path: str, confined: bool) -> LoRAWeights:
-        return read_peft_adapter(name, path, self.config, self.max_lora_rank, self.dtype, confined)
+        return read_peft_adapter(name, path, self.config, self.max_lora_rank, self.dtype, confined, self._slots.base)
 
     def _cache(self, weights: LoRAWeights) -> None:
         self._drop(weights.name)

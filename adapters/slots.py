@@ -8,16 +8,24 @@ by memory (how many adapters may be resident at once), not by copy time.
 Where the Triton kernels run (CUDA, or forced with `LORAPLEX_KERNELS=triton`), a slot is a copy:
 each projection is a `StackedLoRA`, persistent device tensors the adapter is copied into (padded
 to `max_lora_rank`), so a step reads adapters with no per-step allocation or host copy.
+
+The embedding table and the LM head have a `VocabAdapters` each: per slot a LoRA and / or the adapter's
+own full weight. On the CPU those are the adapter's tensors; with stacked slots they are copied to the
+device when the slot is loaded (not preallocated: a full weight is vocab x hidden).
 """
 
 from __future__ import annotations
 
 import torch
 
+from typing import Callable
+
 from loraplex.adapters.peft_format import LoRAWeights, fused_offsets, module_shapes
+from loraplex.adapters.vocab_weights import BaseTables
 from loraplex.kernels.sgmv import LoRATable, StackedLoRA
 from loraplex.platform.config import ModelConfig
 from loraplex.platform.models import FUSED_PROJECTIONS
+from loraplex.platform.models.lora_embedding import VocabAdapters
 
 
 class LoRASlots:
@@ -37,6 +45,15 @@ class LoRASlots:
 
         self.layers: list[dict[str, LoRATable | StackedLoRA]] = [
             {fused: table(fused) for fused in FUSED_PROJECTIONS} for _ in range(config.num_layers)]
+        self.embedding, self.head = VocabAdapters.empty(max_loras), VocabAdapters.empty(max_loras)
+        self.device = (device or torch.device("cpu")) if self.stacked else None  # None: the adapters' own tensors
+        self.base: BaseTables | None = None  # set by the model (`set_base`), for adapters read after that
+
+    def set_base(self, dtype: torch.dtype, dense: Callable[[str], torch.Tensor],
+                 served: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:
+        """The served model's embedding table and head (`dense(module)`: [vocab, hidden]), which an adapter's
+        copies of them are checked against when it is read (`vocab_weights.BaseTables`)."""
+        self.base = BaseTables(dtype, dense, served)
 
     @property
     def null_slot(self) -> int | None:
@@ -51,8 +68,26 @@ class LoRASlots:
                     table.clear(slot)
                 else:
                     table.set(slot, pair[0], pair[1], lora.scaling)
+        self._load_vocab(slot, lora)
+
+    def _load_vocab(self, slot: int, lora: LoRAWeights) -> None:
+        moved: dict[int, torch.Tensor] = {}  # a full weight both modules share is copied once
+
+        def put(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None or self.device is None:
+                return t
+            if id(t) not in moved:
+                moved[id(t)] = t.to(self.device)
+            return moved[id(t)]
+
+        for table, lora_pair, module in ((self.embedding, lora.embedding, "embed_tokens"),
+                                         (self.head, lora.head, "lm_head")):
+            pair = None if lora_pair is None else (put(lora_pair[0]), put(lora_pair[1]))
+            table.set(slot, pair, lora.scaling, put(lora.replacements.get(module)))
 
     def clear(self, slot: int) -> None:
         for layer in self.layers:
             for table in layer.values():
                 table.clear(slot)
+        self.embedding.clear(slot)
+        self.head.clear(slot)

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from loraplex.api import openai_format as fmt
+from loraplex.grammar.tools import ToolCallError
 from loraplex.platform.engine_client import (AdapterInUseError, ClientTooSlowError, EngineDeadError,
                                              QueueFullError, StepFailedError, UnknownAdapterError)
 
@@ -24,10 +25,11 @@ class APIError(Exception):
         self.status, self.message, self.param = status, message, param
 
 
-# engine-side failures, most specific first; any other ValueError is the request's own fault
+# engine-side failures, most specific first; any other ValueError is the request's own fault (a
+# malformed tool call is the output's: under the grammar it is a bug, reported, never hidden)
 _STATUSES = ((UnknownAdapterError, 404, "model"), (AdapterInUseError, 409, None), (QueueFullError, 429, None),
              (EngineDeadError, 503, None), (StepFailedError, 500, None), (ClientTooSlowError, 408, None),
-             (ValueError, 400, None))
+             (ToolCallError, 500, None), (ValueError, 400, None))
 
 
 def as_api_error(exc: BaseException) -> APIError:
@@ -35,6 +37,8 @@ def as_api_error(exc: BaseException) -> APIError:
         return exc
     for kind, status, param in _STATUSES:
         if isinstance(exc, kind):
+            if kind is ToolCallError:
+                log.error("an output's tool calls could not be read back: %s", exc)
             return APIError(status, str(exc), param)
     log.exception("unexpected error", exc_info=exc)
     return APIError(500, "internal server error; see the server log")

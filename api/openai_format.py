@@ -163,6 +163,7 @@ class _Stream:
         self.completion_tokens: dict[int, int] = {}
 
     def chunks(self, prompt_index: int, out: RequestOutput) -> list[dict]:
+        self.view.saw(prompt_index, out)
         self.prompt_tokens[prompt_index] = len(out.prompt_token_ids)
         if out.prompt_logprobs is not None:
             self.view.prompts[prompt_index] = out
@@ -173,7 +174,7 @@ class _Stream:
                 continue
             self.completion_tokens[choice] = self.completion_tokens.get(choice, 0) + len(o.token_ids)
             first = choice not in self.started
-            if o.text or first or o.finish_reason or o.token_ids:
+            if o.text or o.reasoning_text or first or o.finish_reason or o.token_ids:
                 chunk = self.view.chunk(choice, prompt_index, o, o.text, first, self.include_usage)
                 if first and out.unenforced:
                     chunk["unenforced_keywords"] = list(out.unenforced)
@@ -206,6 +207,8 @@ class _Base:
                 "model": self.model}
 
     def response(self, outputs: list[RequestOutput]) -> dict:
+        for i, out in enumerate(outputs):
+            self.saw(i, out)
         self.prompts = {i: out for i, out in enumerate(outputs) if out.prompt_logprobs is not None}
         choices = [self.choice(i * self.n + o.index, i, o) for i, out in enumerate(outputs) for o in out.outputs]
         usage = _usage(sum(len(out.prompt_token_ids) for out in outputs),
@@ -217,6 +220,9 @@ class _Base:
     def top_level(self, prompt_index: int) -> dict:
         """Fields beside the choices (in a stream: in the prompt's first chunk)."""
         return {}
+
+    def saw(self, prompt_index: int, out: RequestOutput) -> None:
+        """A streamed output of prompt `prompt_index` arrived (before its chunks are made)."""
 
     def stream(self, include_usage: bool) -> _Stream:
         return _Stream(self, include_usage)
@@ -268,11 +274,18 @@ class ChatView(_Base):
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, model: str, n: int, top_logprobs: int | None, tools: bool = False) -> None:
+    def __init__(self, model: str, n: int, top_logprobs: int | None, tools: bool = False,
+                 reasoning: bool = False) -> None:
         super().__init__(model, n)
         self.top_logprobs = top_logprobs  # None: no logprobs
         self.tools = tools  # the output is read for tool calls (grammar/tools.py)
+        self.reasoning = reasoning  # the output's reasoning is its own field (--reasoning-parser)
+        self._formats: dict[int, str] = {}  # per prompt: the tool-call format its calls are read in
         self._parsers: dict[int, ToolCallParser] = {}  # per streamed choice
+
+    def saw(self, prompt_index: int, out: RequestOutput) -> None:
+        if out.tool_call_format is not None:
+            self._formats[prompt_index] = out.tool_call_format
 
     def top_level(self, prompt_index: int) -> dict:
         """vLLM's chat response carries the (one) prompt's logprobs beside the choices."""
@@ -282,9 +295,11 @@ class ChatView(_Base):
     def choice(self, index: int, prompt_index: int, o: CompletionOutput) -> dict:
         lps = chat_logprobs(o, self.top_logprobs) if o.logprobs is not None else None
         message: dict = {"role": "assistant", "content": o.text}
+        if self.reasoning:  # as vLLM: a part the output does not have is null
+            message["reasoning_content"], message["content"] = o.reasoning_text or None, o.text or None
         finish = o.finish_reason
         if self.tools:
-            content, calls = parse_tool_calls(o.text)
+            content, calls = parse_tool_calls(o.text, self._formats.get(prompt_index, "hermes"))
             message["content"] = content
             if calls:
                 message["tool_calls"] = [_tool_call(c.id, c.name, c.arguments) for c in calls]
@@ -295,23 +310,31 @@ class ChatView(_Base):
     def chunk(self, index: int, prompt_index: int, o: CompletionOutput, delta: str, first: bool,
               include_usage: bool) -> dict:
         message: dict = {"role": "assistant"} if first else {}
+        if o.reasoning_text:
+            message["reasoning_content"] = o.reasoning_text
         finish = o.finish_reason
         if self.tools:
-            parser = self._parsers.setdefault(index, ToolCallParser())
-            content, calls = parser.feed(delta, final=finish is not None)
-            if content or first:
-                message["content"] = content
-            if calls:
-                message["tool_calls"] = calls
-            if finish is not None:
-                finish = "tool_calls" if finish == "stop" and any(c.complete for c in parser.calls) else finish
-                del self._parsers[index]
-        else:
+            finish = self._tool_deltas(message, index, prompt_index, delta, first, finish)
+        elif delta or first or not o.reasoning_text:  # a reasoning-only delta carries no content
             message["content"] = delta
         lps = chat_logprobs(o, self.top_logprobs) if o.logprobs is not None else None
         choice = {"index": index, "delta": message, "logprobs": lps, "finish_reason": finish,
                   "stop_reason": o.stop_reason}
         return {**self.envelope(chunk=True), "choices": [choice], **({"usage": None} if include_usage else {})}
+
+    def _tool_deltas(self, message: dict, index: int, prompt_index: int, delta: str, first: bool,
+                     finish: str | None) -> str | None:
+        """The content and `tool_calls` deltas the parser is sure of; the finish reason."""
+        parser = self._parsers.setdefault(index, ToolCallParser(self._formats.get(prompt_index, "hermes")))
+        content, calls = parser.feed(delta, final=finish is not None)
+        if content or first:
+            message["content"] = content
+        if calls:
+            message["tool_calls"] = calls
+        if finish is not None:
+            finish = "tool_calls" if finish == "stop" and any(c.complete for c in parser.calls) else finish
+            del self._parsers[index]
+        return finish
 
 
 def _tool_call(call_id: str, name: str, arguments: str) -> dict:

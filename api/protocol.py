@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from loraplex.grammar.backend import GrammarError, StructuredOutputs
+from loraplex.grammar.reasoning import Reasoning
 from loraplex.grammar.tools import Function, ToolCalls
 from loraplex.platform.request import SamplingParams
 
@@ -80,7 +81,8 @@ IGNORED = {"user": "an end-user id for OpenAI's abuse monitoring", "metadata": "
            "store": "OpenAI's stored completions", "safety_identifier": "an end-user id for OpenAI's abuse monitoring",
            "prompt_cache_key": "our prefix cache needs no key", "prompt_cache_retention": "our prefix cache has no "
            "retention setting", "prompt_cache_options": "our prefix cache has no options",
-           "service_tier": "one tier here", "reasoning_effort": "the models served do not reason",
+           "service_tier": "one tier here", "reasoning_effort": "no model here takes an effort level "
+           "(max_reasoning_tokens bounds the reasoning under --reasoning-parser)",
            "verbosity": "the models served have no verbosity setting"}
 # OpenAI fields not implemented: refused with a 400 naming them, unless given their no-op value.
 REFUSED = {"functions": ("the deprecated functions field is not supported (send tools)", ([],)),
@@ -144,18 +146,22 @@ class _SamplingFields(_Body):
                 raise PydanticCustomError("refused_field", "{field}: {why}", {"field": name, "why": why})
         return {k: v for k, v in data.items() if k not in REFUSED}  # what is left is a no-op
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
-                        ) -> SamplingParams:
-        """Raises ValueError naming the field for out-of-range values."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                        tool_format: str = "hermes", reasoning_parser: str | None = None) -> SamplingParams:
+        """Raises ValueError naming the field for out-of-range values. `tool_format` and
+        `reasoning_parser`: the server's (chat only)."""
         given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                                                 "frequency_penalty", "repetition_penalty")
                  if getattr(self, k) is not None}
         return SamplingParams(n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, seed=self.seed,
                               stop=self.stop, stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
                               logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-                              structured=self.structured(), logit_bias=self._logit_bias(),
+                              structured=self.structured(tool_format), logit_bias=self._logit_bias(),
                               include_stop_str_in_output=self.include_stop_str_in_output,
-                              prompt_logprobs=prompt_logprobs, **given)
+                              prompt_logprobs=prompt_logprobs, reasoning=self.reasoning(reasoning_parser), **given)
+
+    def reasoning(self, parser: str | None) -> Reasoning | None:
+        return None
 
     def _logit_bias(self) -> dict[int, float] | None:
         """OpenAI sends token ids as JSON object keys, so strings."""
@@ -166,7 +172,7 @@ class _SamplingFields(_Body):
         except ValueError:
             raise ValueError(f"logit_bias keys must be token ids, got {list(self.logit_bias)[:3]}") from None
 
-    def structured(self) -> StructuredOutputs | None:
+    def structured(self, tool_format: str = "hermes") -> StructuredOutputs | None:
         specs = []
         if self.response_format is not None and self.response_format.type != "text":
             if self.response_format.type == "json_object":
@@ -337,6 +343,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    max_reasoning_tokens: int | None = None  # ours: the reasoning's budget, then its close tag is forced
 
     def chat_messages(self) -> list[dict]:
         return chat_dicts(self.messages)
@@ -354,9 +361,9 @@ class ChatCompletionRequest(_SamplingFields):
             return None
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
-    def tool_calls(self) -> ToolCalls | None:
-        """The calls the grammar allows: `required` / a named function constrain the whole
-        output, `auto` the call once the model starts one."""
+    def tool_calls(self, format: str = "hermes") -> ToolCalls | None:
+        """The calls the grammar allows, in `format`: `required` / a named function constrain
+        the whole output, `auto` the call once the model starts one."""
         choice = self._tool_choice()
         if choice == "none":
             return None
@@ -374,14 +381,14 @@ class ChatCompletionRequest(_SamplingFields):
             if not named:
                 raise ValueError(f"tool_choice names {choice.function.name!r}, which is not one of the tools "
                                  f"({[f.name for f in functions]})")
-            return ToolCalls(tuple(named), required=True, parallel=False)
+            return ToolCalls(tuple(named), required=True, parallel=False, format=format)
         try:
-            return ToolCalls(tuple(functions), required=choice == "required", parallel=parallel)
+            return ToolCalls(tuple(functions), required=choice == "required", parallel=parallel, format=format)
         except GrammarError as exc:
             raise ValueError(str(exc)) from None
 
-    def structured(self) -> StructuredOutputs | None:
-        calls = self.tool_calls()
+    def structured(self, tool_format: str = "hermes") -> StructuredOutputs | None:
+        calls = self.tool_calls(tool_format)
         spec = super().structured()
         if calls is None:
             return spec
@@ -389,6 +396,14 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("response_format / structured_outputs cannot be combined with tools "
                              "unless tool_choice is \"none\"")
         return StructuredOutputs(tools=calls)
+
+    def reasoning(self, parser: str | None) -> Reasoning | None:
+        """The server's reasoning parser, with this request's budget."""
+        if parser is None:
+            if self.max_reasoning_tokens is not None:
+                raise ValueError("max_reasoning_tokens needs a reasoning parser (loraplex serve --reasoning-parser)")
+            return None
+        return Reasoning(parser, self.max_reasoning_tokens)
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -23,8 +23,10 @@ async def chat(body: ChatCompletionRequest, request: Request, state: ServerState
     with bad_input("messages"):
         ids = await client.tokenize_chat(messages, body.add_generation_prompt, body.chat_template_kwargs, tools)
     max_tokens = given(body.max_completion_tokens, given(body.max_tokens, client.default_max_tokens(ids)))
+    config = state.config
     with bad_input():
-        params = body.sampling_params(max_tokens, body.num_logprobs(), body.prompt_logprobs)
+        params = body.sampling_params(max_tokens, body.num_logprobs(), body.prompt_logprobs, config.tool_call_parser,
+                                      config.reasoning_parser)
     calls_tools = params.structured is not None and params.structured.kind == "tools"
-    view = fmt.ChatView(body.model, body.n, body.top_logprobs or 0, calls_tools)
+    view = fmt.ChatView(body.model, body.n, body.top_logprobs or 0, calls_tools, params.reasoning is not None)
     return await respond(state, request, body, [ids], [params], adapter, view)

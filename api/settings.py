@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from loraplex.grammar.reasoning import PARSERS as REASONING_PARSERS
+from loraplex.grammar.tools import PARSERS as TOOL_CALL_PARSERS
+
 ROUTINGS = ("adapter", "round-robin")  # round-robin: Ray's RoundRobinRouter, adapter-blind (the baseline)
 
 
@@ -39,6 +42,21 @@ class ServerConfig:
     shutdown_timeout_s: float = setting(30.0, "on SIGTERM, seconds in-flight requests get to finish",
                                         flag="--shutdown-timeout")
     enable_ui: bool = setting(True, "no web console at /ui", flag="--disable-ui", invert=True)
+    tool_call_parser: str = setting("auto", "the format tool calls are written and read in (vLLM's names); auto: "
+                                            "from the markers in the chat template (hermes without any)",
+                                    choices=[*TOOL_CALL_PARSERS, "auto"])
+    reasoning_parser: str | None = setting(None, "the model thinks in <think>...</think> first: split into "
+                                                 "reasoning_content and content, response_format and tool calls "
+                                                 "apply after it, max_reasoning_tokens bounds it (vLLM's names)",
+                                           choices=list(REASONING_PARSERS))
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser not in (*TOOL_CALL_PARSERS, "auto"):
+            raise ValueError(f"tool_call_parser must be one of {[*TOOL_CALL_PARSERS, 'auto']}, "
+                             f"got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {list(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
 
     @property
     def url(self) -> str:

@@ -43,7 +43,8 @@ def _depth(value) -> int:
 @dataclass(frozen=True)
 class StructuredOutputs:
     """Exactly one of: a JSON Schema, any JSON object, a regex, a list of choices, an EBNF grammar,
-    tool calls (`grammar/tools.py`)."""
+    tool calls (`grammar/tools.py`); after `reasoning` (grammar/reasoning.py) if given, which
+    alone means free text after it (kind "text": the reasoning's budget is all there is)."""
 
     json: dict | str | None = None
     json_object: bool = False
@@ -53,11 +54,12 @@ class StructuredOutputs:
     any_whitespace: bool = False  # JSON: allow free whitespace (bounded otherwise)
     strict: bool = True  # JSON Schema: refuse what cannot be enforced exactly (else drop it, and say so)
     tools: Any = None  # grammar.tools.ToolCalls: each function's own `strict` applies
+    reasoning: Any = None  # grammar.reasoning.Reasoning: the constrained part starts after it
 
     def __post_init__(self) -> None:
         given = [k for k in ("json", "regex", "choice", "grammar", "tools") if getattr(self, k) is not None]
         given += ["json_object"] if self.json_object else []
-        if len(given) != 1:
+        if len(given) != 1 and not (not given and self.reasoning is not None):
             raise GrammarError(f"structured outputs need exactly one of json, json_object, regex, choice, "
                                f"grammar, tools; got {given or 'none'}")
         if isinstance(self.json, str):
@@ -100,13 +102,13 @@ class StructuredOutputs:
         for kind in ("json", "regex", "choice", "grammar", "tools"):
             if getattr(self, kind) is not None:
                 return kind
-        return "json_object"
+        return "json_object" if self.json_object else "text"
 
     @property
     def key(self) -> str:
-        spec = self.tools.key_payload() if self.tools is not None else getattr(self, self.kind)
-        payload = {"kind": self.kind, "spec": spec, "ws": self.any_whitespace,
-                   "strict": self.strict}
+        spec = self.tools.key_payload() if self.tools is not None else getattr(self, self.kind, None)
+        payload = {"kind": self.kind, "spec": spec, "ws": self.any_whitespace, "strict": self.strict,
+                   "reasoning": self.reasoning.key_payload() if self.reasoning is not None else None}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 

@@ -4,10 +4,15 @@ per sequence, writing the same packed bitmask as xgrammar.
 llguidance says what it cannot enforce instead of ignoring it ("Unimplemented keys", a `oneOf`
 whose branches it cannot prove disjoint, an unknown `format`): those become a refusal naming the
 keyword. Its JSON has no whitespace between tokens unless `any_whitespace` asks for it.
+
+Tool calls are Lark written per format (grammar/tool_formats.py); a spec with `reasoning` is
+Lark too: the reasoning (grammar/reasoning.py), then the spec's own grammar as a subgrammar
+(tool calls and free text inline).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -16,7 +21,7 @@ import llguidance.hf
 import llguidance.torch
 import torch
 
-from loraplex.grammar import tools
+from loraplex.grammar import reasoning, tools
 from loraplex.grammar.backend import CompileCache, GrammarError, StructuredOutputs
 from loraplex.grammar.json_schema import UnsupportedKeywordError, find_keyword
 
@@ -73,6 +78,27 @@ class LLGuidanceGrammar:
         return ""
 
 
+class Markers:
+    """Marker texts (`<tool_call>`, `</think>`, ...) as Lark writes them for this tokenizer: the
+    model's own token where one token is the marker (llguidance treats added tokens as special
+    and keeps them out of text), else the text."""
+
+    def __init__(self, hf_tokenizer, ll_tokenizer: llguidance.LLTokenizer) -> None:
+        self._hf, self._ll = hf_tokenizer, ll_tokenizer
+        self._tokens: dict[str, int | None] = {}
+
+    def token(self, text: str) -> int | None:
+        if text not in self._tokens:
+            ids = self._hf.encode(text, add_special_tokens=False)
+            special = len(ids) == 1 and self._hf.decode(ids) == text and self._ll.is_special_token(ids[0])
+            self._tokens[text] = ids[0] if special else None
+        return self._tokens[text]
+
+    def __call__(self, text: str) -> str:
+        token = self.token(text)
+        return f"<[{token}]>" if token is not None else json.dumps(text)
+
+
 class LLGuidanceBackend:
     name = "llguidance"
 
@@ -81,6 +107,7 @@ class LLGuidanceBackend:
         stops = list(stop_token_ids) or [tokenizer.eos_token_id]
         self.stop_token_ids = frozenset(stops)
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stops)
+        self.markers = Markers(tokenizer, self.tokenizer)
         self._cache = CompileCache(MAX_CACHED)
 
     def compile(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
@@ -100,6 +127,8 @@ class LLGuidanceBackend:
     def _grammar(self, spec: StructuredOutputs) -> str:
         options = {"whitespace_flexible": spec.any_whitespace, "coerce_one_of": False}
         try:
+            if spec.reasoning is not None:
+                return self._after_reasoning(spec)
             if spec.kind == "json":
                 return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(spec.json), defaults=options)
             if spec.kind == "json_object":
@@ -110,13 +139,41 @@ class LLGuidanceBackend:
                 return llguidance.LLMatcher.grammar_from_lark(
                     "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice))
             if spec.kind == "tools":
-                return llguidance.LLMatcher.grammar_from_lark(tools.lark_grammar(spec.tools))
+                return _lark(["start: tool_calls", *tools.lark_rules(spec.tools, self.markers)])
             return llguidance.LLMatcher.grammar_from_lark(lark_grammar(spec.grammar))
         except (ValueError, TypeError) as exc:
             raise GrammarError(f"invalid {spec.kind}: {exc}") from None
 
+    def _after_reasoning(self, spec: StructuredOutputs) -> str:
+        """The reasoning, then what the spec constrains: tool calls and free text inline, any
+        other kind as its own grammar, named `body`."""
+        before, rules = reasoning.lark_rules(spec.reasoning, self.markers)
+        if spec.kind == "tools":
+            return _lark([f"start: {before} tool_calls", *rules, *tools.lark_rules(spec.tools, self.markers)])
+        if spec.kind == "text":
+            return _lark([f"start: {before} RS_TEXT", *rules, "RS_TEXT: /(.|\\n)*/"])
+        body = _grammars(self._grammar(dataclasses.replace(spec, reasoning=None)))
+        body[0] = {**body[0], "name": "body"}
+        outer = _lark([f"start: {before} @body", *rules])
+        return json.dumps({"grammars": [{"lark_grammar": outer}, *body]})
+
     def new_grammar(self, compiled: llguidance.LLMatcher, json_like: bool = False) -> LLGuidanceGrammar:
         return LLGuidanceGrammar(compiled.deep_copy(), self.stop_token_ids)
+
+
+def _lark(lines: list[str]) -> str:
+    return llguidance.LLMatcher.grammar_from_lark("\n".join(["%llguidance {}", *lines]))
+
+
+def _grammars(grammar: str) -> list[dict]:
+    """A grammar as llguidance's list of grammars (its JSON form, or one Lark text)."""
+    try:
+        parsed = json.loads(grammar)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict) and "grammars" in parsed:
+        return list(parsed["grammars"])
+    return [{"lark_grammar": grammar}]
 
 
 def lark_grammar(text: str) -> str:

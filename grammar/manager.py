@@ -14,6 +14,10 @@ so passing a refused spec on is sound). All write the same packed bitmask. Befor
 a JSON Schema is rewritten exactly (grammar/json_schema.py `normalize`); with `strict: false`
 a keyword the first backend refuses is dropped and listed (`Compiled.unenforced`), one at a
 time. Every finished JSON output is checked against the schema as given (`Compiled.violation`).
+
+Tool calls and specs after a reasoning prefix (grammar/reasoning.py) are llguidance Lark; the
+latter's matchers are wrapped in a `ReasoningGate` (the reasoning budget, and no closing steer
+while the model thinks).
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ import xgrammar as xgr
 
 from loraplex.grammar.backend import Grammar, GrammarBackend, GrammarError, StructuredOutputs
 from loraplex.grammar.json_schema import UnsupportedKeywordError, normalize, relaxed
-from loraplex.grammar.tools import ToolCalls, parse_tool_calls
+from loraplex.grammar.reasoning import CLOSE, ReasoningGate
+from loraplex.grammar.tool_formats import tool_format
+from loraplex.grammar.tools import ToolCallError, ToolCalls, parse_tool_calls
 
 BACKENDS = ("xgrammar", "llguidance", "outlines", "auto")
 AUTO_ORDER = ("llguidance", "xgrammar", "outlines")
@@ -93,7 +99,10 @@ class Compiled:
     def _tools_violation(self, text: str) -> str | None:
         """Each call's arguments against its function's parameters as the request gave them."""
         calls: ToolCalls = self.original
-        _, parsed = parse_tool_calls(text)
+        try:
+            _, parsed = parse_tool_calls(text, calls.format)
+        except ToolCallError as exc:
+            return str(exc)
         if calls.required and not parsed:
             return "no complete tool call"
         if not calls.parallel and len(parsed) > 1:
@@ -139,8 +148,10 @@ class GrammarManager:
         self._lock = threading.Lock()
         self.max_compiles = max_compiles
         self._running = threading.BoundedSemaphore(max_compiles)
-        self.closing_tokens = _closing_tokens(tokenizer, stop_token_ids, vocab_size)
+        self.token_texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+        self.closing_tokens = _closing_tokens(self.token_texts, stop_token_ids, vocab_size)
         self._closers: dict[torch.device, torch.Tensor] = {}
+        self.close_ids = tokenizer.encode(CLOSE, add_special_tokens=False)  # what a reasoning budget forces
 
 
     def _get(self, name: str) -> GrammarBackend:
@@ -188,10 +199,16 @@ class GrammarManager:
             return (self.backend_name,)
         return tuple(name for name in AUTO_ORDER if spec.kind in KINDS[name])
 
-    def _compile(self, spec: StructuredOutputs) -> Compiled:
+    def _llguidance_only(self, what: str) -> None:
+        if self.backend_name not in ("auto", "llguidance"):
+            raise GrammarError(f"{what} need the llguidance grammar backend (this server runs {self.backend_name})")
+
+    def _compile(self, spec: StructuredOutputs, order: tuple[str, ...] | None = None) -> Compiled:
+        if spec.reasoning is not None:
+            return self._compile_reasoning(spec)
         if spec.kind == "tools":
             return self._compile_tools(spec)
-        order = self.order(spec)
+        order = order or self.order(spec)
         try:
             compiled = self._first_that_compiles(spec, order)
         except UnsupportedKeywordError as refused:
@@ -203,21 +220,20 @@ class GrammarManager:
 
     def _compile_tools(self, spec: StructuredOutputs) -> Compiled:
         """Tool calls: llguidance only (the grammar is Lark with inline schemas). Each function's
-        parameters go through the same rewrites, refusals and `strict: false` relaxing as a
-        response_format schema, then the whole grammar is compiled."""
-        if self.backend_name not in ("auto", "llguidance"):
-            raise GrammarError(f"tool calls need the llguidance grammar backend (this server runs "
-                               f"{self.backend_name})")
+        parameters go through the format's own refusals, then the same rewrites, refusals and
+        `strict: false` relaxing as a response_format schema; then the whole grammar compiles."""
+        self._llguidance_only("tool calls")
         functions, unenforced = [], []
         for function in spec.tools.functions:
-            alone = StructuredOutputs(json=function.object_schema(), strict=function.strict)
             try:
+                schema, dropped = self._format_schema(spec.tools.format, function)
+                alone = StructuredOutputs(json=schema, strict=function.strict)
                 try:
-                    compiled = self._first_that_compiles(alone, ("llguidance",))
+                    compiled = self._first_that_compiles(alone, ("llguidance",), dropped)
                 except UnsupportedKeywordError as refused:
                     if function.strict:
                         raise
-                    compiled = self._relax(alone, "llguidance", refused)
+                    compiled = self._relax(alone, "llguidance", refused, dropped)
             except GrammarError as exc:
                 raise GrammarError(f"tool {function.name} parameters: {exc}") from None
             functions.append(dataclasses.replace(function, parameters=compiled.spec.json))
@@ -225,6 +241,35 @@ class GrammarManager:
         exact = dataclasses.replace(spec, tools=dataclasses.replace(spec.tools, functions=tuple(functions)))
         compiled = Compiled(exact, "llguidance", self._get("llguidance").compile(exact), tuple(unenforced))
         compiled.original = spec.tools
+        return compiled
+
+    def _format_schema(self, format: str, function) -> tuple[dict, list[str]]:
+        """The function's arguments schema as its format can write it: what the format refuses
+        raises, or under `strict: false` is dropped and listed."""
+        fmt, dropped = tool_format(format), []
+        schema = fmt.arguments_schema(function)
+        for _ in range(MAX_RELAXED):
+            refused = fmt.refusal(schema)
+            if refused is None:
+                return schema, dropped
+            lighter = relaxed(schema, refused.keyword, refused.path) \
+                if isinstance(refused, UnsupportedKeywordError) and not function.strict else None
+            if lighter is None:
+                raise refused
+            dropped.append(f"{refused.keyword} at {refused.path}")
+            schema = lighter
+        raise GrammarError(f"more than {MAX_RELAXED} keywords to drop")
+
+    def _compile_reasoning(self, spec: StructuredOutputs) -> Compiled:
+        """A spec after reasoning: the spec compiled alone by llguidance (its refusals, its
+        relaxing), then the whole as one Lark grammar (grammar/reasoning.py)."""
+        self._llguidance_only("structured outputs after reasoning (--reasoning-parser)")
+        alone = None if spec.kind == "text" else self._compile(dataclasses.replace(spec, reasoning=None),
+                                                               ("llguidance",))
+        exact = dataclasses.replace(alone.spec if alone is not None else spec, reasoning=spec.reasoning)
+        compiled = Compiled(exact, "llguidance", self._get("llguidance").compile(exact),
+                            alone.unenforced if alone is not None else ())
+        compiled.original = alone.original if alone is not None else None
         return compiled
 
     def _first_that_compiles(self, spec: StructuredOutputs, order: tuple[str, ...], unenforced=()) -> Compiled:
@@ -240,10 +285,11 @@ class GrammarManager:
             first = first or error
         raise first
 
-    def _relax(self, spec: StructuredOutputs, backend: str, refused: UnsupportedKeywordError) -> Compiled:
+    def _relax(self, spec: StructuredOutputs, backend: str, refused: UnsupportedKeywordError,
+               unenforced: list[str] | None = None) -> Compiled:
         """strict: false: drop what `backend` refuses, one keyword at a time, and list it."""
         spec = _normalized(spec, deep=backend == "llguidance")
-        unenforced = []
+        unenforced = list(unenforced or [])
         for _ in range(MAX_RELAXED):
             schema = relaxed(spec.json, refused.keyword, refused.path)
             if schema is None:
@@ -257,8 +303,12 @@ class GrammarManager:
         raise refused
 
     def new_grammar(self, compiled: Compiled) -> Grammar:
-        return self._get(compiled.backend).new_grammar(compiled.grammar, json_like=compiled.spec.kind in
-                                                       ("json", "json_object"))
+        spec = compiled.spec
+        grammar = self._get(compiled.backend).new_grammar(compiled.grammar, json_like=spec.kind in
+                                                          ("json", "json_object") and spec.reasoning is None)
+        if spec.reasoning is not None:
+            grammar = ReasoningGate(grammar, spec.reasoning, self.close_ids, self.token_texts)
+        return grammar
 
     def apply(self, logits: torch.Tensor, grammars: list[Grammar | None], closing: list[bool] | None = None) -> None:
         """Mask each constrained row of `logits` in place to the tokens its grammar allows; a
@@ -283,7 +333,8 @@ class GrammarManager:
             xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows)
         else:  # plain tensor ops on the device: no kernel build, no host read
             apply_bitmask(logits, _on(bitmask, logits.device), rows, vocab_size)
-        steer = [i for i in rows if closing is not None and closing[i]]
+        # a reasoning (a ReasoningGate that is `thinking`) is free text: never steered to JSON closers
+        steer = [i for i in rows if closing is not None and closing[i] and not getattr(grammars[i], "thinking", False)]
         if steer:
             self._steer_to_closing(logits, steer)
 
@@ -314,9 +365,8 @@ def _on(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
 
-def _closing_tokens(tokenizer, stop_token_ids: list[int], vocab_size: int) -> torch.Tensor:
+def _closing_tokens(texts: list[str], stop_token_ids: list[int], vocab_size: int) -> torch.Tensor:
     """Tokens made only of JSON closers (`"`, `]`, `}`), and the stop tokens."""
-    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
     ids = [i for i, text in enumerate(texts) if text.strip() and set(text.strip()) <= set('"]}')]
     return torch.tensor(sorted(i for i in set(ids) | set(stop_token_ids) if i < vocab_size), dtype=torch.long,
                         device="cpu")

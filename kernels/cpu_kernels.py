@@ -221,10 +221,12 @@ def _f16c() -> bool:
 
 def paged_attention_c(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                      token_request: torch.Tensor, scale: float) -> torch.Tensor:
+                      token_request: torch.Tensor, scale: float, sliding_window: int | None = None,
+                      softcap: float | None = None) -> torch.Tensor:
     """query [T, Hq, D] -> [T, Hq, D] in its dtype (the math in float32); caches [num_blocks,
     block_size, Hkv, D], float32, bfloat16 or float16; index tensors int64 on the CPU;
-    token_request [T] is each query token's request row."""
+    token_request [T] is each query token's request row. `sliding_window`: a query sees only the last
+    that many positions (blocks before them are never read); `softcap`: scores capped as cap * tanh(s / cap)."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     dtype = query.dtype
@@ -237,7 +239,7 @@ def paged_attention_c(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     out = torch.empty_like(query)
     ops.paged_attention_f32(query, k_cache, v_cache, tables, tables.shape[1], seq_lens, query_start_loc,
                             token_request, num_tokens, num_heads, num_kv_heads, head_dim, k_cache.shape[1], scale,
-                            KV_KINDS[k_cache.dtype], KV_KINDS[query.dtype], out)
+                            sliding_window or 0, softcap or 0.0, KV_KINDS[k_cache.dtype], KV_KINDS[query.dtype], out)
     return out.to(dtype)
 
 

@@ -112,8 +112,9 @@ DECLARATIONS = (
         Tensor("query", XY, "num_tokens * num_heads * head_dim"), Tensor("k_cache", KV), Tensor("v_cache", KV),
         Tensor("block_tables", (I64_T,)), I64("table_width"), Tensor("seq_lens", (I64_T,)),
         Tensor("query_start", (I64_T,)), Tensor("token_request", (I64_T,), "num_tokens"), I64("num_tokens"),
-        I64("num_heads"), I64("num_kv_heads"), I64("head_dim"), I64("block_size"), Float("scale"), Int("kv_kind"),
-        Int("q_kind"), Tensor("out", XY, "num_tokens * num_heads * head_dim"))),
+        I64("num_heads"), I64("num_kv_heads"), I64("head_dim"), I64("block_size"), Float("scale"),
+        I64("window"), Float("softcap"),  # sliding window (0: none), soft cap of the scores (0: none)
+        Int("kv_kind"), Int("q_kind"), Tensor("out", XY, "num_tokens * num_heads * head_dim"))),
     _sgmv("sgmv_lora_table_f32", F32),
     _sgmv("sgmv_lora_table_bf16", BF16),
     _sgmv("sgmv_lora_table_f32_bf16w", F32),

@@ -109,12 +109,16 @@ class RopeKVWrite(CustomOp):
 
 class PagedAttention(nn.Module):
     """Attention of each query token over its request's paged context (`kernels/paged_attention.py` chooses
-    the kernel once from the config)."""
+    the kernel once from the config). `sliding_window` W: a key at position k is visible to a query at q iff
+    k <= q and q - k < W (None: every k <= q); `softcap` c: the scaled scores become c tanh(s / c) before
+    masking (Gemma 2). Both are bound into the kernel here, so a layer without them runs the plain one."""
 
-    def __init__(self, scale: float, config: KernelConfig) -> None:
+    def __init__(self, scale: float, config: KernelConfig, sliding_window: int | None = None,
+                 softcap: float | None = None) -> None:
         super().__init__()
         self.scale = scale
-        self.kernel = attention_kernel(config)
+        self.sliding_window, self.softcap = sliding_window, softcap
+        self.kernel = attention_kernel(config, sliding_window, softcap)
 
     def forward(self, q, k_cache, v_cache, meta: PagedAttentionMetadata) -> torch.Tensor:
         return self.kernel(q, k_cache, v_cache, meta, self.scale)

@@ -7,10 +7,17 @@ prefill chunks take the reference, whose SDPA wins there. The reference gathers 
 blocks into a padded [batch, context] view and runs one SDPA call with a lower-right causal
 mask (a chunk of queries sees the cached context plus itself; `is_causal=True` would be
 top-left aligned, wrong whenever the query is shorter than the keys).
+
+A layer may have a sliding window W (a key at position k is visible to a query at q iff k <= q and
+q - k < W, transformers' sliding-window mask) and a soft cap c (scaled scores become c tanh(s / c)
+before masking, as Gemma 2). Every kernel starts its walk at the window, so blocks before it, which the
+KV manager frees, are never read; both are bound into the kernel a layer picks once (`attention_kernel`).
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +41,7 @@ class PagedAttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
-    _reference: tuple | None = None  # derived once per step for the PyTorch path, shared by all layers
+    _reference: dict | None = None  # window -> view, derived once per step for the PyTorch path, shared by layers
     _cpu_parts: tuple | None = None  # derived once per step for the CPU dispatch
 
     @staticmethod
@@ -50,21 +57,43 @@ class PagedAttentionMetadata:
         return PagedAttentionMetadata(slot_mapping, block_tables, seq_lens, query_start_loc, max_query_len,
                                       max_seq_len, block_size)
 
-    def reference_view(self) -> tuple:
-        """(query_batch, query_pos, attn_mask, used block tables) for the PyTorch path."""
-        if self._reference is None:
-            starts = self.query_start_loc
-            query_lens = starts[1:] - starts[:-1]
-            num_tokens = int(starts[-1])
-            query_batch = torch.repeat_interleave(torch.arange(len(query_lens), device=starts.device), query_lens,
-                                                  output_size=num_tokens)
-            query_pos = torch.arange(num_tokens, device=starts.device) - starts[:-1][query_batch]
-            num_blocks = -(-self.max_seq_len // self.block_size)
-            kv_pos = torch.arange(num_blocks * self.block_size, device=starts.device)
-            q_abs = (self.seq_lens - query_lens)[:, None] + torch.arange(self.max_query_len, device=starts.device)
-            mask = kv_pos[None, None, :] <= q_abs[:, :, None]
-            self._reference = (query_batch, query_pos, mask[:, None], self.block_tables[:, :num_blocks])
-        return self._reference
+    def reference_view(self, window: int | None = None) -> tuple:
+        """(query_batch, query_pos, attn_mask, used block tables) for the PyTorch path, under a sliding
+        window or none; one per window and step, shared by the layers that have it."""
+        views = self._reference if self._reference is not None else {}
+        self._reference = views
+        if window not in views:
+            views[window] = self._view(window)
+        return views[window]
+
+    def _view(self, window: int | None) -> tuple:
+        starts = self.query_start_loc
+        query_lens = starts[1:] - starts[:-1]
+        num_tokens = int(starts[-1])
+        query_batch = torch.repeat_interleave(torch.arange(len(query_lens), device=starts.device), query_lens,
+                                              output_size=num_tokens)
+        query_pos = torch.arange(num_tokens, device=starts.device) - starts[:-1][query_batch]
+        q_abs = (self.seq_lens - query_lens)[:, None] + torch.arange(self.max_query_len, device=starts.device)
+        if window is not None:
+            return (query_batch, query_pos, *self._window_view(q_abs, query_lens, window))
+        num_blocks = -(-self.max_seq_len // self.block_size)
+        kv_pos = torch.arange(num_blocks * self.block_size, device=starts.device)
+        mask = kv_pos[None, None, :] <= q_abs[:, :, None]
+        return query_batch, query_pos, mask[:, None], self.block_tables[:, :num_blocks]
+
+    def _window_view(self, q_abs: torch.Tensor, query_lens: torch.Tensor, window: int) -> tuple:
+        """(mask, tables) over each request's own blocks from the one holding the first position its first query
+        sees: blocks before the window (freed, their table entries the padding id) are not gathered. The width
+        bounds every request's span on the host (query chunk + window, plus a block of misalignment)."""
+        bs = self.block_size
+        width = min(-(-self.max_seq_len // bs), -(-(self.max_query_len + window - 1) // bs) + 1)
+        first = (self.seq_lens - query_lens - window + 1).clamp(min=0) // bs  # [B]
+        steps = torch.arange(width, device=first.device)
+        index = (first[:, None] + steps).clamp(max=self.block_tables.shape[1] - 1)  # past the table: masked
+        kv_pos = first[:, None] * bs + torch.arange(width * bs, device=first.device)  # [B, L] absolute
+        distance = q_abs[:, :, None] - kv_pos[:, None, :]  # [B, Q, L]
+        mask = (distance >= 0) & (distance < window)
+        return mask[:, None], self.block_tables.gather(1, index)
 
     def cpu_parts(self, max_short: int = CPU_KERNEL_MAX_QUERY_LEN) -> tuple["RequestPart | None", "RequestPart | None"]:
         """(requests of at most `max_short` query tokens, the others) for the CPU kernels; None when empty.
@@ -119,10 +148,12 @@ def write_kv_reference(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
 
 
 def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
-    """query [T, Hq, D] -> [T, Hq, D], attending to each request's paged context."""
+                              meta: PagedAttentionMetadata, scale: float, sliding_window: int | None = None,
+                              softcap: float | None = None) -> torch.Tensor:
+    """query [T, Hq, D] -> [T, Hq, D], attending to each request's paged context (the last `sliding_window`
+    positions of it when given; scores soft-capped at `softcap` when given)."""
     num_tokens, num_heads, head_dim = query.shape
-    query_batch, query_pos, mask, tables = meta.reference_view()
+    query_batch, query_pos, mask, tables = meta.reference_view(sliding_window)
     keys = k_cache[tables].flatten(1, 2).transpose(1, 2).to(query.dtype)  # [B, Hkv, L, D]
     values = v_cache[tables].flatten(1, 2).transpose(1, 2).to(query.dtype)
     if meta.max_query_len == 1:
@@ -131,11 +162,29 @@ def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cach
         q = query.new_zeros(tables.shape[0], meta.max_query_len, num_heads, head_dim)
         q[query_batch, query_pos] = query
         q = q.transpose(1, 2)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
-                                         enable_gqa=num_heads != keys.shape[1])
+    if softcap is None:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
+                                             enable_gqa=num_heads != keys.shape[1])
+    else:
+        out = softcapped_attention(q, keys, values, mask, scale, softcap)
     if meta.max_query_len == 1:
         return out[:, :, 0, :]
     return out.transpose(1, 2)[query_batch, query_pos]
+
+
+def softcapped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                         scale: float, softcap: float) -> torch.Tensor:
+    """SDPA with the scaled scores capped before masking (SDPA itself cannot), as transformers' Gemma 2 eager
+    attention: softmax in float32, weights in the query's dtype. q [B, Hq, Q, D], keys / values [B, Hkv, L, D],
+    mask [B, 1, Q, L]."""
+    batch, num_heads, num_queries, head_dim = q.shape
+    kv_heads = keys.shape[1]
+    grouped = q.reshape(batch, kv_heads, num_heads // kv_heads * num_queries, head_dim)  # query head h: kv h // G
+    scores = grouped @ keys.transpose(-1, -2) * scale
+    scores = (torch.tanh(scores / softcap) * softcap).view(batch, kv_heads, -1, num_queries, scores.shape[-1])
+    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    weights = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+    return (weights @ values[:, :, None]).view(batch, num_heads, num_queries, head_dim)
 
 
 def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
@@ -144,12 +193,13 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
                                                                                slot_mapping)
 
 
-def paged_attention(query, k_cache, v_cache, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(query, k_cache, v_cache, meta: PagedAttentionMetadata, scale: float,
+                    sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Convenience dispatch on the backend setting (tests, benchmarks); a model picks once (`attention_kernel`)."""
     backend = "triton" if use_triton(query) else "cpu" if use_cpu_kernel(query) else "native"
     caps = CpuCaps.detect() if backend == "cpu" else CpuCaps()
     config = KernelConfig(backend=backend, dtype=query.dtype, kv_dtype=k_cache.dtype, caps=caps)
-    return attention_kernel(config)(query, k_cache, v_cache, meta, scale)
+    return attention_kernel(config, sliding_window, softcap)(query, k_cache, v_cache, meta, scale)
 
 
 def kv_writer(config: KernelConfig):
@@ -161,23 +211,39 @@ def kv_writer(config: KernelConfig):
     return write_kv_reference
 
 
-def attention_kernel(config: KernelConfig):
+def attention_kernel(config: KernelConfig, sliding_window: int | None = None, softcap: float | None = None):
     """`(query, k_cache, v_cache, meta, scale) -> out` for a model's backend and dtypes, chosen once: Triton;
     on CPU the C kernel for short query chunks (where it reads the model's and the cache's dtypes) and the
-    reference for the rest; else the reference."""
+    reference for the rest; else the reference. A sliding window and a soft cap are bound in here: without
+    them each backend's function is the one it always was."""
+    options = attention_options(sliding_window, softcap)
     if config.backend == "triton":
         from loraplex.kernels.paged_attention_triton import paged_attention_triton
 
         def triton(query, k_cache, v_cache, meta, scale):
             return paged_attention_triton(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                          meta.query_start_loc, meta.max_query_len, scale)
+                                          meta.query_start_loc, meta.max_query_len, scale, *options)
         return triton
     if config.backend == "cpu" and config.dtype in (torch.float32, torch.bfloat16) and \
             c_kernel_reads_kv(config.kv_dtype, config.caps.f16c):
         max_short = config.tune.attention_kernel_query_len
         return lambda query, k_cache, v_cache, meta, scale: _paged_attention_cpu(query, k_cache, v_cache, meta,
-                                                                                  scale, max_short)
-    return paged_attention_reference
+                                                                                  scale, max_short, *options)
+    return functools.partial(paged_attention_reference, sliding_window=sliding_window, softcap=softcap) \
+        if options else paged_attention_reference
+
+
+def attention_options(sliding_window: int | None, softcap: float | None) -> tuple:
+    """() without a window or a cap (the kernels' calls stay as they were), else (sliding_window, softcap),
+    checked: a window of at least one position, a positive finite cap."""
+    if sliding_window is None and softcap is None:
+        return ()
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and 0 < softcap < math.inf):
+        raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
+    return sliding_window, None if softcap is None else float(softcap)
 
 
 def c_kernel_reads_kv(kv_dtype: torch.dtype, f16c: bool) -> bool:
@@ -186,19 +252,20 @@ def c_kernel_reads_kv(kv_dtype: torch.dtype, f16c: bool) -> bool:
 
 
 def _paged_attention_cpu(query, k_cache, v_cache, meta: PagedAttentionMetadata, scale: float,
-                         max_short: int = CPU_KERNEL_MAX_QUERY_LEN) -> torch.Tensor:
-    """Short-query requests through the C kernel, the others through the reference."""
+                         max_short: int = CPU_KERNEL_MAX_QUERY_LEN, *options) -> torch.Tensor:
+    """Short-query requests through the C kernel, the others through the reference; `options`: () or
+    (sliding_window, softcap), passed to both."""
     short, long = meta.cpu_parts(max_short)
 
     def c_kernel(q, part):
         return cpu_kernels.paged_attention_c(q, k_cache, v_cache, part.meta.block_tables, part.meta.seq_lens,
-                                             part.meta.query_start_loc, part.token_request, scale)
+                                             part.meta.query_start_loc, part.token_request, scale, *options)
 
     if long is None:
         return c_kernel(query, short)
     if short is None:
-        return paged_attention_reference(query, k_cache, v_cache, meta, scale)
+        return paged_attention_reference(query, k_cache, v_cache, meta, scale, *options)
     out = torch.empty_like(query)
     out[short.rows] = c_kernel(query[short.rows], short)
-    out[long.rows] = paged_attention_reference(query[long.rows], k_cache, v_cache, long.meta, scale)
+    out[long.rows] = paged_attention_reference(query[long.rows], k_cache, v_cache, long.meta, scale, *options)
     return out

@@ -29,6 +29,17 @@ class Block:
         return f"Block({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
 
 
+# Stands in a request's block table for a block it gave back because no query can read it again (sliding
+# window): its id is the tables' padding id, and no kernel reads an entry before the window. It belongs to
+# no pool: never counted, touched, cached or freed.
+NULL_BLOCK = Block(0)
+
+
+def live(blocks: list[Block]) -> list[Block]:
+    """The blocks of a table that the pool holds references for (all but the null entries)."""
+    return [b for b in blocks if b is not NULL_BLOCK]
+
+
 class FreeBlockQueue:
     """Doubly linked list of free blocks: pop from the head, append at the tail, remove any
     block in O(1) when a prefix-cache hit revives it."""

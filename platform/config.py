@@ -17,7 +17,8 @@ LORA_DTYPES = {name: (dtype, torch.bfloat16) if dtype == torch.float32 else (dty
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The subset of a Hugging Face config.json that the Llama family needs."""
+    """The subset of a Hugging Face config.json our decoder needs; what a family changes in it is a field
+    (docs/families.md)."""
 
     architecture: str
     vocab_size: int
@@ -28,18 +29,31 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None
+    layer_types: tuple[str, ...]  # each layer's: "full_attention" or "sliding_attention"
+    rope_parameters: dict[str, dict]  # layer type -> its RoPE, standardized (models/rope.py)
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
-    sliding_window: int | None
+    sliding_window: int | None  # the windowed layers' window (None: no layer has one)
     eos_token_ids: tuple[int, ...]
+    layer_windows: tuple[int | None, ...]  # each layer's sliding window (None: it sees its whole context)
+    hidden_act: str  # the MLP gate's activation (transformers' name)
+    norm_offset: float  # each RMSNorm multiplies by (norm_offset + w): Gemma's are 1 + w
+    post_norms: bool  # Gemma: attention and MLP outputs normalized too, and a norm before the MLP (4 a layer)
+    qk_norm: bool  # Qwen3, Gemma 3: RMSNorm on each q and k head before RoPE
+    attention_scale: float  # of q.k: head_dim^-0.5, Gemma's query_pre_attn_scalar^-0.5, Granite's multiplier
+    attn_logit_softcap: float | None  # Gemma 2: scores become c tanh(s / c)
+    final_logit_softcap: float | None  # Gemma: logits become c tanh(l / c)
+    embedding_multiplier: float  # Gemma: sqrt(hidden) (rounded to the model's dtype, as transformers does); Granite's
+    residual_multiplier: float  # Granite: each block's output is scaled before the residual add
+    logits_scaling: float  # Granite: the logits are divided by it
     prequantized: tuple[str, int, bool] | None = None  # a GPTQ / AWQ checkpoint: (method, group, v1 zeros)
+    moe: "MoEConfig | None" = None  # experts and routing of a mixture-of-experts model (models/moe.py)
 
     @staticmethod
     def from_folder(path: str | Path) -> "ModelConfig":
-        from loraplex.platform.models import SUPPORTED_ARCHITECTURES
+        from loraplex.platform.models import CONFIG_DEFAULTS, SUPPORTED_ARCHITECTURES
+        from loraplex.platform.models.moe import MoEConfig
         from loraplex.platform.models.quantized import checkpoint_quantization
 
         raw = json.loads((Path(path) / "config.json").read_text())
@@ -50,15 +64,13 @@ class ModelConfig:
                 f"unsupported model architecture {arch!r} in {path}; "
                 f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
-        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-        rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise ValueError(f"unsupported rope scaling type {rope_type!r} in {path}")
+        raw = {**CONFIG_DEFAULTS.get(arch, {}), **raw}  # what the file leaves out, as transformers fills it in
         num_heads = raw["num_attention_heads"]
-        window = raw.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
-            window = None
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
+        try:
+            family = _family_fields(raw, arch, head_dim)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (in {path})") from None
         return ModelConfig(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -67,17 +79,83 @@ class ModelConfig:
             num_layers=raw["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta,
-            rope_scaling=rope if rope_type == "llama3" else None,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
-            sliding_window=window,
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False))
+            or (arch == "Qwen2MoeForCausalLM" and bool(raw.get("qkv_bias", True))),  # Qwen2-MoE's own key
             eos_token_ids=_as_tuple(raw.get("eos_token_id")),
+            **family,
             prequantized=checkpoint_quantization(raw.get("quantization_config")),
+            moe=MoEConfig.from_raw(raw, arch),
         )
+
+
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ONE_WINDOW = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")  # every layer slides, if any
+
+
+def _family_fields(raw: dict, arch: str, head_dim: int) -> dict:
+    """The ModelConfig fields in which the families differ (docs/families.md), as transformers' code for
+    each family reads its config; what we would not serve exactly is a ValueError naming it."""
+    from loraplex.platform.models import ACTIVATIONS
+    from loraplex.platform.models.rope import rope_parameters
+
+    gemma, granite = arch in GEMMA, arch == "GraniteForCausalLM"
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention (attention to later tokens) is not supported")
+    if raw.get("mlp_bias"):
+        raise ValueError("mlp_bias (biases on the MLP projections) is not supported")
+    act = raw.get("hidden_activation") if gemma else raw.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"hidden activation {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+    types = _layer_types(raw, arch)
+    window = None if arch in QWEN and not raw.get("use_sliding_window") else raw.get("sliding_window")
+    windows = tuple(window if kind == "sliding_attention" else None for kind in types)
+    return dict(
+        layer_types=types,
+        rope_parameters=rope_parameters(raw, arch, head_dim),
+        sliding_window=window if any(windows) else None,
+        layer_windows=windows,
+        hidden_act=act,
+        norm_offset=1.0 if gemma else 0.0,
+        post_norms=gemma,
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+        attention_scale=(raw["query_pre_attn_scalar"] ** -0.5 if gemma else
+                         raw.get("attention_multiplier", 1.0) if granite else head_dim ** -0.5),
+        # Gemma 3's transformers code reads attn_logit_softcapping but never applies it: neither do we
+        attn_logit_softcap=raw.get("attn_logit_softcapping") if arch == "Gemma2ForCausalLM" else None,
+        final_logit_softcap=raw.get("final_logit_softcapping") if gemma else None,
+        embedding_multiplier=(raw["hidden_size"] ** 0.5 if gemma else
+                              raw.get("embedding_multiplier", 1.0) if granite else 1.0),
+        residual_multiplier=raw.get("residual_multiplier", 1.0) if granite else 1.0,
+        logits_scaling=raw.get("logits_scaling", 1.0) if granite else 1.0,
+    )
+
+
+def _layer_types(raw: dict, arch: str) -> tuple[str, ...]:
+    """Each layer's attention ("full_attention" or "sliding_attention"), as the family's transformers config
+    lays them out: its `layer_types` where it reads them, else its own pattern."""
+    from loraplex.platform.models.rope import LAYER_TYPES
+
+    n = raw["num_hidden_layers"]
+    if arch in ONE_WINDOW:
+        return ("sliding_attention" if raw.get("sliding_window") else "full_attention",) * n
+    if arch not in QWEN + GEMMA:  # Llama, Granite: no sliding window (the MoE families: models/moe.py's to add)
+        return ("full_attention",) * n
+    if raw.get("layer_types"):
+        types = tuple(raw["layer_types"])
+        if len(types) != n or not set(types) <= set(LAYER_TYPES):
+            raise ValueError(f"layer_types must give one of {LAYER_TYPES} for each of the {n} layers, got {types}")
+        return types
+    if arch in QWEN:
+        slides = raw.get("use_sliding_window") and raw.get("sliding_window")
+        return tuple("sliding_attention" if slides and i >= raw.get("max_window_layers", 28) else "full_attention"
+                     for i in range(n))
+    pattern = 2 if arch == "Gemma2ForCausalLM" else raw["sliding_window_pattern"]  # every pattern-th is global
+    return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n))
 
 
 def _as_tuple(value) -> tuple[int, ...]:
@@ -237,8 +315,7 @@ class EngineConfig:
 
     def resolve_max_model_len(self, model: ModelConfig) -> int:
         limit = model.max_position_embeddings
-        if model.sliding_window:  # no sliding-window attention yet: stay inside the window
-            limit = min(limit, model.sliding_window)
+        # not capped by a sliding window: every attention kernel applies each layer's window (layer_windows)
         if self.max_model_len is None:
             return limit
         if not 1 <= self.max_model_len <= limit:

@@ -4,6 +4,10 @@ Text is decoded from a sliding window of tokens (vLLM's prefix/read offsets) so 
 that completes a multi-byte UTF-8 character, or a word that a later token changes, is emitted
 only once it is final. Stop strings are matched on the text, so they match across token
 boundaries; the text that could still become a stop string is held back from streaming.
+
+`keep`: special tokens that stay in the text although special tokens are skipped (the markers a
+tool-call format or a reasoning parser reads, where the tokenizer holds them as special tokens,
+as vLLM keeps Mistral's `[TOOL_CALLS]`).
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ CONTEXT_TOKENS = 5  # prompt tokens decoded alongside the output, for tokenizers
 
 class Detokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None,
-                 skip_special_tokens: bool = True, include_stop: bool = False) -> None:
+                 skip_special_tokens: bool = True, include_stop: bool = False,
+                 keep: frozenset[int] = frozenset()) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._skipped = special_ids(tokenizer) - keep if skip_special_tokens and keep else frozenset()
         self.tokens = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
@@ -25,6 +31,8 @@ class Detokenizer:
         self.hold_back = max((len(s) for s in self.stop), default=1) - 1
 
     def _decode(self, ids: list[int]) -> str:
+        if self._skipped:  # skip the special tokens but those kept
+            return self.tokenizer.decode([t for t in ids if t not in self._skipped], skip_special_tokens=False)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def append(self, token_id: int, check_stop: bool = True) -> str | None:
@@ -53,3 +61,12 @@ class Detokenizer:
         """How much of `text` is safe to show now: all of it once finished, else all but the
         tail that a stop string could still claim."""
         return len(self.text) if finished or not self.stop else max(0, len(self.text) - self.hold_back)
+
+
+def special_ids(tokenizer, texts: list[str] | None = None) -> frozenset[int]:
+    """The ids of the tokenizer's special tokens (those `skip_special_tokens` drops); with
+    `texts`, only those that are one of them."""
+    ids = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    if texts is None:
+        return frozenset(ids)
+    return frozenset(i for i in ids if tokenizer.convert_ids_to_tokens(i) in texts)

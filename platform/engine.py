@@ -21,7 +21,7 @@ from loraplex.platform.config import EngineConfig
 from loraplex.platform.cuda_graphs import CudaCapture
 from loraplex.platform.device import DeviceMemory, cuda_used_bytes, kv_blocks_for
 from loraplex.platform.input_processor import InputProcessor, Limits
-from loraplex.platform.kv_cache_manager import KVCacheManager
+from loraplex.platform.kv_cache_manager import KVCacheManager, reclaim_window
 from loraplex.platform.model_runner import ModelRunner, kv_bytes_per_block, profile_step
 from loraplex.platform.model_store import gguf_source
 from loraplex.platform.models.llama import load_model
@@ -73,7 +73,8 @@ class Engine:
                                         resolved.kernels.stacked_lora)
         self.model.attach_lora(self.adapters.slots)
         num_blocks = resolved.num_kv_blocks or self._kv_blocks_from_device(memory_before)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 reclaim_window(model.layer_windows))  # all layers sliding: old blocks freed
         self.eos_token_ids = self._eos_token_ids()
         self.grammars = GrammarManager(self.tokenizer, model.vocab_size, list(self.eos_token_ids),
                                        config.grammar_backend, config.grammar_compile_timeout_s)
@@ -216,7 +217,7 @@ class Engine:
         skip = len(req.prompt_logprobs) - rows.first
         targets = req.prompt_token_ids[rows.first + max(skip, 0):rows.first + len(rows.hidden)]
         if targets and skip >= 0:
-            req.prompt_logprobs += prompt_logprobs(self.model.compute_logits, rows.hidden[skip:], targets,
+            req.prompt_logprobs += prompt_logprobs(rows.compute_logits, rows.hidden[skip:], targets,
                                                    req.params.prompt_logprobs)
 
     def _assign_adapter_slots(self) -> dict[str, int]:

@@ -2,20 +2,28 @@
 
 Everything slow or fallible about a request happens here, before the engine sees it: the
 chat template and tokenizing, the default `max_tokens`, the vocabulary and capacity checks,
-reading the adapter's weights from disk (prefetch) and compiling its grammar. A failure is a
-`ValueError` naming the field and the limit. It reads only immutable engine facts, so any
-thread may call it; the server calls it off the event loop.
+reading the adapter's weights from disk (prefetch) and compiling its grammar. What depends on the
+model is settled here too: the tool-call format under `auto` (from the chat template) and where
+a reasoning output starts (from the prompt's end). A failure is a `ValueError` naming the field
+and the limit. It reads only immutable engine facts, so any thread may call it; the server calls
+it off the event loop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from loraplex.adapters.registry import AdapterRegistry
+from loraplex.grammar.backend import StructuredOutputs
 from loraplex.grammar.manager import GrammarManager
-from loraplex.grammar.tools import plain_messages, template_takes_tools
+from loraplex.grammar.reasoning import prompt_start
+from loraplex.grammar.tools import plain_messages, resolve, template_takes_tools
 from loraplex.platform.kv_cache_manager import cdiv
 from loraplex.platform.request import Request, SamplingParams
+
+
+PROMPT_TAIL_TOKENS = 8  # the prompt's last tokens, read for an open or closed reasoning tag
 
 
 @dataclass(frozen=True)
@@ -102,9 +110,36 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         self._check(ids, params)
-        compiled = self.grammars.compile(params.structured) if params.structured is not None else None
+        params = self._for_this_model(params, ids)
+        spec = self._grammar_spec(params)
+        compiled = self.grammars.compile(spec) if spec is not None else None
         return Request(request_id, ids, params, prompt=text, adapter=adapter, adapter_weights=weights,
                        compiled_grammar=compiled)
+
+    def _for_this_model(self, params: SamplingParams, ids: list[int]) -> SamplingParams:
+        """`params` with the tool-call format read from the chat template (`auto`, mistral's
+        form) and the reasoning's start read from the prompt's end."""
+        changes = {}
+        spec = params.structured
+        if spec is not None and spec.kind == "tools":
+            format = resolve(spec.tools.format, self.tokenizer.chat_template)
+            if format != spec.tools.format:
+                changes["structured"] = dataclasses.replace(spec, tools=dataclasses.replace(spec.tools, format=format))
+        if params.reasoning is not None:
+            tail = self.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+            changes["reasoning"] = dataclasses.replace(params.reasoning, start=prompt_start(tail))
+        return dataclasses.replace(params, **changes) if changes else params
+
+    @staticmethod
+    def _grammar_spec(params: SamplingParams) -> StructuredOutputs | None:
+        """What the grammar holds the output to: the request's spec, after the reasoning where the
+        output may reason (a budget alone makes a grammar of its own: free text after it)."""
+        reasoning, spec = params.reasoning, params.structured
+        if reasoning is None or not reasoning.active or (spec is None and reasoning.max_tokens is None):
+            return spec
+        if spec is None:
+            return StructuredOutputs(reasoning=reasoning)
+        return dataclasses.replace(spec, reasoning=reasoning)
 
     def _check(self, ids: list[int], params: SamplingParams) -> None:
         lim = self.limits

@@ -1,9 +1,16 @@
 """Per-request block tables on top of the block pool: prefix-cache lookups, allocation for the
-tokens a step computes, copy-on-write of shared blocks, forks (n > 1) and freeing."""
+tokens a step computes, copy-on-write of shared blocks, forks (n > 1) and freeing.
+
+When every layer of the model has a sliding window (W at most), a query at position q reads nothing
+before q - W + 1: each allocation gives back the blocks wholly before the oldest position the
+request's next queries can see, and their table entries become `NULL_BLOCK` (the tables keep their
+layout; no kernel reads an entry before the window). A full block given back stays cached-free, so
+prefix hits still find it until it is reused; a prefix hit before the window is not even taken.
+"""
 
 from __future__ import annotations
 
-from loraplex.platform.block_pool import Block, BlockPool, hash_block
+from loraplex.platform.block_pool import NULL_BLOCK, Block, BlockPool, hash_block, live
 from loraplex.platform.request import Request
 
 
@@ -11,9 +18,17 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def reclaim_window(windows: tuple[int | None, ...]) -> int | None:
+    """The window past which blocks can be freed, from each layer's (`ModelConfig.layer_windows`): the widest
+    when every layer slides; None (nothing is freed) when any layer attends globally."""
+    return max(windows) if windows and all(w is not None for w in windows) else None
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
         self.block_size = block_size
+        self.sliding_window = sliding_window  # every layer's window fits in it (`reclaim_window`); None: global
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[Block]] = {}
         self._hashes: dict[str, list[bytes]] = {}
@@ -58,21 +73,28 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[Block] | None = None) -> list[Block] | None:
         """Make room for `num_new_tokens` after the request's computed ones (plus any prefix-cache
-        hit in `computed_blocks`). Returns the new blocks, or None when the pool is too small
+        hit in `computed_blocks`), giving back the blocks no query of it can read again (sliding window:
+        they count as free for this allocation). Returns the new blocks, or None when the pool is too small
         (then nothing changed)."""
         computed_blocks = computed_blocks or []
         blocks = self.req_blocks.setdefault(request.seq_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        unreadable = self._num_unreadable(num_computed)
+        dead = self._still_held(blocks, unreadable)
+        dead_hits = max(0, unreadable - len(blocks))  # hits before the window: not taken
+        computed_blocks = [NULL_BLOCK] * dead_hits + computed_blocks[dead_hits:]
         num_needed = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new = max(0, num_needed - len(blocks) - len(computed_blocks))
         cow = self._needs_copy_on_write(blocks, num_computed, num_new_tokens)
-        # cached-free hits leave the free list when touched
-        num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if num_new + cow > self.pool.num_free_blocks - num_revived:
+        # cached-free hits leave the free list when touched; given-back blocks no one else holds join it
+        num_revived = sum(1 for b in live(computed_blocks) if b.ref_cnt == 0)
+        num_released = sum(1 for i in dead if blocks[i].ref_cnt == 1)
+        if num_new + cow > self.pool.num_free_blocks + num_released - num_revived:
             if not blocks:
                 del self.req_blocks[request.seq_id]
             return None
-        self.pool.touch(computed_blocks)
+        self._release(blocks, dead)
+        self.pool.touch(live(computed_blocks))
         blocks.extend(computed_blocks)
         if cow:
             self._copy_on_write(blocks, num_computed // self.block_size)
@@ -80,6 +102,29 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return new_blocks
+
+    def _num_unreadable(self, num_computed: int) -> int:
+        """Leading blocks that no query at position `num_computed` or later can read (0 without a window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed - self.sliding_window + 1) // self.block_size
+
+    @staticmethod
+    def _still_held(blocks: list[Block], upto: int) -> range:
+        """The indices of blocks[:upto] not given back yet, newest first. The null entries are a prefix (the
+        window only moves forward), so the walk back stops at the first one: O(blocks to give back)."""
+        hi = lo = min(upto, len(blocks))
+        while lo > 0 and blocks[lo - 1] is not NULL_BLOCK:
+            lo -= 1
+        return range(hi - 1, lo - 1, -1)
+
+    def _release(self, blocks: list[Block], dead: range) -> None:
+        """Give `dead` back to the pool (newest first, so a prompt's first blocks, which later prompts may
+        share, stay cached longest); their table entries become NULL_BLOCK."""
+        if dead:
+            self.pool.free_blocks([blocks[i] for i in dead])
+            for i in dead:
+                blocks[i] = NULL_BLOCK
 
     def _needs_copy_on_write(self, blocks: list[Block], num_computed: int, num_new_tokens: int) -> bool:
         idx = num_computed // self.block_size
@@ -98,18 +143,19 @@ class KVCacheManager:
             return
         hashes = self.block_hashes(request)
         for i in range(min(num_tokens // self.block_size, len(hashes))):
-            self.pool.cache_block(blocks[i], hashes[i])
+            if blocks[i] is not NULL_BLOCK:
+                self.pool.cache_block(blocks[i], hashes[i])
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent; writes into a shared block copy it."""
         blocks = self.req_blocks[parent.seq_id]
-        self.pool.touch(blocks)
+        self.pool.touch(live(blocks))
         self.req_blocks[child.seq_id] = list(blocks)
 
     def free(self, request: Request) -> None:
         # tail blocks first: they are the least likely to be shared by another prompt
         blocks = self.req_blocks.pop(request.seq_id, [])
-        self.pool.free_blocks(list(reversed(blocks)))
+        self.pool.free_blocks(list(reversed(live(blocks))))
 
     def forget(self, request: Request) -> None:
         """Drop everything kept for a finished request."""

@@ -10,6 +10,7 @@ replay a captured CUDA graph (`cuda_graphs.py`) when one is enabled."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -66,6 +67,12 @@ class PromptRows:
     request: Request
     hidden: torch.Tensor
     first: int  # the index of the prompt token the first row predicts
+    slot: int  # the request's adapter slot (-1: none), for an adapter that changes the head
+    head: Callable[[torch.Tensor, list[int] | None], torch.Tensor]  # the model's compute_logits
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of some of these rows, through the request's adapter's head where it has one."""
+        return self.head(hidden, [self.slot] * len(hidden) if self.slot >= 0 else None)
 
 
 class ModelRunner:
@@ -101,16 +108,25 @@ class ModelRunner:
         lora_slots = self._lora_slots(sched, adapter_slots or {})
         step = self._prepare(sched)
         graphs = self.graphs
-        if graphs is not None and step.decode_only and graphs.fits(len(step.sampled), lora_slots is not None):
+        if graphs is not None and step.decode_only and graphs.fits(len(step.sampled), lora_slots is not None) \
+                and not self._embedding_adapted(lora_slots):
             hidden = graphs.run(DecodeInputs(step.token_ids, step.positions, step.slots, step.tables, step.seq_lens,
                                              lora_slots))
-            return self.model.logits(hidden), step.sampled, []
+            return self.model.logits(hidden, lora_slots), step.sampled, []  # one token per request: rows = tokens
         hidden = self._forward(step, lora_slots)
-        prompt_hidden = [PromptRows(req, hidden[rows], first) for req, rows, first in step.prompt_rows]
+        prompt_hidden = [PromptRows(req, hidden[rows], first, lora_slots[rows.start] if lora_slots else -1,
+                                    self.model.compute_logits) for req, rows, first in step.prompt_rows]
         if not step.sampled:
             return hidden.new_empty(0, 0), [], prompt_hidden
         last_rows = to_device(torch.tensor(step.last_rows, dtype=torch.long, device="cpu"), self.device)
-        return self.model.logits(hidden[last_rows]), step.sampled, prompt_hidden
+        row_slots = [lora_slots[row] for row in step.last_rows] if lora_slots else None
+        return self.model.logits(hidden[last_rows], row_slots), step.sampled, prompt_hidden
+
+    def _embedding_adapted(self, lora_slots: list[int] | None) -> bool:
+        """Whether a token's adapter changes the embedding: a decode graph has no embedding adapter captured
+        in it (a full table per slot cannot be stacked on the device), so such steps run eagerly."""
+        adapters = getattr(self.model.embed_tokens, "adapters", None)
+        return adapters is not None and adapters.used_by(lora_slots)
 
     @staticmethod
     def _lora_slots(sched: SchedulerOutput, adapter_slots: dict[str, int]) -> list[int] | None:

@@ -1,6 +1,10 @@
 """Core deltas -> caller outputs (vLLM V1's output processor): request groups, incremental
 detokenizing, stop strings with hold-back, logprob decoding.
 
+With a reasoning parser (`SamplingParams.reasoning`) each text delta is split into reasoning
+and content (grammar/reasoning.py), and the marker tokens the split and the tool-call reader
+need stay in the text even where special tokens are skipped.
+
 Every output is a delta: the text, token ids and logprobs a sequence gained since its last
 output, so a step costs O(new tokens) however long the generation (the offline `LLM` and
 non-streaming callers add the deltas up with `accumulate`). A stop string found in the text
@@ -12,7 +16,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from loraplex.platform.detokenizer import Detokenizer
+from loraplex.grammar.reasoning import CLOSE, OPEN, ReasoningSplitter
+from loraplex.grammar.tool_formats import tool_format
+from loraplex.platform.detokenizer import Detokenizer, special_ids
 from loraplex.platform.request import CompletionOutput, Logprob, Request, RequestOutput
 from loraplex.platform.scheduler import SeqDelta
 
@@ -22,9 +28,19 @@ log = logging.getLogger("loraplex.outputs")
 @dataclass
 class _Seq:
     detokenizer: Detokenizer
+    splitter: ReasoningSplitter | None = None  # with a reasoning parser
     num_tokens: int = 0
     num_sent_chars: int = 0
     finished: bool = False
+    content: str = ""  # with a splitter: the content so far (what the schema check reads)
+
+    def split(self, text: str) -> tuple[str, str]:
+        """(reasoning, content) of a text delta."""
+        if self.splitter is None:
+            return "", text
+        reasoning, content = self.splitter.feed(text, final=self.finished)
+        self.content += content
+        return reasoning, content
 
 
 @dataclass
@@ -83,20 +99,28 @@ class OutputProcessor:
             seq = group.seqs.get(index)
             if seq is not None and seq.finished:
                 continue
-            text = seq.detokenizer.text[seq.num_sent_chars:] if seq is not None else ""
-            outs.append(CompletionOutput(index, text, [], [] if group.request.logprobs is not None else None, "abort"))
+            reasoning, text = "", ""
+            if seq is not None:
+                seq.finished = True
+                reasoning, text = seq.split(seq.detokenizer.text[seq.num_sent_chars:])
+            outs.append(CompletionOutput(index, text, [], [] if group.request.logprobs is not None else None, "abort",
+                                         reasoning_text=reasoning))
         req = group.request
-        return RequestOutput(request_id, req.prompt, req.prompt_token_ids, outs, True, group.num_cached_tokens)
+        return RequestOutput(request_id, req.prompt, req.prompt_token_ids, outs, True, group.num_cached_tokens,
+                             tool_call_format=_tool_call_format(req))
 
-    def _detokenizer(self, request: Request) -> Detokenizer:
-        p = request.params
-        return Detokenizer(self.tokenizer, request.prompt_token_ids, p.stop, p.skip_special_tokens,
-                           p.include_stop_str_in_output)
+    def _seq(self, request: Request) -> _Seq:
+        p, calls = request.params, _tool_call_format(request)
+        markers = [*(tool_format(calls).markers if calls else ()), *((OPEN, CLOSE) if p.reasoning is not None else ())]
+        keep = special_ids(self.tokenizer, markers) if markers and p.skip_special_tokens else frozenset()
+        detokenizer = Detokenizer(self.tokenizer, request.prompt_token_ids, p.stop, p.skip_special_tokens,
+                                  p.include_stop_str_in_output, keep)
+        return _Seq(detokenizer, ReasoningSplitter(p.reasoning) if p.reasoning is not None else None)
 
     def _advance(self, group: _Group, delta: SeqDelta) -> tuple[CompletionOutput, StopHit | None]:
         seq = group.seqs.get(delta.index)
         if seq is None:
-            seq = group.seqs[delta.index] = _Seq(self._detokenizer(group.request))
+            seq = group.seqs[delta.index] = self._seq(group.request)
         params = group.request.params
         hit = None
         for token in delta.new_token_ids:
@@ -112,12 +136,13 @@ class OutputProcessor:
         logprobs = self._decoded(delta.new_logprobs) if delta.new_logprobs is not None else None
         detok = seq.detokenizer
         end = detok.stream_end(seq.finished)
-        text = detok.text[seq.num_sent_chars:end]
+        reasoning, text = seq.split(detok.text[seq.num_sent_chars:end])
         seq.num_sent_chars = max(seq.num_sent_chars, end)
-        violation = self._check(group.request, delta.index, detok.text) if finish == "stop" and stop_reason is None \
+        checked = seq.content if seq.splitter is not None else detok.text
+        violation = self._check(group.request, delta.index, checked) if finish == "stop" and stop_reason is None \
             else None
         return CompletionOutput(delta.index, text, list(delta.new_token_ids), logprobs, finish, stop_reason,
-                                violation), hit
+                                violation, reasoning), hit
 
     def _check(self, request: Request, index: int, text: str) -> str | None:
         """The backstop: a structured output that its grammar ended is checked against its
@@ -145,7 +170,7 @@ class OutputProcessor:
         if req.prompt_logprobs is not None and not group.sent_prompt_logprobs:  # complete by the first output
             prompt_logprobs, group.sent_prompt_logprobs = self._decoded(req.prompt_logprobs), True
         return RequestOutput(request_id, req.prompt, req.prompt_token_ids, sorted(outs, key=lambda o: o.index),
-                             finished, group.num_cached_tokens, unenforced, prompt_logprobs)
+                             finished, group.num_cached_tokens, unenforced, prompt_logprobs, _tool_call_format(req))
 
     def _decoded(self, entries: list[dict[int, Logprob] | None]) -> list[dict[int, Logprob] | None]:
         """Each entry's tokens decoded (prompt entries may be None: the first prompt token)."""
@@ -155,11 +180,16 @@ class OutputProcessor:
         return entries
 
 
+def _tool_call_format(request: Request) -> str | None:
+    spec = request.params.structured
+    return spec.tools.format if spec is not None and spec.kind == "tools" else None
+
+
 def accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
     """Add a delta to what came before (for callers that want whole outputs)."""
     if total is None:
         total = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, [], False,
-                              unenforced=delta.unenforced)
+                              unenforced=delta.unenforced, tool_call_format=delta.tool_call_format)
     if delta.prompt_logprobs is not None:
         total.prompt_logprobs = delta.prompt_logprobs
     by_index = {o.index: o for o in total.outputs}
@@ -168,9 +198,10 @@ def accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutp
         if have is None:
             by_index[o.index] = CompletionOutput(o.index, o.text, list(o.token_ids),
                                                  list(o.logprobs) if o.logprobs is not None else None,
-                                                 o.finish_reason, o.stop_reason, o.schema_violation)
+                                                 o.finish_reason, o.stop_reason, o.schema_violation, o.reasoning_text)
             continue
         have.text += o.text
+        have.reasoning_text += o.reasoning_text
         have.token_ids.extend(o.token_ids)
         if o.logprobs is not None and have.logprobs is not None:
             have.logprobs.extend(o.logprobs)

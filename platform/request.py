@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loraplex.grammar.backend import StructuredOutputs
+from loraplex.grammar.reasoning import Reasoning
 
 
 INT32_MAX = 2**31 - 1
@@ -39,6 +40,9 @@ class SamplingParams:
     structured: StructuredOutputs | None = None  # JSON Schema / json_object / regex / choice / EBNF
     logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> bias in [-100, 100], added to its logit
     include_stop_str_in_output: bool = False  # vLLM's: a matched stop string stays in the text
+    # the output thinks first (--reasoning-parser): split into reasoning and content, `structured`
+    # applied after the reasoning, its budget forced
+    reasoning: Reasoning | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -90,6 +94,7 @@ class SamplingParams:
         need(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and not isinstance(
             self.prompt_logprobs, bool) and 0 <= self.prompt_logprobs <= 20), "prompt_logprobs", "None or in [0, 20]")
         need(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output", "a boolean")
+        need(self.reasoning is None or isinstance(self.reasoning, Reasoning), "reasoning", "a Reasoning")
         bias = self.logit_bias or {}
         need(isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS and all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX
@@ -130,6 +135,7 @@ class CompletionOutput:
     finish_reason: str | None
     stop_reason: str | int | None = None
     schema_violation: str | None = None  # a finished structured output its schema rejects (the backstop)
+    reasoning_text: str = ""  # with a reasoning parser: the reasoning (`text` is then the content only)
 
 
 @dataclass
@@ -144,6 +150,7 @@ class RequestOutput:
     # prompt_logprobs: per prompt token (None for the first, which nothing predicts); in the
     # request's first output only
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    tool_call_format: str | None = None  # the format tool calls are read in (the chat template's, under auto)
 
 
 class Request:

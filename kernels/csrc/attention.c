@@ -83,8 +83,11 @@ static inline const float *kv_row(const void *cache, int64_t offset, int64_t n, 
  * positions with an online softmax (the chunk's scores in L1, the running max and sum rescaled once per chunk, exp vectorized): no
  * score buffer per context length, and no scalar expf per score, which cost more than the dots.
  * Causal, lower-right aligned: query i of a request with query_len n and context seq_len sees
- * keys 0 .. seq_len - n + i. The query and output are float32 or bfloat16 (q_kind); the math is
- * float32.
+ * keys 0 .. seq_len - n + i; with a sliding window W only the last W of them (q - k < W, as
+ * transformers' sliding-window mask): the walk over the context starts at the window, so blocks before
+ * it are never read (the KV manager frees them). A soft cap c turns each scaled score s into
+ * c tanh(s / c) before the softmax (Gemma 2), once per chunk of scores. The query and output are float32
+ * or bfloat16 (q_kind); the math is float32.
  */
 #define ATT_CHUNK 32
 #define ATT_MAX_HEADS 64 /* query heads one task takes at most */
@@ -131,6 +134,28 @@ static inline float exp_shifted(float *s, int64_t n, float shift)
     }
     return sum;
 }
+/* s[i] = cap * tanh(s[i] / cap) for i < n, as 1 - 2 / (e^(2x) + 1): exp8 saturates, so large |x| give +-1 */
+static inline void soft_cap(float *s, int64_t n, float cap)
+{
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 two_over_cap = _mm256_set1_ps(2.f / cap), one = _mm256_set1_ps(1.f), c = _mm256_set1_ps(cap);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = exp8(_mm256_mul_ps(_mm256_loadu_ps(s + i), two_over_cap));
+        const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(e, one)));
+        _mm256_storeu_ps(s + i, _mm256_mul_ps(c, t));
+    }
+#endif
+    for (; i < n; ++i) s[i] = cap * tanhf(s[i] / cap);
+}
+
+/* The scores of G heads' chunk (rows ATT_CHUNK apart, n used) soft-capped; cap 0: none */
+static inline void soft_cap_heads(float *s, int64_t n, int64_t G, float cap)
+{
+    if (cap == 0.f) return;
+    for (int64_t g = 0; g < G; ++g) soft_cap(s + g * ATT_CHUNK, n, cap);
+}
+
 /* o[D] += sum_p w[p] * rows[p, :] for n rows `stride` floats apart: o's vectors stay in registers
  * across the rows (a load and an FMA per 8 values, no store until the end) */
 static inline void add_weighted_rows(float *o, const float *w, const float *rows, int64_t n, int64_t stride, int64_t D)
@@ -239,12 +264,12 @@ static inline void normalize_heads(float *o, const float *total, int64_t G, int6
     }
 }
 
-/* o[H * G, D] = softmax(q K^T) V over positions 0..ctx-1 of H adjacent kv heads (the first at
- * head_off in each row), G query heads each; q [H * G, D] already scaled. A chunk of rows inside
- * one block at a time (contiguous rows, no division per row), converted once for the G heads. */
+/* o[H * G, D] = softmax(cap(q K^T)) V over positions start..ctx-1 of H adjacent kv heads (the first at
+ * head_off in each row), G query heads each; q [H * G, D] already scaled; cap 0: no soft cap. A chunk of
+ * rows inside one block at a time (contiguous rows, no division per row), converted once for the G heads. */
 static void attend_kv_heads(const float *q, int64_t H, int64_t G, int64_t D, const void *k_cache,
-                            const void *v_cache, const int64_t *table, int64_t ctx, int64_t block_size, int64_t row,
-                            int64_t head_off, int kv_kind, float *o)
+                            const void *v_cache, const int64_t *table, int64_t start, int64_t ctx, float cap,
+                            int64_t block_size, int64_t row, int64_t head_off, int kv_kind, float *o)
 {
     float best[H * G], total[H * G], s[H * G * ATT_CHUNK], buf[ATT_CHUNK * D];
     const int64_t elem = kv_elem(kv_kind);
@@ -253,7 +278,7 @@ static void attend_kv_heads(const float *q, int64_t H, int64_t G, int64_t D, con
         total[g] = 0.f;
     }
     for (int64_t i = 0; i < H * G * D; ++i) o[i] = 0.f;
-    for (int64_t c0 = 0, n = 0; c0 < ctx; c0 += n) {
+    for (int64_t c0 = start, n = 0; c0 < ctx; c0 += n) {
         int64_t first, ahead;
         n = context_chunk(table, c0, ctx, block_size, row, head_off, &first, &ahead);
         for (int64_t h = 0; h < H; ++h) {
@@ -265,6 +290,7 @@ static void attend_kv_heads(const float *q, int64_t H, int64_t G, int64_t D, con
                 for (int64_t g = 0; g < G; ++g)
                     s[(hg + g) * ATT_CHUNK + p] = dot_f32(q + (hg + g) * D, k + p * stride, D);
             }
+            soft_cap_heads(s + hg * ATT_CHUNK, n, G, cap);
             softmax_chunk(s + hg * ATT_CHUNK, n, G, D, best + hg, total + hg, o + hg * D);
             const float *v = kv_rows(v_cache, first + h * D, n, row, D, kv_kind, buf, &stride);
             for (int64_t g = 0; g < G; ++g)
@@ -327,8 +353,9 @@ static inline __m512i fp8x32_to_bf16(const uint8_t *src)
  * rows widened to bf16 once for the G heads, V rows to float32); D a multiple of 32 up to 128, H * G up
  * to ATT_MAX_HEADS */
 static void attend_kv_heads_bf16(const uint16_t *q, int64_t H, int64_t G, int64_t D, float scale,
-                                 const void *k_cache, const void *v_cache, int fp8, const int64_t *table, int64_t ctx,
-                                 int64_t block_size, int64_t row, int64_t head_off, float *o)
+                                 const void *k_cache, const void *v_cache, int fp8, const int64_t *table,
+                                 int64_t start, int64_t ctx, float cap, int64_t block_size, int64_t row,
+                                 int64_t head_off, float *o)
 {
     float best[H * G], total[H * G], s[H * G * ATT_CHUNK], buf[ATT_CHUNK * D];
     uint16_t kbuf[fp8 ? ATT_CHUNK * D : 1];
@@ -340,7 +367,7 @@ static void attend_kv_heads_bf16(const uint16_t *q, int64_t H, int64_t G, int64_
         for (int64_t i = 0; i < parts; ++i) qv[g][i] = _mm512_loadu_si512(q + g * D + 32 * i);
     }
     for (int64_t i = 0; i < H * G * D; ++i) o[i] = 0.f;
-    for (int64_t c0 = 0, n = 0; c0 < ctx; c0 += n) {
+    for (int64_t c0 = start, n = 0; c0 < ctx; c0 += n) {
         int64_t first, ahead;
         n = context_chunk(table, c0, ctx, block_size, row, head_off, &first, &ahead);
         for (int64_t h = 0; h < H; ++h) {
@@ -370,6 +397,7 @@ static void attend_kv_heads_bf16(const uint16_t *q, int64_t H, int64_t G, int64_
                     _mm256_storeu_ps(s + g * ATT_CHUNK + p0, _mm256_mul_ps(sum8x8(r), _mm256_set1_ps(scale)));
                 }
             }
+            soft_cap_heads(s + hg * ATT_CHUNK, n, G, cap);
             softmax_chunk(s + hg * ATT_CHUNK, n, G, D, best + hg, total + hg, o + hg * D);
             for (int64_t p = 0; p < n; ++p) {
                 prefetch_row(k_cache, v_cache, ahead + h * D, p, row, elem * D, elem);
@@ -399,7 +427,10 @@ int paged_attention_f32(
     const int64_t *query_start, /* [B + 1] */
     const int64_t *token_request, /* [T] request index of each query token */
     int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, float scale, int kv_kind, int q_kind,
+    int64_t block_size, float scale,
+    int64_t window,             /* sliding window: a query sees the last `window` positions; 0: all */
+    float softcap,              /* scores become softcap * tanh(score / softcap); 0: no cap */
+    int kv_kind, int q_kind,
     void *out)                  /* [T, Hq, D], q_kind */
 {
     const int64_t group = num_heads / num_kv_heads;
@@ -425,13 +456,14 @@ int paged_attention_f32(
         const int64_t b = token_request[t];
         const int64_t query_len = query_start[b + 1] - query_start[b];
         const int64_t ctx = seq_lens[b] - query_len + (t - query_start[b]) + 1;
+        const int64_t start = window > 0 && ctx > window ? ctx - window : 0; /* the window's first position */
         const int64_t first = (t * num_heads + h * group) * head_dim, n = heads * group * head_dim;
         float q[n], o[n];
 #ifdef ATT_BF16_DOT
         if (bf16_dot) {
             attend_kv_heads_bf16((const uint16_t *)query + first, heads, group, head_dim, scale, k_cache, v_cache,
-                                 kv_kind == KIND_FP8, block_tables + b * table_width, ctx, block_size, row,
-                                 h * head_dim, o);
+                                 kv_kind == KIND_FP8, block_tables + b * table_width, start, ctx, softcap,
+                                 block_size, row, h * head_dim, o);
             for (int64_t i = 0; i < n; ++i) ((uint16_t *)out)[first + i] = bf16_round(o[i]);
             continue;
         }
@@ -439,8 +471,8 @@ int paged_attention_f32(
         for (int64_t i = 0; i < n; ++i)
             q[i] = scale * (q_kind == KIND_BF16 ? bf16_to_f32(((const uint16_t *)query)[first + i])
                                               : ((const float *)query)[first + i]);
-        attend_kv_heads(q, heads, group, head_dim, k_cache, v_cache, block_tables + b * table_width, ctx, block_size,
-                        row, h * head_dim, kv_kind, o);
+        attend_kv_heads(q, heads, group, head_dim, k_cache, v_cache, block_tables + b * table_width, start, ctx,
+                        softcap, block_size, row, h * head_dim, kv_kind, o);
         for (int64_t i = 0; i < n; ++i) {
             if (q_kind == KIND_BF16) ((uint16_t *)out)[first + i] = bf16_round(o[i]);
             else ((float *)out)[first + i] = o[i];

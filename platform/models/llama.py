@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+"""Llama-family decoder over a paged KV cache: Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, Granite (what
+each family changes is a `ModelConfig` field: docs/families.md).
 
 q/k/v and gate/up are fused into one matmul each; weights load straight from safetensors.
 """
@@ -6,10 +7,10 @@ q/k/v and gate/up are fused into one matmul each; weights load straight from saf
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
@@ -18,59 +19,61 @@ from loraplex.kernels.linear_methods import tile_table_into_head
 from loraplex.kernels.paged_attention import PagedAttentionMetadata
 from loraplex.kernels.sgmv import LoRABatch
 from loraplex.platform.config import ModelConfig
-from loraplex.platform.models import FUSED_PROJECTIONS
+from loraplex.platform.models import fused_projections
 from loraplex.kernels.custom_ops import PagedAttention, RMSNorm, RopeKVWrite, SiluAndMul
 from loraplex.platform.models.linear import Linear
+from loraplex.platform.models.lora_embedding import LoRAEmbedding, LoRAHead, attach_vocab_adapters
 from loraplex.platform.models.lora_linear import LoRAContext, LoRALinear
+from loraplex.platform.models.moe import SparseMoEBlock, is_sparse_layer
 from loraplex.platform.models.quantized import head_format, quantize_model, read_prequantized
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
-    if not scaling:
-        return inv_freq
-    factor = scaling["factor"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
-    return torch.where(medium, smoothed, scaled)
-
-
-class RotaryEmbedding(nn.Module):
-    def __init__(self, config: ModelConfig, max_len: int) -> None:
-        super().__init__()
-        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(config))
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, D] of a step's positions: looked up once, used by every layer."""
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+from loraplex.platform.models.rope import RotaryEmbedding
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, lora: LoRAContext, kernels: KernelConfig) -> None:
+    def __init__(self, config: ModelConfig, lora: LoRAContext, kernels: KernelConfig, index: int) -> None:
         super().__init__()
         heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        self.q_size = heads * head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_size, self.kv_size = heads * head_dim, kv_heads * head_dim
         self.qkv_proj = LoRALinear(config.hidden_size, (heads + 2 * kv_heads) * head_dim, config.qkv_bias, lora,
                                    kernels, "qkv_proj")
         self.o_proj = LoRALinear(self.q_size, config.hidden_size, False, lora, kernels, "o_proj")
+        self.qk_norm = config.qk_norm
+        if config.qk_norm:
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, kernels)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, kernels)
         self.rope_kv_write = RopeKVWrite(heads, kv_heads, head_dim, kernels)
-        self.attn = PagedAttention(head_dim ** -0.5, kernels)
+        self.attn = PagedAttention(config.attention_scale, kernels, sliding_window=config.layer_windows[index],
+                                   softcap=config.attn_logit_softcap)
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache, meta: PagedAttentionMetadata):
         k_cache, v_cache = kv_cache
-        q = self.rope_kv_write(self.qkv_proj(x), rope, k_cache, v_cache, meta)
+        qkv = self.qkv_proj(x)
+        if self.qk_norm:
+            qkv = self.norm_heads(qkv)
+        q = self.rope_kv_write(qkv, rope, k_cache, v_cache, meta)
         out = self.attn(q, k_cache, v_cache, meta)
         return self.o_proj(out.reshape(-1, self.q_size))
+
+    def norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Each q and k head RMS-normalized over head_dim (before RoPE, as Qwen3 and Gemma 3 do)."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.contiguous().view(-1, self.num_heads, self.head_dim))  # the norm reads contiguous rows
+        k = self.k_norm(k.contiguous().view(-1, self.num_kv_heads, self.head_dim))
+        return torch.cat([q.flatten(1), k.flatten(1), v], dim=-1)
+
+
+class GeluTanhAndMul(nn.Module):
+    """[..., 2I] -> gelu(gate, tanh approximation) * up [..., I]: Gemma's GeGLU, in PyTorch ops."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+def activation_and_mul(name: str, kernels: KernelConfig) -> nn.Module:
+    """The MLP's gate activation times up, by transformers' activation name (ModelConfig checks it)."""
+    return GeluTanhAndMul() if name == "gelu_pytorch_tanh" else SiluAndMul(kernels)
 
 
 class MLP(nn.Module):
@@ -79,19 +82,24 @@ class MLP(nn.Module):
         self.gate_up_proj = LoRALinear(config.hidden_size, 2 * config.intermediate_size, False, lora, kernels,
                                        "gate_up_proj")
         self.down_proj = LoRALinear(config.intermediate_size, config.hidden_size, False, lora, kernels, "down_proj")
-        self.act = SiluAndMul(kernels)
+        self.act = activation_and_mul(config.hidden_act, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, lora: LoRAContext, kernels: KernelConfig) -> None:
+    def __init__(self, config: ModelConfig, lora: LoRAContext, kernels: KernelConfig, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.self_attn = Attention(config, lora, kernels)
+        self.self_attn = Attention(config, lora, kernels, index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.mlp = MLP(config, lora, kernels)
+        self.post_norms = config.post_norms
+        if config.post_norms:  # Gemma: post_attention_layernorm normalizes the attention output itself
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.residual_multiplier = config.residual_multiplier
+        self.mlp = SparseMoEBlock(config, kernels) if is_sparse_layer(config, index) else MLP(config, lora, kernels)
 
     def forward(self, x, residual, rope, kv_cache, meta):
         """-> (this layer's MLP output, the residual stream before adding it); the add happens in
@@ -100,8 +108,16 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(h, rope, kv_cache, meta), residual)
-        return self.mlp(h), residual
+        h = self.self_attn(h, rope, kv_cache, meta)
+        if self.post_norms:
+            h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
+            return self.post_feedforward_layernorm(self.mlp(h)), residual
+        h, residual = self.post_attention_layernorm(self.scaled(h), residual)
+        return self.scaled(self.mlp(h)), residual
+
+    def scaled(self, h: torch.Tensor) -> torch.Tensor:
+        """A block's output as it joins the residual stream: times Granite's residual_multiplier."""
+        return h if self.residual_multiplier == 1.0 else h * self.residual_multiplier
 
 
 class LlamaForCausalLM(nn.Module):
@@ -110,11 +126,12 @@ class LlamaForCausalLM(nn.Module):
         kernels = kernels or KernelConfig()
         self.config, self.kernels = config, kernels
         self.lora_context = LoRAContext()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, self.lora_context, kernels) for _ in range(config.num_layers))
+        self.embed_tokens = LoRAEmbedding(config.vocab_size, config.hidden_size, self.lora_context)
+        self.layers = nn.ModuleList(DecoderLayer(config, self.lora_context, kernels, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.rope = RotaryEmbedding(config, max_len)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, kernels, head_format(kernels.quantization))
+        self.embed_scale = float(torch.tensor(config.embedding_multiplier, device="cpu").to(kernels.dtype))
+        self.lm_head = LoRAHead(config.hidden_size, config.vocab_size, False, kernels, head_format(kernels.quantization))
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -128,33 +145,51 @@ class LlamaForCausalLM(nn.Module):
         slot (None: no token uses one), read by every LoRA layer of this pass."""
         self.lora_context.batch = lora
         try:
-            x, residual = self.embed(input_ids), None
-            rope = self.rope.at(positions, x.dtype)
-            for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = self.scale_embeddings(self.embed(input_ids)), None
+            ropes = self.rope.at(positions, x.dtype)
+            for layer, kv_cache, rope in zip(self.layers, kv_caches, ropes):
                 x, residual = layer(x, residual, rope, kv_cache, meta)
             return self.norm(x, residual)[0]
         finally:
             self.lora_context.batch = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token ids -> their rows of the embedding table."""
+        """Token ids -> their rows of the embedding table (each token's adapter's own where it has one)."""
         if self.embed_tokens.weight is None:  # tied, and held once in the head's weight format
-            return self.lm_head.method.rows(self.lm_head, input_ids)
+            return self.embed_tokens.adapt(input_ids, self.lm_head.method.rows(self.lm_head, input_ids))
         return self.embed_tokens(input_ids)
 
+    def scale_embeddings(self, x: torch.Tensor) -> torch.Tensor:
+        """Gemma's sqrt(hidden) and Granite's embedding_multiplier (rounded to the model's dtype in `__init__`,
+        as transformers' Gemma rounds it), on the embedding's output: adapters' rows and deltas included, as
+        transformers does for Granite and peft for Gemma's scaled embedding."""
+        return x if self.embed_scale == 1.0 else x * self.embed_scale
+
     def attach_lora(self, slots) -> None:
-        """Point each LoRA-capable projection at its slot table (`adapters/slots.py`)."""
+        """Point each LoRA-capable projection, the embedding and the head at their slot tables
+        (`adapters/slots.py`)."""
         for layer, projections in zip(self.layers, slots.layers):
             for fused, table in projections.items():
                 block = layer.self_attn if hasattr(layer.self_attn, fused) else layer.mlp
-                getattr(block, fused).lora = table
+                if hasattr(block, fused):  # a MoE layer has no dense MLP (adapters on its experts are refused)
+                    getattr(block, fused).lora = table
+        attach_vocab_adapters(self.embed_tokens, self.lm_head, slots, self.config.tie_word_embeddings,
+                              self.kernels.dtype)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """In the model's dtype: the sampler widens them only where it needs float32."""
-        return self.lm_head(hidden)
+    def logits(self, hidden: torch.Tensor, slots: list[int] | None = None) -> torch.Tensor:
+        """In the model's dtype: the sampler widens them only where it needs float32. `slots`: each row's
+        adapter slot (-1: none), for adapters that change the head; None: the base head for every row."""
+        return self.shape_logits(self.lm_head(hidden, slots))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.logits(hidden).float()
+    def shape_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Granite's logits_scaling (a division) and Gemma's final soft cap c tanh(logits / c)."""
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def compute_logits(self, hidden: torch.Tensor, slots: list[int] | None = None) -> torch.Tensor:
+        return self.logits(hidden, slots).float()
 
     @torch.no_grad()
     def load_weights(self, folder: str | Path, tensors: dict[str, torch.Tensor] | None = None) -> None:
@@ -180,13 +215,19 @@ class LlamaForCausalLM(nn.Module):
             put("lm_head.weight", take("lm_head.weight"))
         for i in range(self.config.num_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
-            for norm in ("input_layernorm", "post_attention_layernorm"):
-                put(dst + norm + ".weight", take(src + norm + ".weight"))
-            for fused, parts in FUSED_PROJECTIONS.items():
+            for norm, module in self.layers[i].named_modules():  # the layer's norms, q/k norms included
+                if isinstance(module, RMSNorm):
+                    put(dst + norm + ".weight", take(src + norm + ".weight"))
+            for fused, parts in fused_projections(self.config.architecture).items():
                 block = "self_attn." if fused in ("qkv_proj", "o_proj") else "mlp."
+                if block == "mlp." and isinstance(self.layers[i].mlp, SparseMoEBlock):
+                    continue  # the block reads its own names below
                 put(dst + block + fused + ".weight", torch.cat([take(src + block + p + ".weight") for p in parts]))
                 if fused == "qkv_proj" and self.config.qkv_bias:
                     put(dst + block + fused + ".bias", torch.cat([take(src + block + p + ".bias") for p in parts]))
+            if isinstance(self.layers[i].mlp, SparseMoEBlock):  # router, experts, shared expert
+                self.layers[i].mlp.load_weights(take, src)
+                loaded.update(dst + "mlp." + name for name, _ in self.layers[i].mlp.named_parameters())
         tensors.pop("lm_head.weight", None)  # tied checkpoints may still carry a copy
         leftovers = [k for k in tensors if not k.endswith("rotary_emb.inv_freq")]
         if leftovers:
@@ -194,6 +235,10 @@ class LlamaForCausalLM(nn.Module):
         missing = set(params) - loaded - ({"lm_head.weight"} if self.config.tie_word_embeddings else set())
         if missing:
             raise ValueError(f"weights not loaded: {sorted(missing)[:5]}")
+        if self.config.norm_offset:  # Gemma's norms multiply by (1 + w): the 1 added once, here
+            for module in self.modules():
+                if isinstance(module, RMSNorm):
+                    module.weight += self.config.norm_offset
 
 
 def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:

@@ -76,8 +76,9 @@ def test_rslora_scaling(config, adapter):
 
 @pytest.mark.parametrize("changes,reason", [
     ({"use_dora": True}, "DoRA"),
-    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
-    ({"target_modules": ["q_proj", "lm_head"]}, "unsupported target modules \\['lm_head'\\]"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save lists \\['lm_head'\\], but the folder holds no weight"),
+    ({"modules_to_save": ["score"]}, "modules_to_save \\['score'\\] is not supported"),
+    ({"target_modules": ["q_proj", "norm"]}, "unsupported target modules \\['norm'\\]"),
     ({"target_modules": ["q_proj", "fc1"]}, "unsupported target modules \\['fc1'\\]"),
     ({"bias": "all"}, "bias='all'"),
     ({"r": 64}, "rank 64 exceeds max_lora_rank=16"),

@@ -13,8 +13,8 @@ from transformers import AutoTokenizer
 
 from loraplex.grammar.backend import GrammarError, StructuredOutputs
 from loraplex.grammar.manager import GrammarManager
-from loraplex.grammar.tools import (Function, ToolCallParser, ToolCalls, parse_tool_calls, plain_messages,
-                                    template_takes_tools)
+from loraplex.grammar.tools import (Function, ToolCallError, ToolCallParser, ToolCalls, parse_tool_calls,
+                                    plain_messages, template_takes_tools)
 from test_grammar import walk
 
 WEATHER = Function("get_weather", {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
@@ -129,12 +129,15 @@ def test_streamed_in_any_split_the_parser_reads_what_it_reads_whole(seed):
     assert [c.name for c in whole_calls] == ["add", "get_weather"]
 
 
-def test_text_that_only_looks_like_a_call_and_cut_off_calls_stay_content():
-    assert parse_tool_calls("a <tool_call> b") == ("a <tool_call> b", [])
+def test_cut_off_calls_stay_content_and_malformed_ones_are_errors():
     assert parse_tool_calls("just text <tool_") == ("just text <tool_", [])
     cut = '<tool_call>\n{"name": "add", "arguments": {"a":1,'
     content, calls = parse_tool_calls(cut)
     assert calls == [] and content == cut
+    for malformed in ("a <tool_call> b", '<tool_call>\n{"name": "add", "arguments": [1]}\n</tool_call>',
+                      '<tool_call>\n{"name": "add", "arguments": {"a":1}} trailing</tool_call>'):
+        with pytest.raises(ToolCallError):  # under the grammar it cannot happen: never passed off as text
+            parse_tool_calls(malformed)
 
 
 def test_templates_without_tools_get_them_in_the_system_message():

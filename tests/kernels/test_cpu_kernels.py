@@ -365,7 +365,8 @@ def test_nullable_arguments_take_none_and_the_others_do_not():
     index = [torch.zeros(n, dtype=torch.int64) for n in (1, 1, 2, 1)]  # tables, seq_lens, starts, token_request
     with pytest.raises(ValueError, match="paged_attention_f32: token_request holds 1 elements"):  # 2 tokens
         cpu_kernels.ops.paged_attention_f32(torch.zeros(2, 1, 8), torch.zeros(1, 4, 1, 8), torch.zeros(1, 4, 1, 8),
-                                            index[0], 1, *index[1:], 2, 1, 1, 8, 4, 1.0, 0, 0, torch.empty(2, 1, 8))
+                                            index[0], 1, *index[1:], 2, 1, 1, 8, 4, 1.0, 0, 0.0, 0, 0,
+                                            torch.empty(2, 1, 8))
 
 
 def test_returned_statuses_are_handed_back_and_the_others_raise():

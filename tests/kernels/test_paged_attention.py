@@ -5,9 +5,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loraplex.kernels import dispatch
-from loraplex.kernels.paged_attention import paged_attention, write_kv
-from paged_case import make_case
+from loraplex.kernels import cpu_kernels, dispatch
+from loraplex.kernels.custom_ops import PagedAttention
+from loraplex.kernels.dispatch import KernelConfig
+from loraplex.kernels.paged_attention import paged_attention, paged_attention_reference, write_kv
+from paged_case import dense_attention, make_case, poison_before_window
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -85,6 +87,103 @@ def test_write_kv_from_a_strided_qkv_split():
     (kr, vr), (kt, vt) = write_both(k, v, slots, torch.float32)
     assert torch.equal(kr, kt) and torch.equal(vr, vt)
     assert torch.equal(kr.view(-1, 2, 16)[20], k[3])
+
+
+WINDOW_CASES = [
+    # seed, query lens, cached lens, heads, kv heads, head dim, block size, window, soft cap
+    (10, [1, 1, 1, 1], [5, 15, 16, 40], 4, 2, 32, 16, 16, None),  # decode; window = block: inside, at and past it
+    (11, [1, 1], [31, 70], 8, 1, 64, 32, 33, 30.0),  # window off the block grid, GQA 8, cap
+    (12, [7, 20, 1], [0, 13, 33], 6, 2, 32, 16, 8, 5.0),  # prefill chunks longer than the window
+    (13, [17, 40], [0, 30], 4, 2, 32, 16, 100, None),  # a window larger than every context: plain causal
+    (14, [33, 5], [16, 47], 4, 4, 16, 16, 1, None),  # window 1: each query sees only itself
+    (15, [1, 1, 3], [31, 32, 15], 4, 2, 32, 16, None, 2.0),  # cap alone, small: scores saturate
+    (16, [45, 1], [20, 64], 4, 2, 32, 16, 32, 20.0),  # a chunk past the C kernel's length beside a decode
+]
+WINDOW_BACKENDS = ["torch", "auto", "triton"]  # reference, CPU dispatch (C kernel + reference), Triton
+
+
+@pytest.mark.parametrize("backend", WINDOW_BACKENDS)
+@pytest.mark.parametrize("seed,qlens,clens,heads,kv_heads,dim,bs,window,cap", WINDOW_CASES)
+def test_window_and_softcap_match_dense_attention(backend, seed, qlens, clens, heads, kv_heads, dim, bs, window,
+                                                  cap):
+    query, kc, vc, meta, tables, seq_lens = make_case(seed, qlens, clens, heads, kv_heads, dim, bs, torch.float32)
+    expected = dense_attention(query, kc, vc, tables, qlens, seq_lens, dim ** -0.5, window, cap)
+    out = attend_with(backend, query, kc, vc, meta, dim ** -0.5, window, cap)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+    plain = dense_attention(query, kc, vc, tables, qlens, seq_lens, dim ** -0.5)
+    assert (window is not None and window >= max(seq_lens)) or not torch.allclose(expected, plain, atol=1e-3)
+
+
+@pytest.mark.parametrize("backend", WINDOW_BACKENDS)
+@pytest.mark.parametrize("seed,qlens,clens,heads,kv_heads,dim,bs,window,cap", WINDOW_CASES[1:3])
+def test_window_and_softcap_in_bfloat16(backend, seed, qlens, clens, heads, kv_heads, dim, bs, window, cap):
+    """A bfloat16 model's attention against the dense math on the same bf16 values."""
+    query, kc, vc, meta, tables, seq_lens = make_case(seed, qlens, clens, heads, kv_heads, dim, bs, torch.bfloat16)
+    expected = dense_attention(query, kc, vc, tables, qlens, seq_lens, dim ** -0.5, window, cap)
+    out = attend_with(backend, query, kc, vc, meta, dim ** -0.5, window, cap)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), expected, **TOL[torch.bfloat16])
+
+
+def attend_with(backend, query, kc, vc, meta, scale, window, cap):
+    with dispatch.forced_backend(backend):
+        return paged_attention(query.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), meta, scale, window, cap).cpu()
+
+
+@pytest.mark.parametrize("backend", WINDOW_BACKENDS)
+@pytest.mark.parametrize("seed,qlens,clens,heads,kv_heads,dim,bs,window,cap",
+                         [c for c in WINDOW_CASES if c[7] is not None and c[7] < 100])
+def test_blocks_before_the_window_are_never_read(backend, seed, qlens, clens, heads, kv_heads, dim, bs, window, cap):
+    """Table entries of blocks wholly before a request's window point at a block of NaNs (what the KV
+    manager frees): the output stays finite and the same."""
+    query, kc, vc, meta, tables, seq_lens = make_case(seed, qlens, clens, heads, kv_heads, dim, bs, torch.float32)
+    clean = attend_with(backend, query, kc, vc, meta, dim ** -0.5, window, cap)
+    kc, vc, poisoned, count = poison_before_window(kc, vc, meta, tables, qlens, seq_lens, window)
+    assert count > 0
+    out = attend_with(backend, query, kc, vc, poisoned, dim ** -0.5, window, cap)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, clean, atol=0, rtol=0)
+
+
+needs_c_kernel = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler here")
+
+
+@needs_c_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed,qlens,clens,heads,kv_heads,dim,bs,window,cap", WINDOW_CASES)
+def test_c_kernel_alone_on_every_chunk(dtype, seed, qlens, clens, heads, kv_heads, dim, bs, window, cap):
+    """The C kernel itself on every request, prefill chunks too (the dispatch gives long ones to the
+    reference), in float32 and bfloat16 (there against the dense math on the same bf16 values)."""
+    query, kc, vc, meta, tables, seq_lens = make_case(seed, qlens, clens, heads, kv_heads, dim, bs, dtype)
+    lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+    token_request = torch.repeat_interleave(torch.arange(len(qlens)), lens)
+    out = cpu_kernels.paged_attention_c(query, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                        token_request, dim ** -0.5, window, cap)
+    expected = dense_attention(query, kc, vc, tables, qlens, seq_lens, dim ** -0.5, window, cap)
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=8e-3)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), expected, **tol)
+
+
+def test_paged_attention_binds_window_and_cap_once():
+    """Without a window or a cap a layer runs the plain kernel itself; with them the same backend's kernel
+    with both bound; refused values are named."""
+    native = KernelConfig(backend="native")
+    assert PagedAttention(0.125, native).kernel is paged_attention_reference
+    query, kc, vc, meta, tables, seq_lens = make_case(12, [7, 20, 1], [0, 13, 33], 6, 2, 32, 16, torch.float32)
+    layer = PagedAttention(32 ** -0.5, native, sliding_window=8, softcap=5.0)
+    expected = dense_attention(query, kc, vc, tables, [7, 20, 1], seq_lens, 32 ** -0.5, 8, 5.0)
+    torch.testing.assert_close(layer(query, kc, vc, meta).double(), expected, atol=2e-5, rtol=2e-5)
+    for bad in (dict(sliding_window=0), dict(sliding_window=2.5), dict(softcap=0.0), dict(softcap=float("inf"))):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            PagedAttention(0.125, native, **bad)
+
+
+def test_reference_views_are_derived_once_per_window():
+    _, _, _, meta, _, _ = make_case(10, [1, 1, 1, 1], [5, 15, 16, 40], 4, 2, 32, 16, torch.float32)
+    assert meta.reference_view(16) is meta.reference_view(16)
+    assert meta.reference_view() is meta.reference_view() and meta.reference_view(16) is not meta.reference_view()
+    assert meta.reference_view(16)[3].shape[1] == 2 < meta.reference_view()[3].shape[1]  # blocks the windows reach
 
 
 @pytest.mark.slow

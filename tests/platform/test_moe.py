@@ -1,0 +1,200 @@
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) against transformers and peft on tiny
+random checkpoints: routers with random weights, so tokens pick different experts."""
+
+import shutil
+
+import pytest
+import torch
+
+from conftest import make_peft_adapter, make_tiny_model, peft_greedy
+from loraplex.platform import LLM, SamplingParams
+from loraplex.platform.config import EngineConfig, ModelConfig
+from loraplex.platform.engine import Engine
+from loraplex.platform.models import SUPPORTED_ARCHITECTURES
+from loraplex.platform.models.moe import SparseMoEBlock, lora_refusal
+from test_model import prompt_logits
+
+# 4 experts, top-2; Qwen2-MoE: a shared expert and a dense layer 1, weights not renormalised;
+# Qwen3-MoE: layer 0 dense by decoder_sparse_step, renormalised
+FAMILIES = {
+    "mixtral": ("MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                              shared_expert_intermediate_size=48, mlp_only_layers=[1])),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                              decoder_sparse_step=2, norm_topk_prob=True)),
+}
+FAMILY_PARAMS = [pytest.param(f, marks=pytest.mark.skipif(FAMILIES[f][0] not in SUPPORTED_ARCHITECTURES,
+                                                          reason=f"{FAMILIES[f][0]} not registered yet"))
+                 for f in FAMILIES]
+NEW = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+PROMPTS = [list(range(3 + i, 3 + i + 6 + 5 * i)) for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """family -> its tiny checkpoint, built once for the module on first use."""
+    root, built = tmp_path_factory.mktemp("moe"), {}
+
+    def get(family: str):
+        if family not in built:
+            built[family] = make_tiny_model(root / family, family, seed=3, **FAMILIES[family][1])
+        return built[family]
+
+    return get
+
+
+def recorded_routes(engine: Engine, monkeypatch) -> list[torch.Tensor]:
+    """Every sparse block's chosen experts [T, k], call by call."""
+    routes = []
+    for layer in engine.model.layers:
+        if isinstance(layer.mlp, SparseMoEBlock):
+            route = layer.mlp.route
+            monkeypatch.setattr(layer.mlp, "route", lambda x, _r=route: routes.append(_r(x)[1]) or _r(x))
+    return routes
+
+
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
+def test_logits_match_transformers(models, family, monkeypatch):
+    import transformers
+
+    folder = models(family)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    engine = Engine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=32, block_size=16))
+    routes = recorded_routes(engine, monkeypatch)
+    ids = torch.randint(3, 448, (1, 70), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = ref(ids).logits[0]
+    for chunk in (70, 13):  # one pass, and chunks that cross block boundaries
+        got = prompt_logits(engine, ids[0].tolist(), chunk)
+        torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
+    chosen = {tuple(sorted(pair)) for pair in routes[0].tolist()}
+    assert len(chosen) >= 4  # tokens really go to different experts
+    sparse = [isinstance(layer.mlp, SparseMoEBlock) for layer in engine.model.layers]
+    assert sparse == {"mixtral": [True, True], "qwen2_moe": [True, False], "qwen3_moe": [False, True]}[family]
+
+
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
+def test_greedy_tokens_match_transformers(models, family):
+    folder = models(family)
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16)  # prompts in chunks
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
+    assert got == peft_greedy(folder, [None] * len(PROMPTS), PROMPTS, NEW)
+
+
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
+def test_attention_adapter_matches_peft(models, family, tmp_path):
+    folder = models(family)
+    adapter = make_peft_adapter(folder, tmp_path / "attn", rank=8, seed=5,
+                                targets=["q_proj", "k_proj", "v_proj", "o_proj"])
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, lora_modules={"attn": str(adapter)})
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts + prompts, GREEDY, adapter=["attn"] * 3 + [None] * 3)]
+    assert got[:3] == peft_greedy(folder, [adapter] * 3, PROMPTS, NEW)
+    assert got[:3] != got[3:]  # the adapter changes the tokens
+
+
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
+def test_adapter_on_experts_or_router_is_refused_by_name(models, family, tmp_path):
+    folder = models(family)
+    experts = make_peft_adapter(folder, tmp_path / "experts", rank=4, targets=["q_proj"],
+                                target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    router = make_peft_adapter(folder, tmp_path / "router", rank=4, targets=["q_proj"], target_parameters=["gate.weight"])
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=16)
+    with pytest.raises(ValueError, match=r"mixture-of-experts .*mlp\.experts\.down_proj, mlp\.experts\.gate_up_proj"):
+        llm.load_adapter("experts", str(experts))
+    with pytest.raises(ValueError, match=r"mixture-of-experts .*gate\.weight"):
+        llm.load_adapter("router", str(router))
+    if family == "qwen2_moe":  # gate_proj is the shared expert's in layer 0 (layer 1's dense MLP would serve)
+        shared = make_peft_adapter(folder, tmp_path / "shared", rank=4, targets=["gate_proj"])
+        with pytest.raises(ValueError, match=r"mixture-of-experts .*gate_proj"):
+            llm.load_adapter("shared", str(shared))
+        keys = ["base_model.model.model.layers.0.mlp.shared_expert.gate_proj.lora_A.weight"]
+        assert "model.layers.0.mlp.shared_expert.gate_proj" in lora_refusal(llm.engine.model.config, {}, keys)
+    assert llm.engine.adapters.memory()[0] == 0
+
+
+def test_lora_refusal_reads_layers():
+    """A dense MLP module is fine in a dense layer and refused in a sparse one (a wrong base's adapter),
+    as are per-expert keys of older checkpoints; dense models refuse nothing here."""
+    from loraplex.platform.models.moe import MoEConfig
+
+    raw = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, num_hidden_layers=2,
+               decoder_sparse_step=2)
+    config = type("Config", (), {"moe": MoEConfig.from_raw(raw, "Qwen3MoeForCausalLM"),
+                                 "architecture": "Qwen3MoeForCausalLM"})()
+    key = "base_model.model.model.layers.{}.mlp.{}.lora_A.weight"
+    assert lora_refusal(config, {"target_modules": ["gate_proj", "q_proj"]}, [key.format(0, "gate_proj")]) is None
+    assert "model.layers.1.mlp.up_proj" in lora_refusal(config, {}, [key.format(1, "up_proj")])
+    assert "model.layers.1.mlp.experts.3.down_proj" in lora_refusal(config, {}, [key.format(1, "experts.3.down_proj")])
+    assert lora_refusal(type("Dense", (), {"moe": None})(), {"target_modules": ["gate"]}, []) is None
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_fused_expert_checkpoints_load(models, family, tmp_path):
+    """transformers 5's own layout (experts.gate_up_proj [E, 2I, H], Mixtral's block named mlp) gives the
+    logits of the per-expert layout save_pretrained writes by default."""
+    import transformers
+    from safetensors import safe_open
+
+    folder, fused = models(family), tmp_path / "fused"
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ref.save_pretrained(fused, save_original_format=False)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(folder / name, fused / name)
+    with safe_open(str(fused / "model.safetensors"), "pt") as f:
+        assert "model.layers.0.mlp.experts.gate_up_proj" in f.keys()
+    ids = list(range(5, 40))
+    logits = [prompt_logits(Engine(EngineConfig(model=str(f), dtype="float32", num_kv_blocks=16)), ids, 16)
+              for f in (folder, fused)]
+    torch.testing.assert_close(logits[0], logits[1], atol=0, rtol=0)
+
+
+def test_expert_matmul_paths_agree(models):
+    """grouped_mm, one matmul per expert used (where grouped_mm does not take the device and dtype) and
+    every expert masked (under CUDA graph capture) give the same numbers, and the block the same output."""
+    from loraplex.platform.models.moe import grouped_matmul, looped_matmul, masked_matmul
+
+    engine = Engine(EngineConfig(model=str(models("mixtral")), dtype="float32", num_kv_blocks=16))
+    block = engine.model.layers[0].mlp
+    x = torch.randn(23, engine.model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    ids = torch.tensor([0] * 9 + [2] * 14)  # expert 1 and 3 unused
+    counts = torch.tensor([9, 0, 14, 0], dtype=torch.int32)
+    with torch.inference_mode():
+        grouped = grouped_matmul(x, block.w13, counts)
+        torch.testing.assert_close(looped_matmul(x, block.w13, counts), grouped, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(masked_matmul(x, block.w13, ids), grouped, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(grouped[9:], x[9:] @ block.w13[2].T, atol=1e-5, rtol=1e-5)
+        assert block.grouped
+        fused = block(x)
+        block.grouped = False
+        torch.testing.assert_close(block(x), fused, atol=1e-6, rtol=1e-6)
+
+
+def test_bf16_logits_are_close_to_transformers_in_bf16(models):
+    import transformers
+
+    folder = models("qwen2_moe")
+    ids = list(range(3, 40))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    exact = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected, fp32 = ref(torch.tensor([ids])).logits[0].float(), exact(torch.tensor([ids])).logits[0]
+    got = prompt_logits(Engine(EngineConfig(model=str(folder), dtype="bfloat16", num_kv_blocks=16)), ids, 16).float()
+    ref_error = (expected - fp32).abs().max().item()
+    assert (got - fp32).abs().max().item() <= 2 * ref_error + 1e-2
+
+
+@pytest.mark.parametrize("quantization", ["int8", "q4"])
+def test_quantization_is_refused_clearly(models, quantization):
+    with pytest.raises(ValueError, match=f"quantization {quantization} is not supported for MixtralForCausalLM"):
+        Engine(EngineConfig(model=str(models("mixtral")), quantization=quantization, dtype="float32",
+                            num_kv_blocks=16))
+
+
+def test_moe_config_is_read_from_config_json(models):
+    moe = ModelConfig.from_folder(models("qwen2_moe")).moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.shared_expert_size) == (4, 2, 32, 48)
+    assert moe.dense_layers == (1,) and not moe.renormalize and not moe.float_weights
+    mixtral = ModelConfig.from_folder(models("mixtral")).moe
+    assert mixtral.renormalize and mixtral.float_weights and mixtral.dense_layers == ()
