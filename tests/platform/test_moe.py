@@ -85,8 +85,8 @@ def test_greedy_tokens_match_transformers(models, family):
 @pytest.mark.parametrize("family", FAMILY_PARAMS)
 def test_attention_adapter_matches_peft(models, family, tmp_path):
     folder = models(family)
-    adapter = make_peft_adapter(folder, tmp_path / "attn", rank=8, seed=5,
-                                targets=["q_proj", "k_proj", "v_proj", "o_proj"])
+    adapter = make_peft_adapter(folder, tmp_path / "attn", rank=8, seed=5,  # and the vocabulary modules
+                                targets=["q_proj", "k_proj", "v_proj", "o_proj", "embed_tokens", "lm_head"])
     llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, lora_modules={"attn": str(adapter)})
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     got = [o.outputs[0].token_ids for o in llm.generate(prompts + prompts, GREEDY, adapter=["attn"] * 3 + [None] * 3)]
