@@ -6,7 +6,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 STAMP := $(VENV)/.deps-installed
 MODEL_STAMP := $(VENV)/.default-model
 
-.PHONY: setup setup-ray setup-gpu model serve demo-adapters browser test test-all bench clean
+.PHONY: setup setup-ray setup-gpu gpu-check model serve demo-adapters browser test test-all bench clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,15 @@ setup-gpu: $(STAMP)
 		--index-url https://download.pytorch.org/whl/$(CUDA) --extra-index-url https://pypi.org/simple
 	$(PY) -c "import torch; assert torch.cuda.is_available(), 'torch ' + torch.__version__ + ' sees no CUDA device'; \
 		print('torch', torch.__version__, 'on', torch.cuda.get_device_name())"
+
+# The engine checked on a bare CUDA machine (torch, triton, transformers, peft; no venv, nothing pip-installed):
+# loraplex from this tree, random-weight Llama-3.2-1B / 3.1-8B checkpoints, the default model's tokenizer files
+# from GPU_TOKENIZER; the table into GPU_OUT/gpu_check.md (BENCHMARKS.md, "GPU check: how to run it").
+GPU_PYTHON ?= python3
+GPU_TOKENIZER ?= gpu_tokenizer
+GPU_OUT ?= gpu-check-out
+gpu-check:
+	PYTHONPATH=. $(GPU_PYTHON) benchmarks/gpu_check.py --tokenizer $(GPU_TOKENIZER) --out $(GPU_OUT)
 
 # The default model lives in the cache dir (LORAPLEX_CACHE, else ~/.cache/loraplex): converting
 # it is a no-op once the folder is complete.

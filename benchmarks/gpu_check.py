@@ -1,45 +1,126 @@
-"""The engine on a GPU, checked in one go: parity, speed, adapters, kernels; one table at the end.
+"""The engine on a GPU, checked in one go on a bare machine; one markdown table written to --out.
 
-    make setup-gpu && .venv/bin/python benchmarks/gpu_check.py            # CUDA machine, ~5 min
-    .venv/bin/python benchmarks/gpu_check.py --device cpu --quick          # the same code, dry run on CPU
+    PYTHONPATH=. python benchmarks/gpu_check.py --tokenizer gpu_tokenizer --out $OUT    # CUDA, < 8 min
+    .venv/bin/python benchmarks/gpu_check.py --dry-run --out /tmp/gpu-check            # the plumbing on CPU
 
-1. Greedy parity vs transformers: float32, TF32 off, 8 prompts x 32 tokens, loraplex batched
-   (decode graphs on) vs transformers one prompt at a time: equal token ids.
-2. Greedy parity vs peft with 8 adapters (rank 16, all projections) in one mixed batch.
-3. Throughput vs transformers `generate` at batch 1 / 16 / 64 (the engine's dtype, bfloat16 on
-   CUDA; transformers in the same dtype, its default attention), and decode graphs vs
-   --enforce-eager at batch 16.
-4. 64 distinct adapters in one batch of 64 vs the base model alone (target >= 0.8x).
-5. The device audit over a mixed workload (sampling, grammars, adapters, forks): host tensors
-   fed to device ops, tensors made without a device.
-6. Kernels (CUDA only): Triton vs references, SGMV bandwidth vs the bytes it must move, paged
-   attention vs SDPA (benchmarks/gpu_kernels.py).
+The machine needs torch (CUDA), triton, transformers, peft, safetensors, tokenizers, jinja2 and nothing
+installed from this project: it imports loraplex from the working tree. No model is downloaded: random-weight
+checkpoints of Llama-3.2-1B and Llama-3.1-8B shapes (bf16) are written here by transformers, with the default
+model's tokenizer files from --tokenizer (tokenizer.json, tokenizer_config.json and, where present,
+special_tokens_map.json / chat_template.jinja, copied from ~/.cache/loraplex/models/SmolLM2-135M-Instruct).
+
+Sections (each one's failure is a row of the table; the others still run; a section that would pass the time
+budget is skipped, and the table is rewritten after every row, so a killed run still leaves its numbers):
+ environment, HBM bandwidth (a device-to-device copy), kernels (Triton vs references, prefill attention
+ Triton vs SDPA), parity on the 1B shape (fp32, TF32 off: vs transformers; 8 adapters in one batch vs peft),
+ then on the 8B shape: decode tok/s at batch 1/16/64/256 vs transformers `generate` and vs the HBM floor,
+ decode graphs vs eager at batch 16, 64 distinct rank-16 adapters vs base, KV blocks vs free memory, the
+ device audit. Timers: warm-up first, device synced before each, same prompts on both sides, prefix caching
+ off.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
+import shutil
 import sys
 import tempfile
 import time
+import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # loraplex from this tree (its __init__ maps the folders)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch  # noqa: E402
 
-import gpu_kernels  # noqa: E402
-from multi_lora import make_adapters  # noqa: E402
-from throughput import make_prompts  # noqa: E402
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192)
+SHAPES = {
+    "Llama-3.2-1B": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
+                         rope_theta=500000.0, rope_scaling=dict(LLAMA3_ROPE, factor=32.0)),
+    "Llama-3.1-8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
+                         rope_theta=500000.0, rope_scaling=dict(LLAMA3_ROPE, factor=8.0)),
+    # the dry run's: a vocabulary as wide as the default tokenizer's, so ids past a small tokenizer's are sampled
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=49152, tie_word_embeddings=False,
+                 rope_theta=10000.0),
+}
 
-from loraplex.platform import LLM, SamplingParams  # noqa: E402
 
-ROWS: list[tuple[str, str, str]] = []  # (check, result, target)
+@dataclass
+class Plan:
+    """Sizes of one run: the real check, or the dry run's small ones."""
+
+    small: str = "Llama-3.2-1B"
+    large: str = "Llama-3.1-8B"
+    batches: tuple = (1, 16, 64, 256)
+    prompt_len: int = 128
+    new_tokens: int = 32
+    parity_prompts: int = 8
+    parity_tokens: int = 16
+    parity_adapters: int = 8
+    adapters: int = 64
+    graph_batch: int = 16
+    dtype: str = "auto"  # the speed sections' engine (bfloat16 on CUDA)
+    budget_s: float = 450.0  # 7.5 minutes: what is left then is skipped
 
 
-def row(check: str, result: str, target: str = "") -> None:
-    ROWS.append((check, result, target))
-    print(f"  {check}: {result}" + (f"   [target {target}]" if target else ""), flush=True)
+DRY_RUN = Plan(small="tiny", large="tiny", batches=(1, 4), prompt_len=8, new_tokens=4, parity_prompts=2,
+               parity_tokens=4, parity_adapters=2, adapters=4, graph_batch=2, dtype="float32", budget_s=120.0)
+
+
+@dataclass
+class Report:
+    """The table, rewritten into `path` after every row."""
+
+    path: Path
+    title: str
+    rows: list = field(default_factory=list)
+
+    def row(self, check: str, result: str, target: str = "") -> None:
+        self.rows.append((check, result, target))
+        print(f"  {check}: {result}" + (f"   [target {target}]" if target else ""), flush=True)
+        self.write()
+
+    def write(self) -> None:
+        lines = [f"# {self.title}", "", "| check | result | target |", "| --- | --- | --- |"]
+        lines += ["| " + " | ".join(cell(text) for text in row) + " |" for row in self.rows]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("\n".join(lines) + "\n")
+        tmp.replace(self.path)
+
+
+def cell(text: str) -> str:
+    """Text as one markdown table cell: its pipes escaped, on one line."""
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+@dataclass
+class Check:
+    """What the sections share: the run's sizes, device, report, work folder and what earlier sections found."""
+
+    plan: Plan
+    device: torch.device
+    report: Report
+    work: Path
+    tokenizer: Path
+    started: float = field(default_factory=time.perf_counter)
+    found: dict = field(default_factory=dict)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
 
 
 def sync(device: torch.device) -> None:
@@ -47,190 +128,469 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def hf_model(folder: str, dtype: torch.dtype, device: torch.device, adapter: str | None = None):
-    from transformers import AutoModelForCausalLM
+def release() -> None:
+    """What a dropped engine or model held, back to the device (between engines in one process)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
-    model.generation_config.eos_token_id = None
-    if adapter is not None:
-        from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, adapter).eval()
-    return model
+# ---- checkpoints -----------------------------------------------------------------------------------------
+
+
+def hf_model(shape: str, tokenizer_dir: Path, device: torch.device, dtype: torch.dtype = torch.bfloat16):
+    """A random-weight Llama of `shape` made on `device` (fast: no host init), ids from the tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=131072, rms_norm_eps=1e-5,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    with torch.device(device):  # made in float32 then cast: the same on every transformers version
+        model = LlamaForCausalLM(config).to(dtype)
+    model.generation_config.eos_token_id = None  # every side generates its full count
+    return model.eval()
+
+
+def write_checkpoint(model, tokenizer_dir: Path, folder: Path) -> Path:
+    model.save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, folder / name)
+    return folder
+
+
+def write_adapters(model, out: Path, count: int, rank: int = 16) -> list[Path]:
+    """`count` rank-`rank` LoRAs on every projection in the model's dtype: one through peft, the others its
+    tensors re-drawn on the model's device (same keys and shapes); `model` is given back without LoRA layers."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file, save_file
+
+    device, dtype = model.device, model.dtype
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS,
+                                                  init_lora_weights=False))
+    first = out / "lora-0"
+    peft_model.save_pretrained(first)
+    peft_model.unload()
+    tensors = {k: v.to(dtype) for k, v in load_file(first / "adapter_model.safetensors").items()}
+    save_file(tensors, first / "adapter_model.safetensors")  # peft keeps adapters in fp32 on a bf16 model
+    folders = [first]
+    for i in range(1, count):
+        folder = out / f"lora-{i}"
+        shutil.copytree(first, folder)
+        g = torch.Generator(device=device).manual_seed(i)
+        save_file({k: (torch.randn(v.shape, generator=g, device=device) * v.float().std()).to(dtype).cpu()
+                   for k, v in tensors.items()}, folder / "adapter_model.safetensors")
+        folders.append(folder)
+    return folders
+
+
+def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """Token ids drawn from the tokenizer's range (both sides get the same ones)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab, (count, length), generator=g).tolist()
+
+
+# ---- measuring -------------------------------------------------------------------------------------------
+
+
+def hbm_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes per second of a device-to-device copy (read + write), best of 5."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best
+
+
+def weight_bytes(shape: str, element: int = 2) -> int:
+    """What one decode step reads of the weights: every layer, the final norm and the head (not the embedding
+    table, of which it reads a row per token, unless the head is that table)."""
+    s = SHAPES[shape]
+    h, inter, heads, kv, d = (s[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                             "num_key_value_heads", "head_dim"))
+    layer = h * (heads + 2 * kv) * d + heads * d * h + 3 * h * inter + 2 * h
+    return element * (s["num_hidden_layers"] * layer + s["vocab_size"] * h + h)
+
+
+def kv_bytes(shape: str, batch: int, context: float, element: int = 2) -> float:
+    s = SHAPES[shape]
+    return element * 2 * s["num_hidden_layers"] * s["num_key_value_heads"] * s["head_dim"] * batch * context
+
+
+def floor_tokens_per_s(shape: str, batch: int, context: float, bandwidth: float) -> float:
+    """Decode tok/s if a step took only the time to read its weights and KV at the measured bandwidth."""
+    return batch * bandwidth / (weight_bytes(shape) + kv_bytes(shape, batch, context))
+
+
+def engine_decode_rate(llm, batch_prompts, new_tokens: int, adapters=None) -> float:
+    """Decode tok/s of the engine: the steps after every request has its first token (prefill excluded)."""
+    from loraplex.platform import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=new_tokens + 1, ignore_eos=True)
+    tag = f"d{time.perf_counter_ns()}"
+    for i, p in enumerate(batch_prompts):
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": p}, params, adapters[i] if adapters else None)
+    counts: dict[str, int] = {}
+    while sum(n > 0 for n in counts.values()) < len(batch_prompts) and engine.has_unfinished():
+        for out in engine.step():
+            counts[out.request_id] = counts.get(out.request_id, 0) + len(out.outputs[0].token_ids)
+    first = sum(counts.values())
+    sync(engine.device)
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        for out in engine.step():
+            counts[out.request_id] = counts.get(out.request_id, 0) + len(out.outputs[0].token_ids)
+    sync(engine.device)
+    return (sum(counts.values()) - first) / (time.perf_counter() - start)
+
+
+def hf_decode_rate(model, batch_prompts, new_tokens: int, device: torch.device) -> float:
+    """Decode tok/s of transformers `generate`: a run of 1 + n tokens minus a run of 1 (its prefill)."""
+    ids = torch.tensor(batch_prompts, device=device)
+
+    def timed(n: int) -> float:
+        sync(device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0)
+        sync(device)
+        return time.perf_counter() - start
+
+    timed(2)  # warm-up
+    return len(batch_prompts) * new_tokens / max(timed(1 + new_tokens) - timed(1), 1e-9)
+
+
+def greedy(llm, batch_prompts, new_tokens: int, adapters=None) -> list[list[int]]:
+    from loraplex.platform import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch_prompts], params, adapter=adapters)
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def hf_greedy(model, prompt: list[int], new_tokens: int, device: torch.device) -> list[int]:
     with torch.inference_mode():
         out = model.generate(input_ids=torch.tensor([prompt], device=device), max_new_tokens=new_tokens,
-                             do_sample=False)
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 
-def greedy(llm: LLM, prompts, new_tokens: int, adapters=None) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, adapter=adapters)
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def tokens_per_s(llm: LLM, prompts, new_tokens: int, adapters=None) -> float:
-    greedy(llm, prompts[:2], 2, adapters[:2] if adapters else None)  # warm-up
-    sync(llm.engine.device)
-    start = time.perf_counter()
-    greedy(llm, prompts, new_tokens, adapters)
-    sync(llm.engine.device)
-    return len(prompts) * new_tokens / (time.perf_counter() - start)
-
-
-def hf_tokens_per_s(model, tokenizer, prompts, new_tokens: int, device: torch.device) -> float:
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-
-    def generate(n: int) -> None:
-        with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           pad_token_id=pad)
-
-    generate(2)
-    sync(device)
-    start = time.perf_counter()
-    generate(new_tokens)
-    sync(device)
-    return len(prompts) * new_tokens / (time.perf_counter() - start)
-
-
-def check_parity(args, model_dir: str, device: torch.device, tmp: Path) -> None:
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    llm = LLM(model_dir, device=str(device), dtype="float32", max_model_len=512, max_loras=8,
-              max_lora_rank=16, enable_prefix_caching=False, max_num_seqs=64)
-    prompts = make_prompts(llm.get_tokenizer(), 8, seed=1)
-    ours = greedy(llm, prompts, args.parity_tokens)
-    hf = hf_model(model_dir, torch.float32, device)
-    theirs = [hf_greedy(hf, p, args.parity_tokens, device) for p in prompts]
+def agreement(ours: list[list[int]], theirs: list[list[int]]) -> str:
+    """Equal sequences, and where the others first part (random weights leave near-ties that fp32 sums in
+    another order may flip)."""
     same = sum(a == b for a, b in zip(ours, theirs))
-    row("greedy parity vs transformers (fp32, TF32 off)", f"{same}/{len(prompts)} sequences equal", "8/8")
-    del hf
-    folders = make_adapters(model_dir, tmp, 8, 16)
-    for i, folder in enumerate(folders):
-        llm.load_adapter(f"a{i}", str(folder))
-    names = [f"a{i % 8}" for i in range(len(prompts))]
-    ours = greedy(llm, prompts, args.parity_tokens, names)
-    theirs = [hf_greedy(hf_model(model_dir, torch.float32, device, str(folders[i % 8])), p, args.parity_tokens,
-                        device) for i, p in enumerate(prompts)]
-    same = sum(a == b for a, b in zip(ours, theirs))
-    row("greedy parity vs peft, 8 adapters in one batch (fp32)", f"{same}/{len(prompts)} sequences equal", "8/8")
-    torch.backends.cuda.matmul.allow_tf32 = False
+    splits = [next(i for i, (x, y) in enumerate(zip(a, b)) if x != y) for a, b in zip(ours, theirs)
+              if a != b and any(x != y for x, y in zip(a, b))]
+    return f"{same}/{len(ours)} sequences equal" + (f"; others part at tokens {splits}" if splits else "")
 
 
-def check_speed(args, model_dir: str, device: torch.device, tmp: Path) -> None:
-    widest = max(args.batch_sizes + [args.adapters])
-    llm = LLM(model_dir, device=str(device), max_model_len=1024, max_num_seqs=widest, max_loras=args.adapters,
-              max_lora_rank=16, enable_prefix_caching=False)
-    dtype = llm.engine.config.torch_dtype
-    tokenizer = llm.get_tokenizer()
-    hf = hf_model(model_dir, dtype, device)
-    for batch in args.batch_sizes:
-        prompts = make_prompts(tokenizer, batch, seed=batch)
-        ours = tokens_per_s(llm, prompts, args.new_tokens)
-        theirs = hf_tokens_per_s(hf, tokenizer, prompts, args.new_tokens, device)
-        row(f"tok/s at batch {batch} ({str(dtype).removeprefix('torch.')}), loraplex vs transformers",
-            f"{ours:.0f} vs {theirs:.0f} = {ours / theirs:.2f}x", ">= 3x at batch 64" if batch == 64 else "")
-    del hf
-    graphs = llm.engine.runner.graphs
-    if graphs is not None:
-        prompts = make_prompts(tokenizer, 16, seed=16)
-        with_graphs = tokens_per_s(llm, prompts, args.new_tokens)
-        llm.engine.runner.graphs = None
-        eager = tokens_per_s(llm, prompts, args.new_tokens)
-        llm.engine.runner.graphs = graphs
-        row("decode graphs vs --enforce-eager, batch 16", f"{with_graphs:.0f} vs {eager:.0f} tok/s = "
-            f"{with_graphs / eager:.2f}x", "> 1x")
-    else:
-        row("decode graphs", "off (not CUDA, or --enforce-eager)")
-    folders = make_adapters(model_dir, tmp / "many", args.adapters, 16)
-    for i, folder in enumerate(folders):
-        llm.load_adapter(f"m{i}", str(folder))
-    prompts = make_prompts(tokenizer, args.adapters, seed=7)
-    base = tokens_per_s(llm, prompts, args.new_tokens)
-    mixed = tokens_per_s(llm, prompts, args.new_tokens, [f"m{i}" for i in range(args.adapters)])
-    row(f"{args.adapters} distinct adapters vs base, batch {args.adapters}",
-        f"{mixed:.0f} vs {base:.0f} tok/s = {mixed / base:.2f}x", ">= 0.8x")
+def built_engine(check: Check):
+    """The large shape's engine the decode section built, for the sections after it."""
+    if "llm" not in check.found:
+        raise RuntimeError("no engine: the decode section did not build one (see its row)")
+    return check.found["llm"]
 
 
-def check_audit(model_dir: str, device: torch.device) -> None:
-    from loraplex.grammar.backend import StructuredOutputs
-    from loraplex.platform.device import DeviceAudit
+def engine(check: Check, folder: Path, **settings):
+    from loraplex.platform import LLM
 
-    llm = LLM(model_dir, device=str(device), max_model_len=512, max_num_seqs=16)
-    engine = llm.engine
-    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
-    cases = [SamplingParams(temperature=0, max_tokens=8, logprobs=2),
-             SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=1, n=2, max_tokens=8, repetition_penalty=1.1),
-             SamplingParams(temperature=0, max_tokens=24, structured=StructuredOutputs(json=schema))]
-    for i, params in enumerate(cases):
-        engine.add_request(f"audit-{i}", "Tell me a name.", params)
-    audit = DeviceAudit(engine.device)
-    try:
-        with audit:
-            for _ in range(200):
-                if not engine.has_unfinished():
-                    break
-                engine.step()
-        row("device audit over a mixed workload", f"{len(audit.found)} host tensors fed to device ops",
-            "0")
-        for line in sorted(set(audit.found))[:10]:
-            print("    " + line)
-    except RuntimeError as exc:
-        row("device audit over a mixed workload", f"FAILED: {exc}", "0")
+    base = dict(device=str(check.device), enable_prefix_caching=False, max_lora_rank=16)
+    return LLM(str(folder), **(base | settings))
 
 
-def check_kernels(device: torch.device) -> None:
-    if device.type != "cuda":
-        row("kernels (Triton vs references, SGMV bandwidth, attention vs SDPA)", "skipped: not CUDA")
+# ---- sections --------------------------------------------------------------------------------------------
+
+
+def section_environment(check: Check) -> None:
+    import transformers
+
+    versions = [f"torch {torch.__version__}", f"transformers {transformers.__version__}"]
+    for name in ("triton", "peft"):
+        try:
+            versions.append(f"{name} {__import__(name).__version__}")
+        except ImportError:
+            versions.append(f"{name} missing")
+    name = torch.cuda.get_device_name(check.device) if check.cuda else "CPU (dry run)"
+    check.report.row("machine", f"{name}; {', '.join(versions)}")
+    from loraplex.platform import LLM  # noqa: F401  the engine imports here (its packages are present)
+
+    check.report.row("loraplex imported from the working tree", str(ROOT))
+
+
+def section_bandwidth(check: Check) -> None:
+    nbytes = (4 << 30) if check.cuda else (64 << 20)
+    check.found["bandwidth"] = bw = hbm_bandwidth(check.device, nbytes)
+    check.report.row("device-to-device copy bandwidth (the floors' divisor)", f"{bw / 1e9:.0f} GB/s",
+                     "H200 HBM3e ~4.8 TB/s peak")
+
+
+def section_kernels(check: Check) -> None:
+    import gpu_kernels
+
+    if not check.cuda:
+        section_prefill_math(check)
         return
     for dtype in (torch.bfloat16, torch.float16):
         gpu_kernels.check_sgmv(dtype)
         gpu_kernels.check_attention(dtype)
-    row("Triton SGMV and paged attention vs references (bf16, fp16)", "equal within tolerance")
-    best = max(r["shrink_gbs"] for r in gpu_kernels.bench_sgmv())
-    row("SGMV best achieved bandwidth", f"{best:.0f} GB/s", "vs HBM peak")
-    gpu_kernels.bench_attention()
+    check.report.row("Triton SGMV and paged attention vs references (bf16, fp16)", "equal within tolerance")
+    flush = gpu_kernels.flush_buffer()
+    for r in gpu_kernels.bench_prefill(flush):
+        check.report.row(f"prefill attention, {r['batch']} fresh prompt(s) of {r['length']} tokens: Triton vs "
+                         "SDPA", f"{r['triton_us']:.0f} vs {r['sdpa_us']:.0f} us = SDPA "
+                         f"{r['triton_us'] / r['sdpa_us']:.2f}x", "SDPA > 1x: auto -> sdpa")
+    best = max(r["shrink_gbs"] for r in gpu_kernels.bench_sgmv(flush))
+    check.report.row("SGMV shrink, best achieved bandwidth (L2 flushed)", f"{best:.0f} GB/s",
+                     f"vs copy {check.found.get('bandwidth', 0) / 1e9:.0f} GB/s")
 
 
-def main() -> int:
+def section_prefill_math(check: Check) -> None:
+    """CPU: the SDPA prefill path's numbers against the paged reference (no timing without CUDA)."""
+    from gpu_kernels import HEAD_DIM, HEADS, KV_HEADS, attention_case
+
+    from loraplex.kernels.custom_ops import sdpa_prefill
+    from loraplex.kernels.paged_attention import paged_attention_reference
+
+    q, kc, vc, meta, _ = attention_case(2, 24, 0, HEADS, KV_HEADS, HEAD_DIM, 16, torch.float32, "cpu")
+    diff = (sdpa_prefill(q, kc, vc, meta, 0.1) - paged_attention_reference(q, kc, vc, meta, 0.1)).abs().max()
+    check.report.row("prefill attention SDPA path vs paged reference (CPU, no timing)", f"max |diff| {diff:.1e}",
+                     "< 1e-4")
+
+
+def section_parity(check: Check) -> None:
+    plan, device = check.plan, check.device
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    model = hf_model(plan.small, check.tokenizer, device)
+    folder = write_checkpoint(model, check.tokenizer, check.work / "small")
+    adapters = write_adapters(model, check.work / "small-adapters", plan.parity_adapters)
+    model = model.float()  # the bf16 checkpoint's values, as the engine reads them in fp32
+    batch_prompts = prompts(plan.parity_prompts, 24, check.found["vocab"], seed=1)
+    theirs = [hf_greedy(model, p, plan.parity_tokens, device) for p in batch_prompts]
+    llm = engine(check, folder, dtype="float32", max_model_len=256, max_loras=plan.parity_adapters, max_num_seqs=16)
+    graphs = " with decode graphs" if check.cuda else ""
+    check.report.row(f"greedy parity vs transformers ({plan.small}, fp32, TF32 off, batched{graphs})",
+                     agreement(greedy(llm, batch_prompts, plan.parity_tokens), theirs),
+                     f"{plan.parity_prompts}/{plan.parity_prompts}")
+    section_peft_parity(check, llm, model, adapters, batch_prompts)
+    del llm, model
+    release()
+
+
+def section_peft_parity(check: Check, llm, model, adapters: list[Path], batch_prompts) -> None:
+    from peft import PeftModel
+
+    names = [f"a{i}" for i in range(len(adapters))]
+    for name, path in zip(names, adapters):
+        llm.load_adapter(name, str(path))
+    peft_model = PeftModel.from_pretrained(model, str(adapters[0]), adapter_name=names[0])
+    for name, path in zip(names[1:], adapters[1:]):
+        peft_model.load_adapter(str(path), adapter_name=name)
+    which = [names[i % len(names)] for i in range(len(batch_prompts))]
+    theirs = []
+    for name, p in zip(which, batch_prompts):
+        peft_model.set_adapter(name)
+        theirs.append(hf_greedy(peft_model, p, check.plan.parity_tokens, check.device))
+    ours = greedy(llm, batch_prompts, check.plan.parity_tokens, which)
+    check.report.row(f"greedy parity vs peft, {len(adapters)} adapters (rank 16, all projections) in one batch",
+                     agreement(ours, theirs), f"{len(batch_prompts)}/{len(batch_prompts)}")
+
+
+def section_large_model(check: Check) -> None:
+    """The large shape's checkpoint, its adapters, and transformers' decode rates (then freed)."""
+    plan = check.plan
+    model = hf_model(plan.large, check.tokenizer, check.device)
+    check.found["large"] = write_checkpoint(model, check.tokenizer, check.work / "large")
+    check.found["large_adapters"] = write_adapters(model, check.work / "large-adapters", plan.adapters)
+    check.found["hf_rates"] = rates = {}
+    for batch in plan.batches:
+        if check.elapsed() > plan.budget_s * 0.6:  # leave the engine its share
+            break
+        rates[batch] = hf_decode_rate(model, prompts(batch, plan.prompt_len, check.found["vocab"], batch),
+                                      plan.new_tokens, check.device)
+    check.report.row(f"{plan.large} bf16 checkpoint and {plan.adapters} adapters written; transformers measured",
+                     f"batches {sorted(rates)}")
+    del model
+    release()
+
+
+def section_decode(check: Check) -> None:
+    plan = check.plan
+    widest = max(max(plan.batches), plan.adapters)
+    llm = check.found["llm"] = engine(check, check.found["large"], max_model_len=1024, max_num_seqs=widest,
+                                      max_loras=plan.adapters, dtype=plan.dtype)
+    dtype = str(llm.engine.config.torch_dtype).removeprefix("torch.")
+    context = plan.prompt_len + plan.new_tokens / 2
+    for batch in plan.batches:
+        batch_prompts = prompts(batch, plan.prompt_len, check.found["vocab"], batch)
+        engine_decode_rate(llm, prompts(batch, plan.prompt_len, check.found["vocab"], 1000 + batch), 2)  # warm
+        ours = engine_decode_rate(llm, batch_prompts, plan.new_tokens)
+        theirs = check.found["hf_rates"].get(batch)
+        versus = f" vs transformers {theirs:.0f} = {ours / theirs:.2f}x" if theirs else " (transformers skipped)"
+        check.report.row(f"decode tok/s, {plan.large} {dtype}, batch {batch}", f"{ours:.0f}{versus}; " +
+                         floor_note(check, batch, context, ours),
+                         ">= 3x transformers at 64" if batch == 64 else "")
+
+
+def floor_note(check: Check, batch: int, context: float, ours: float) -> str:
+    bandwidth = check.found.get("bandwidth")
+    if bandwidth is None:
+        return "HBM floor: no bandwidth measured"
+    floor = floor_tokens_per_s(check.plan.large, batch, context, bandwidth)
+    return f"HBM floor {floor:.0f} = {ours / floor:.0%} of it"
+
+
+def section_graphs(check: Check) -> None:
+    llm, plan = built_engine(check), check.plan
+    graphs = llm.engine.runner.graphs
+    if graphs is None:
+        check.report.row("decode graphs vs eager", "graphs off (not CUDA)")
+        return
+    batch_prompts = prompts(plan.graph_batch, plan.prompt_len, check.found["vocab"], 16)
+    with_graphs = engine_decode_rate(llm, batch_prompts, plan.new_tokens)
+    llm.engine.runner.graphs = None
+    try:
+        eager = engine_decode_rate(llm, batch_prompts, plan.new_tokens)
+    finally:
+        llm.engine.runner.graphs = graphs
+    check.report.row(f"decode graphs vs eager, batch {plan.graph_batch}",
+                     f"{with_graphs:.0f} vs {eager:.0f} tok/s = {with_graphs / eager:.2f}x", "> 1x")
+
+
+def section_adapters(check: Check) -> None:
+    llm, plan = built_engine(check), check.plan
+    names = [f"m{i}" for i in range(plan.adapters)]
+    for name, folder in zip(names, check.found["large_adapters"]):
+        llm.load_adapter(name, str(folder))
+    batch_prompts = prompts(plan.adapters, plan.prompt_len, check.found["vocab"], 7)
+    engine_decode_rate(llm, batch_prompts[:2], 2, names[:2])  # warm-up: the LoRA graphs
+    base = engine_decode_rate(llm, batch_prompts, plan.new_tokens)
+    mixed = engine_decode_rate(llm, batch_prompts, plan.new_tokens, names)
+    check.found["adapter"] = names[0]
+    check.report.row(f"{plan.adapters} distinct rank-16 adapters vs base, batch {plan.adapters}",
+                     f"{mixed:.0f} vs {base:.0f} tok/s = {mixed / base:.2f}x", ">= 0.8x")
+
+
+def section_kv_memory(check: Check) -> None:
+    from loraplex.platform.model_runner import kv_bytes_per_block
+
+    engine_ = built_engine(check).engine
+    blocks = engine_.kv.pool.num_blocks
+    kv = blocks * kv_bytes_per_block(engine_.model_config, engine_.config.block_size, engine_.config.torch_kv_dtype)
+    if not check.cuda:
+        check.report.row("KV blocks", f"{blocks} blocks = {kv / 2**30:.2f} GiB (CPU: from kv_cache_memory)")
+        return
+    free, total = torch.cuda.mem_get_info(check.device)
+    peak = torch.cuda.max_memory_reserved(check.device)
+    utilization = engine_.config.gpu_memory_utilization
+    check.report.row("KV blocks sized vs free memory",
+                     f"{blocks} blocks = {kv / 2**30:.1f} GiB; in use after the runs {(total - free) / 2**30:.1f} of "
+                     f"{total / 2**30:.1f} GiB = {(total - free) / total:.0%} (torch peak reserved "
+                     f"{peak / 2**30:.1f} GiB)", f"<= gpu_memory_utilization {utilization:.0%}")
+
+
+def section_audit(check: Check) -> None:
+    from loraplex.grammar.backend import StructuredOutputs
+    from loraplex.platform import SamplingParams
+    from loraplex.platform.device import DeviceAudit
+
+    engine_ = built_engine(check).engine
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    cases = [SamplingParams(temperature=0, max_tokens=8, logprobs=2),
+             SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=1, n=2, max_tokens=8, repetition_penalty=1.1),
+             SamplingParams(temperature=0, max_tokens=24, structured=StructuredOutputs(json=schema))]
+    adapter = check.found.get("adapter")  # one the adapters section loaded, if it ran
+    for i, params in enumerate(cases):
+        engine_.add_request(f"audit-{i}", {"prompt_token_ids": prompts(1, 16, check.found["vocab"], i)[0]}, params,
+                            adapter if i == 1 else None)
+    audit = DeviceAudit(engine_.device)
+    with audit:
+        for _ in range(200):
+            if not engine_.has_unfinished():
+                break
+            engine_.step()
+    check.report.row("device audit over a mixed workload (sampling, logprobs, forks, grammar, adapter)",
+                     f"{len(audit.found)} host tensors fed to device ops" +
+                     (f": {'; '.join(sorted(set(audit.found))[:3])}" if audit.found else ""), "0")
+
+
+# (name, seconds it needs at least on the real check: skipped when fewer are left in the budget)
+SECTIONS = [(section_environment, 0), (section_bandwidth, 5), (section_kernels, 40), (section_parity, 60),
+            (section_large_model, 90), (section_decode, 60), (section_graphs, 20), (section_adapters, 30),
+            (section_kv_memory, 0), (section_audit, 10)]
+
+
+def run_sections(check: Check, sections=SECTIONS) -> None:
+    errors = check.report.path.with_name("gpu_check_errors.txt")
+    for section, needs in sections:
+        name = section.__name__.removeprefix("section_")
+        left = check.plan.budget_s - check.elapsed()
+        if left < (needs if check.cuda else 0):
+            check.report.row(name, f"SKIPPED: {left:.0f} s left of the {check.plan.budget_s:.0f} s budget, "
+                                   f"needs ~{needs} s")
+            continue
+        began = time.perf_counter()
+        try:
+            section(check)
+            print(f"  [{name}: {time.perf_counter() - began:.1f} s]", flush=True)
+        except Exception as exc:  # one failing section must not hide the others' numbers
+            check.report.row(name, f"FAILED: {type(exc).__name__}: {str(exc)[:300]}")
+            with errors.open("a") as f:
+                f.write(f"== {name}\n{traceback.format_exc()}\n")
+        release()  # what the section dropped (a failed one's frames included) before the next one measures
+    check.found.pop("llm", None)
+    release()
+
+
+def parse(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--quick", action="store_true", help="small sizes: a dry run of every step")
-    args = parser.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print(f"no CUDA device (torch {torch.__version__}): install the CUDA build with `make setup-gpu`, "
-              "or dry-run with --device cpu --quick")
-        return 1
-    args.batch_sizes, args.new_tokens, args.adapters, args.parity_tokens = \
-        ([1, 4], 8, 4, 8) if args.quick else ([1, 16, 64], 64, 64, 32)
-    if args.model is None:
-        from loraplex.platform.model_store import materialize_default_model
+    parser.add_argument("--out", required=True, type=Path, help="folder for gpu_check.md (and errors, if any)")
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="folder with the default model's tokenizer files (dry run: the default model's)")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: the plumbing, in seconds")
+    parser.add_argument("--work", type=Path, default=None, help="where checkpoints go (default: a temp folder)")
+    parser.add_argument("--budget", type=float, default=None, help="seconds before remaining sections are skipped")
+    return parser.parse_args(argv)
 
-        args.model = str(materialize_default_model())
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"{name}, torch {torch.__version__}, model {args.model}")
-    with tempfile.TemporaryDirectory(prefix="loraplex-gpu-check-") as tmp:
-        for step in (lambda: check_parity(args, args.model, device, Path(tmp) / "parity"),
-                     lambda: check_speed(args, args.model, device, Path(tmp) / "speed"),
-                     lambda: check_audit(args.model, device),
-                     lambda: check_kernels(device)):
-            try:
-                step()
-            except Exception as exc:  # one failing check must not hide the others' numbers
-                row(f"check {len(ROWS) + 1}", f"FAILED: {type(exc).__name__}: {exc}")
-    width = max(len(c) for c, _, _ in ROWS)
-    print(f"\n{'check':<{width}} | result | target")
-    for check, result, target in ROWS:
-        print(f"{check:<{width}} | {result} | {target}")
+
+def main(argv=None, sections=SECTIONS) -> int:
+    args = parse(argv)
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    if not args.dry_run and not torch.cuda.is_available():
+        print(f"no CUDA device (torch {torch.__version__}): run with --dry-run for the CPU plumbing")
+        return 1
+    tokenizer = args.tokenizer or default_tokenizer()
+    plan = DRY_RUN if args.dry_run else Plan()
+    if args.budget is not None:
+        plan = dataclasses.replace(plan, budget_s=args.budget)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = Report(args.out / "gpu_check.md", f"GPU check ({'dry run, CPU' if args.dry_run else device})")
+    with tempfile.TemporaryDirectory(prefix="loraplex-gpu-check-", dir=args.work) as work:
+        check = Check(plan, device, report, Path(work), tokenizer)
+        check.found["vocab"] = min(tokenizer_vocab(tokenizer), SHAPES[plan.small]["vocab_size"])
+        run_sections(check, sections)
+    report.row("total time", f"{check.elapsed():.0f} s", f"< {plan.budget_s:.0f} s")
     return 0
+
+
+def default_tokenizer() -> Path:
+    from loraplex.platform.model_store import materialize_default_model
+
+    return Path(materialize_default_model())
+
+
+def tokenizer_vocab(folder: Path) -> int:
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(folder))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,14 @@
    against the PyTorch references, bf16 and fp16.
 2. SGMV speed: achieved bandwidth against the bytes each call must move (x, the used slots'
    A/B, the output), for 1 / 8 / 64 adapters at T = 16 / 256 / 4096.
-3. Paged attention speed against SDPA over the same K/V laid out contiguously.
+3. Paged attention speed against SDPA over the same K/V laid out contiguously (decode: no mask; a fresh
+   prompt: `is_causal`, SDPA's flash backend; a chunk after cached context: SDPA's lower-right causal bias).
+4. Prefill attention for fresh prompts: the paged Triton kernel vs the engine's SDPA path
+   (`PagedAttention(prefill="sdpa")`, what `--prefill-attention` chooses between).
+
+Timing (`cuda_time`): inputs are built before the timer; each call sits between its own pair of CUDA events,
+calls queued back to back (one sync at the end, so the host's launch cost hides behind the device's work), an
+L2 flush (a write of a buffer larger than L2) before each call, outside its events; the median is reported.
 """
 
 from __future__ import annotations
@@ -17,23 +24,37 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.kernels import dispatch
+from loraplex.kernels.custom_ops import PagedAttention
+from loraplex.kernels.dispatch import KernelConfig
 from loraplex.kernels.paged_attention import PagedAttentionMetadata, paged_attention
 from loraplex.kernels.sgmv import LoRABatch, sgmv_expand, sgmv_shrink
 
+L2_FLUSH_BYTES = 256 << 20  # several times any current L2 (H100 / H200: 50 MiB)
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B's attention
 
-def cuda_time(fn, repeats: int = 50) -> float:
-    """Median seconds per call, CUDA events."""
-    fn()
+
+def flush_buffer(device: str | torch.device = "cuda") -> torch.Tensor:
+    """Zeroing this evicts what the previous call left in L2."""
+    return torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+
+
+def cuda_time(fn, iters: int = 100, warmup: int = 5, flush: torch.Tensor | None = None) -> float:
+    """Median device seconds of one `fn()` call over `iters` calls: only the call between its events (the
+    flush before it is outside), no host sync between calls."""
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for start, end in zip(starts, ends):
+        if flush is not None:
+            flush.zero_()
         start.record()
         fn()
         end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
+    torch.cuda.synchronize()
+    times = sorted(start.elapsed_time(end) / 1e3 for start, end in zip(starts, ends))
+    return times[len(times) // 2]
 
 
 def with_backend(name, fn):
@@ -70,24 +91,34 @@ def check_sgmv(dtype) -> None:
     print(f"sgmv {dtype}: triton == reference")
 
 
-def bench_sgmv() -> list[dict]:
+def sgmv_bytes(num_tokens, used, n, rank, hidden, widths, elt) -> tuple[int, int]:
+    """(shrink, expand) bytes each call must move: activations in and out, the used slots' weights."""
+    shrink = num_tokens * hidden * elt + used * n * rank * hidden * elt + num_tokens * n * rank * 4
+    expand = num_tokens * n * rank * 4 + used * sum(widths) * rank * elt + 2 * num_tokens * sum(widths) * elt
+    return shrink, expand
+
+
+def bench_sgmv(flush: torch.Tensor | None = None) -> list[dict]:
+    from loraplex.kernels.sgmv_triton import sgmv_expand_triton, sgmv_shrink_triton
+
     hidden, rank, widths, dtype = 4096, 16, [4096, 1024, 1024], torch.bfloat16
-    elt = 2
-    print(f"\nSGMV bandwidth, hidden {hidden}, qkv {widths}, rank {rank}, bf16 (H200 HBM ~4.8 TB/s)")
+    print(f"\nSGMV bandwidth, hidden {hidden}, qkv {widths}, rank {rank}, bf16, L2 flushed before each call")
     print(f"{'adapters':>8} {'T':>6} | {'shrink us':>9} {'GB/s':>7} | {'expand us':>9} {'GB/s':>7}")
     rows = []
     for num_adapters in (1, 8, 64):
         for num_tokens in (16, 256, 4096):
             x, a, b, ranks, scales, batch, offsets = sgmv_case(num_tokens, num_adapters, rank, hidden, widths, dtype)
-            n, used = len(widths), min(num_adapters, num_tokens)
+            n = len(widths)
             h = torch.zeros(num_tokens, a.shape[1], device="cuda")
             y = torch.zeros(num_tokens, offsets[-1], device="cuda", dtype=dtype)
             ranks_t = torch.tensor(ranks, device="cuda", dtype=torch.int32)
             scales_t = torch.tensor(scales, device="cuda")
-            t_s = cuda_time(lambda: sgmv_shrink(x, a, ranks_t, batch, h, n))
-            t_e = cuda_time(lambda: sgmv_expand(h, b, ranks_t, scales_t, batch, y, offsets))
-            shrink_bytes = num_tokens * hidden * elt + used * n * rank * hidden * elt + num_tokens * n * rank * 4
-            expand_bytes = num_tokens * n * rank * 4 + used * sum(widths) * rank * elt + 2 * num_tokens * sum(widths) * elt
+            offsets_t = torch.tensor(offsets, device="cuda", dtype=torch.int32)  # as the engine keeps it
+            t_s = cuda_time(lambda: sgmv_shrink_triton(x, a, ranks_t, batch, h, n), flush=flush)
+            t_e = cuda_time(lambda: sgmv_expand_triton(h, b, ranks_t, scales_t, batch, y, offsets, offsets_t),
+                            flush=flush)
+            shrink_bytes, expand_bytes = sgmv_bytes(num_tokens, min(num_adapters, num_tokens), n, rank, hidden,
+                                                    widths, 2)
             print(f"{num_adapters:>8} {num_tokens:>6} | {t_s * 1e6:>9.1f} {shrink_bytes / t_s / 1e9:>7.0f} | "
                   f"{t_e * 1e6:>9.1f} {expand_bytes / t_e / 1e9:>7.0f}")
             rows.append({"adapters": num_adapters, "tokens": num_tokens, "shrink_gbs": shrink_bytes / t_s / 1e9,
@@ -95,43 +126,85 @@ def bench_sgmv() -> list[dict]:
     return rows
 
 
-def attention_case(batch, q_len, ctx, heads, kv_heads, dim, block_size, dtype):
-    g = torch.Generator(device="cuda").manual_seed(0)
+def attention_case(batch, q_len, ctx, heads, kv_heads, dim, block_size, dtype, device="cuda"):
+    g = torch.Generator(device=device).manual_seed(0)
     blocks_per = -(-(ctx + q_len) // block_size)
     num_blocks = batch * blocks_per
-    kc = torch.randn(num_blocks, block_size, kv_heads, dim, device="cuda", dtype=dtype, generator=g)
+    kc = torch.randn(num_blocks, block_size, kv_heads, dim, device=device, dtype=dtype, generator=g)
     vc = torch.randn_like(kc)
-    perm = torch.randperm(num_blocks, device="cuda", generator=g)
+    perm = torch.randperm(num_blocks, device=device, generator=g)
     tables = perm.view(batch, blocks_per)
-    q = torch.randn(batch * q_len, heads, dim, device="cuda", dtype=dtype, generator=g)
-    seq_lens = torch.full((batch,), ctx + q_len, device="cuda")
-    starts = torch.arange(batch + 1, device="cuda") * q_len
-    meta = PagedAttentionMetadata.build(torch.zeros(batch * q_len, dtype=torch.long, device="cuda"),
-                                        tables, seq_lens, starts, block_size)
+    q = torch.randn(batch * q_len, heads, dim, device=device, dtype=dtype, generator=g)
+    seq_lens = torch.full((batch,), ctx + q_len, device=device)
+    starts = torch.arange(batch + 1, device=device) * q_len
+    meta = PagedAttentionMetadata.build(torch.zeros(batch * q_len, dtype=torch.long, device=device),
+                                        tables, seq_lens, starts, block_size, q_len, ctx + q_len)
     return q, kc, vc, meta, tables
 
 
 def check_attention(dtype) -> None:
     for q_len, ctx in ((1, 300), (37, 100)):
-        q, kc, vc, meta, _ = attention_case(6, q_len, ctx, 32, 8, 128, 16, dtype)
-        ref = with_backend("torch", lambda: paged_attention(q, kc, vc, meta, 128 ** -0.5))
-        tri = with_backend("triton", lambda: paged_attention(q, kc, vc, meta, 128 ** -0.5))
+        q, kc, vc, meta, _ = attention_case(6, q_len, ctx, HEADS, KV_HEADS, HEAD_DIM, 16, dtype)
+        ref = with_backend("torch", lambda: paged_attention(q, kc, vc, meta, HEAD_DIM ** -0.5))
+        tri = with_backend("triton", lambda: paged_attention(q, kc, vc, meta, HEAD_DIM ** -0.5))
         torch.testing.assert_close(tri.float(), ref.float(), atol=2e-2, rtol=2e-2)
     print(f"paged attention {dtype}: triton == reference (decode and prefill chunks)")
 
 
-def bench_attention() -> None:
-    print("\nPaged attention (Triton) vs SDPA on contiguous K/V, 32 heads / 8 KV heads, dim 128, bf16")
+def contiguous_kv(kc, vc, tables, length: int, repeat: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, Hkv * repeat, L, D] copies of the paged K/V (repeat: KV heads expanded for a backend without GQA)."""
+    k = kc[tables].flatten(1, 2)[:, :length].transpose(1, 2).repeat_interleave(repeat, 1).contiguous()
+    v = vc[tables].flatten(1, 2)[:, :length].transpose(1, 2).repeat_interleave(repeat, 1).contiguous()
+    return k, v
+
+
+def sdpa_call(batch, q_len, ctx, q, kc, vc, tables):
+    """SDPA on contiguous K/V with the mask each case needs and no boolean tensor (which rules out flash):
+    decode none, a fresh prompt `is_causal`, a chunk after context the lower-right causal bias (efficient
+    backend, which has no GQA: K/V heads expanded, outside the timer)."""
+    qq = q.view(batch, q_len, HEADS, HEAD_DIM).transpose(1, 2)
+    if q_len == 1 or ctx == 0:
+        k, v = contiguous_kv(kc, vc, tables, ctx + q_len)
+        return lambda: F.scaled_dot_product_attention(qq, k, v, is_causal=ctx == 0 and q_len > 1, enable_gqa=True)
+    from torch.nn.attention.bias import causal_lower_right
+
+    k, v = contiguous_kv(kc, vc, tables, ctx + q_len, HEADS // KV_HEADS)
+    bias = causal_lower_right(q_len, ctx + q_len)
+    return lambda: F.scaled_dot_product_attention(qq, k, v, attn_mask=bias)
+
+
+def bench_attention(flush: torch.Tensor | None = None) -> list[dict]:
+    print(f"\nPaged attention (Triton) vs SDPA on contiguous K/V, {HEADS} heads / {KV_HEADS} KV heads, dim "
+          f"{HEAD_DIM}, bf16")
     print(f"{'batch':>5} {'q':>4} {'ctx':>6} | {'paged us':>9} {'sdpa us':>9} {'ratio':>6}")
-    for batch, q_len, ctx in ((64, 1, 1024), (64, 1, 4096), (8, 512, 2048)):
-        q, kc, vc, meta, tables = attention_case(batch, q_len, ctx, 32, 8, 128, 16, torch.bfloat16)
-        t_paged = with_backend("triton", lambda: cuda_time(lambda: paged_attention(q, kc, vc, meta, 128 ** -0.5)))
-        k = kc[tables].flatten(1, 2)[:, :ctx + q_len].transpose(1, 2).contiguous()
-        v = vc[tables].flatten(1, 2)[:, :ctx + q_len].transpose(1, 2).contiguous()
-        qq = q.view(batch, q_len, 32, 128).transpose(1, 2)
-        mask = torch.arange(ctx + q_len, device="cuda")[None, :] <= (ctx + torch.arange(q_len, device="cuda"))[:, None]
-        t_sdpa = cuda_time(lambda: F.scaled_dot_product_attention(qq, k, v, attn_mask=mask, enable_gqa=True))
+    kernel = PagedAttention(HEAD_DIM ** -0.5, KernelConfig(backend="triton", device_type="cuda",
+                                                           dtype=torch.bfloat16, kv_dtype=torch.bfloat16))
+    rows = []
+    for batch, q_len, ctx in ((64, 1, 1024), (64, 1, 4096), (8, 512, 0), (8, 512, 2048)):
+        q, kc, vc, meta, tables = attention_case(batch, q_len, ctx, HEADS, KV_HEADS, HEAD_DIM, 16, torch.bfloat16)
+        t_paged = cuda_time(lambda: kernel(q, kc, vc, meta), flush=flush)
+        t_sdpa = cuda_time(sdpa_call(batch, q_len, ctx, q, kc, vc, tables), flush=flush)
         print(f"{batch:>5} {q_len:>4} {ctx:>6} | {t_paged * 1e6:>9.1f} {t_sdpa * 1e6:>9.1f} {t_paged / t_sdpa:>6.2f}")
+        rows.append({"batch": batch, "q": q_len, "ctx": ctx, "paged_us": t_paged * 1e6, "sdpa_us": t_sdpa * 1e6})
+    return rows
+
+
+def bench_prefill(flush: torch.Tensor | None = None, cases=((1, 512), (1, 2048), (1, 8192), (4, 2048))) -> list[dict]:
+    """Fresh prompts through the engine's two prefill choices, each a `PagedAttention` built once."""
+    config = KernelConfig(backend="triton", device_type="cuda", dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
+    layers = {name: PagedAttention(HEAD_DIM ** -0.5, config, prefill=name) for name in ("triton", "sdpa")}
+    print(f"\nPrefill attention, fresh prompts: paged Triton vs SDPA (is_causal), {HEADS}/{KV_HEADS} heads, bf16")
+    print(f"{'batch':>5} {'len':>6} | {'triton us':>9} {'sdpa us':>9} {'sdpa speed-up':>13}")
+    rows = []
+    for batch, length in cases:
+        q, kc, vc, meta, _ = attention_case(batch, length, 0, HEADS, KV_HEADS, HEAD_DIM, 16, torch.bfloat16)
+        times = {name: cuda_time(lambda layer=layer: layer(q, kc, vc, meta), flush=flush)
+                 for name, layer in layers.items()}
+        ratio = times["triton"] / times["sdpa"]
+        print(f"{batch:>5} {length:>6} | {times['triton'] * 1e6:>9.1f} {times['sdpa'] * 1e6:>9.1f} {ratio:>12.2f}x")
+        rows.append({"batch": batch, "length": length, "triton_us": times["triton"] * 1e6,
+                     "sdpa_us": times["sdpa"] * 1e6})
+    return rows
 
 
 def main() -> int:
@@ -142,8 +215,10 @@ def main() -> int:
     for dtype in (torch.bfloat16, torch.float16):
         check_sgmv(dtype)
         check_attention(dtype)
-    bench_sgmv()
-    bench_attention()
+    flush = flush_buffer()
+    bench_sgmv(flush)
+    bench_attention(flush)
+    bench_prefill(flush)
     return 0
 
 

@@ -28,9 +28,7 @@ import json
 import threading
 from dataclasses import dataclass, field
 
-import jsonschema
 import torch
-import xgrammar as xgr
 
 from loraplex.grammar.backend import Grammar, GrammarBackend, GrammarError, StructuredOutputs
 from loraplex.grammar.json_schema import UnsupportedKeywordError, normalize, relaxed
@@ -125,12 +123,16 @@ class Compiled:
 def json_validator(schema):
     """A `jsonschema` validator for the schema's own draft, with `format` asserted (as the
     grammars enforce it)."""
+    import jsonschema  # here, not at import: the engine must import where only torch and transformers are
+
     cls = jsonschema.validators.validator_for(schema)
     return cls(schema, format_checker=cls.FORMAT_CHECKER)
 
 
 def schema_error(validator, value) -> str | None:
     """The most relevant way `value` breaks the validator's schema, or None."""
+    import jsonschema
+
     error = jsonschema.exceptions.best_match(validator.iter_errors(value))
     return None if error is None else f"{error.message} at {error.json_path}"
 
@@ -330,6 +332,8 @@ class GrammarManager:
                 for grammar, i in items:
                     grammar.fill_bitmask(bitmask, i)
         if logits.device.type == "cpu":
+            import xgrammar as xgr  # its CPU kernel; a GPU machine may lack the package
+
             xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows)
         else:  # plain tensor ops on the device: no kernel build, no host read
             apply_bitmask(logits, _on(bitmask, logits.device), rows, vocab_size)

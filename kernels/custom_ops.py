@@ -107,21 +107,74 @@ class RopeKVWrite(CustomOp):
         return q
 
 
+PREFILL_ATTENTION = ("auto", "triton", "sdpa")  # what a layer runs for a step of fresh prompts on CUDA
+# auto's pick: the paged kernel until benchmarks/gpu_check.py ("prefill attention") measures SDPA faster
+PREFILL_AUTO = "triton"
+
+
 class PagedAttention(nn.Module):
     """Attention of each query token over its request's paged context (`kernels/paged_attention.py` chooses
     the kernel once from the config). `sliding_window` W: a key at position k is visible to a query at q iff
     k <= q and q - k < W (None: every k <= q); `softcap` c: the scaled scores become c tanh(s / c) before
-    masking (Gemma 2). Both are bound into the kernel here, so a layer without them runs the plain one."""
+    masking (Gemma 2). Both are bound into the kernel here, so a layer without them runs the plain one.
+
+    `prefill` ("auto" | "triton" | "sdpa", chosen once at engine build): on the Triton backend, "sdpa" sends steps
+    whose requests are all first chunks without a prefix hit to torch SDPA (`is_causal`, no mask: its flash
+    backend), everything else to the paged kernel. SDPA cannot cap scores nor slide a window: such a layer
+    keeps the paged kernel."""
 
     def __init__(self, scale: float, config: KernelConfig, sliding_window: int | None = None,
-                 softcap: float | None = None) -> None:
+                 softcap: float | None = None, prefill: str = "triton") -> None:
         super().__init__()
         self.scale = scale
         self.sliding_window, self.softcap = sliding_window, softcap
         self.kernel = attention_kernel(config, sliding_window, softcap)
+        if sdpa_prefill_applies(config, prefill, sliding_window, softcap):
+            self.forward = self.forward_cuda
 
     def forward(self, q, k_cache, v_cache, meta: PagedAttentionMetadata) -> torch.Tensor:
         return self.kernel(q, k_cache, v_cache, meta, self.scale)
+
+    def forward_cuda(self, q, k_cache, v_cache, meta: PagedAttentionMetadata) -> torch.Tensor:
+        """SDPA for a step of fresh prompts of one length (told by host-side numbers only: no sync), else the
+        paged kernel."""
+        if fresh_prompts(q, meta):
+            return sdpa_prefill(q, k_cache, v_cache, meta, self.scale)
+        return self.kernel(q, k_cache, v_cache, meta, self.scale)
+
+
+def sdpa_prefill_applies(config: KernelConfig, prefill: str, sliding_window: int | None,
+                         softcap: float | None) -> bool:
+    """Whether a layer takes the SDPA prefill path; decided once when it is built."""
+    if prefill not in PREFILL_ATTENTION:
+        raise ValueError(f"prefill attention must be one of {PREFILL_ATTENTION}, got {prefill!r}")
+    if (PREFILL_AUTO if prefill == "auto" else prefill) == "triton" or config.backend != "triton":
+        return False
+    # SDPA takes no window without a mask and caps no scores: such layers (Gemma 2) keep the paged kernel
+    return sliding_window is None and softcap is None
+
+
+def fresh_prompts(q: torch.Tensor, meta: PagedAttentionMetadata) -> bool:
+    """Every request of the step is a first chunk without cached context, all of one length: with each query
+    length at most the maximum, T = B * max_query_len makes them all equal to it, and max_seq_len equal to it
+    leaves no room for cached tokens. Decode steps (one query each) never take it: graphs capture those."""
+    num_requests = meta.query_start_loc.shape[0] - 1
+    return meta.max_query_len > 1 and meta.max_seq_len == meta.max_query_len and \
+        q.shape[0] == num_requests * meta.max_query_len
+
+
+def sdpa_prefill(q, k_cache, v_cache, meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal SDPA of fresh prompts of one length L on their own K/V, gathered contiguous from the blocks they
+    were just written to. q [B * L, Hq, D] -> [B * L, Hq, D]."""
+    num_requests, length = meta.query_start_loc.shape[0] - 1, meta.max_query_len
+    num_blocks = -(-length // meta.block_size)
+    tables = meta.block_tables[:, :num_blocks]
+    keys = k_cache[tables].flatten(1, 2)[:, :length].transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
+    values = v_cache[tables].flatten(1, 2)[:, :length].transpose(1, 2).to(q.dtype)
+    queries = q.view(num_requests, length, *q.shape[1:]).transpose(1, 2)  # [B, Hq, L, D]
+    out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale,
+                                         enable_gqa=queries.shape[1] != keys.shape[1])
+    return out.transpose(1, 2).reshape(q.shape)
 
 
 class LoRADelta:

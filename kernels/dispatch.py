@@ -125,6 +125,7 @@ class KernelConfig:
     quantization: str = "none"
     caps: CpuCaps = field(default_factory=CpuCaps)
     tune: TuneTable = field(default_factory=TuneTable)
+    prefill_attention: str = "auto"  # CUDA prefill: "triton" (paged), "sdpa", "auto"
 
     @property
     def stacked_lora(self) -> bool:
@@ -162,8 +163,8 @@ def machine(device: torch.device) -> tuple[str, CpuCaps, TuneTable]:
 
 def kernel_config(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
                   lora_dtype: torch.dtype | None = None, pack_weights: bool = True, quantization: str = "none",
-                  found: tuple[str, CpuCaps, TuneTable] | None = None) -> KernelConfig:
+                  found: tuple[str, CpuCaps, TuneTable] | None = None, prefill_attention: str = "auto") -> KernelConfig:
     """A `KernelConfig` for a model on `device`; `found`: what `machine(device)` returned, if already read."""
     backend, caps, tune = found or machine(device)
     return KernelConfig(backend, device.type, dtype, kv_dtype or dtype, lora_dtype or dtype,
-                        pack_weights and device.type == "cpu", quantization, caps, tune)
+                        pack_weights and device.type == "cpu", quantization, caps, tune, prefill_attention)

@@ -218,11 +218,12 @@ def attention_kernel(config: KernelConfig, sliding_window: int | None = None, so
     them each backend's function is the one it always was."""
     options = attention_options(sliding_window, softcap)
     if config.backend == "triton":
-        from loraplex.kernels.paged_attention_triton import paged_attention_triton
+        from loraplex.kernels.paged_attention_triton import paged_attention_triton, sm_count
 
         def triton(query, k_cache, v_cache, meta, scale):
             return paged_attention_triton(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                          meta.query_start_loc, meta.max_query_len, scale, *options)
+                                          meta.query_start_loc, meta.max_query_len, scale, *options,
+                                          max_seq_len=meta.max_seq_len, num_sms=sm_count(query.device))
         return triton
     if config.backend == "cpu" and config.dtype in (torch.float32, torch.bfloat16) and \
             c_kernel_reads_kv(config.kv_dtype, config.caps.f16c):

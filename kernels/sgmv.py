@@ -79,6 +79,21 @@ class LoRABatch:
         n = len(token_order)
         return LoRABatch(token_order, token_slots, seg_starts, token_slots, 1 if n else 0, [], [], [], n, n)
 
+    @staticmethod
+    def grouped(token_slots: torch.Tensor, num_slots: int) -> "LoRABatch":
+        """Tokens grouped by slot on the device with capture-safe ops (a stable sort and a search, no host
+        read), for the decode graphs: called inside the captured forward, it regroups each replay's slots, so
+        a segment's A and B are read once per adapter rather than once per token (vLLM's punica wrapper
+        sorts its token-to-LoRA mapping the same way). One segment per slot value, the null slot
+        `num_slots` (rank 0) included, empty ones too: the launch's shape depends only on the batch size.
+        `token_slots` [N] int32 in [0, num_slots]. Triton kernels only (no host copy)."""
+        n = len(token_slots)
+        order_slots, token_order = torch.sort(token_slots, stable=True)
+        values = torch.arange(num_slots + 2, dtype=token_slots.dtype, device=token_slots.device)
+        seg_starts = torch.searchsorted(order_slots, values, out_int32=True)  # [S + 2]: slot v's rows start
+        return LoRABatch(token_order, order_slots, seg_starts, values[:-1].to(torch.int32), n, [], [], [],
+                         num_slots + 1, n)
+
     def segments(self):
         """(slot, token indices) per segment, for the PyTorch path."""
         for g, slot in enumerate(self.host_slots):
@@ -327,11 +342,12 @@ def sgmv_lora_stacked(x: torch.Tensor, table: StackedLoRA, batch: LoRABatch, y: 
 def sgmv_lora_stacked_triton(x: torch.Tensor, table: StackedLoRA, batch: LoRABatch, y: torch.Tensor
                              ) -> torch.Tensor:
     """Shrink into an fp32 buffer, expand into y. Both read only the columns below each token's rank that the
-    shrink wrote: no memset of the buffer."""
+    shrink wrote: no memset of the buffer (but under split-K, whose shares add into it)."""
+    from loraplex.kernels.paged_attention_triton import sm_count
     from loraplex.kernels.sgmv_triton import sgmv_expand_triton, sgmv_shrink_triton
 
     h = torch.empty(x.shape[0], table.a.shape[1], dtype=torch.float32, device=x.device)
-    sgmv_shrink_triton(x, table.a, table.ranks, batch, h, table.num_slices)
+    sgmv_shrink_triton(x, table.a, table.ranks, batch, h, table.num_slices, sm_count(x.device))
     return sgmv_expand_triton(h, table.b, table.ranks, table.scales, batch, y, table.offsets, table.offsets_t)
 
 

@@ -3,18 +3,25 @@
 Grid: (segment, token block, slice x output block). A program whose token block lies past its
 segment's end, or whose rank block lies past its slot's rank, returns at once: segments of
 different lengths and adapters of different ranks share one launch without padding work.
+Split-K (`shrink_plan`): where a shrink has too few programs for the SMs (batch 1: one to three), the
+third grid axis also splits `in_features` into shares whose partial sums are atomically added into the
+fp32 output, zeroed first.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from loraplex.kernels.dispatch import dot_in_fp32, ieee_fp32
+from loraplex.kernels.paged_attention_triton import DEFAULT_NUM_SMS
 from loraplex.kernels.sgmv import LoRABatch
 
 BLOCK_M = 16  # tokens per program (tl.dot needs >= 16)
+MIN_SPLIT_K = 256  # input features per split-K share: below it the atomics cost more than the idle SMs
 
 
 @triton.jit
@@ -33,10 +40,13 @@ def _segment_tokens(order_ptr, starts_ptr, slots_ptr, ranks_ptr, BLOCK_M: tl.con
 
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, out_ptr, ranks_ptr, order_ptr, starts_ptr, slots_ptr,
-                   in_features, max_rank, rank_blocks,
+                   in_features, max_rank, rank_blocks, split_k, k_share,
                    stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_ot, stride_or,
-                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
-    pid_r = tl.program_id(2)
+                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr,
+                   PRECISION: tl.constexpr, SPLIT_K: tl.constexpr):
+    pid_r = tl.program_id(2) // split_k
+    k_lo = (tl.program_id(2) % split_k) * k_share
+    k_hi = tl.minimum(k_lo + k_share, in_features)
     slice_id = pid_r // rank_blocks
     r0 = (pid_r % rank_blocks) * BLOCK_R
     slot, rank, tokens, mask_m = _segment_tokens(order_ptr, starts_ptr, slots_ptr, ranks_ptr, BLOCK_M)
@@ -45,9 +55,9 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, ranks_ptr, order_ptr, starts_ptr, slot
         mask_r = offs_r < rank
         rows = slice_id * max_rank + offs_r
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for k0 in range(0, in_features, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < in_features
+            mask_k = offs_k < k_hi
             x = tl.load(x_ptr + tokens[:, None] * stride_xt + offs_k[None, :] * stride_xk,
                         mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             a = tl.load(a_ptr + slot * stride_as + rows[None, :] * stride_ar + offs_k[:, None] * stride_ak,
@@ -55,8 +65,11 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, ranks_ptr, order_ptr, starts_ptr, slot
             if FP32_DOT:
                 x, a = x.to(tl.float32), a.to(tl.float32)
             acc += tl.dot(x, a, input_precision=PRECISION)
-        tl.store(out_ptr + tokens[:, None] * stride_ot + rows[None, :] * stride_or,
-                 acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_r[None, :])
+        out_ptrs = out_ptr + tokens[:, None] * stride_ot + rows[None, :] * stride_or
+        if SPLIT_K:  # this share's partial sum into the zeroed fp32 output
+            tl.atomic_add(out_ptrs, acc, mask=mask_m[:, None] & mask_r[None, :])
+        else:
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_r[None, :])
 
 
 @triton.jit
@@ -100,21 +113,51 @@ def _block(n: int, lo: int = 16, hi: int = 64) -> int:
     return max(lo, min(hi, triton.next_power_of_2(n)))
 
 
+@dataclass(frozen=True)
+class ShrinkPlan:
+    """The shrink launch decided from shapes: K shares (1: no split-K), input features per share, grid
+    (segment, token block, slice x rank block x share)."""
+
+    split_k: int
+    k_share: int
+    grid: tuple[int, int, int]
+
+
+def shrink_plan(num_segments: int, max_seg_len: int, num_slices: int, max_rank: int, in_features: int,
+                out_dtype: torch.dtype, num_sms: int = DEFAULT_NUM_SMS) -> ShrinkPlan:
+    """Split-K where the programs would leave SMs idle (small batches) and the output takes fp32 atomics,
+    into shares of at least MIN_SPLIT_K features, whole K tiles each."""
+    rank_blocks = triton.cdiv(max_rank, _block(max_rank))
+    programs = num_segments * triton.cdiv(max_seg_len, BLOCK_M) * num_slices * rank_blocks
+    split_k = 1
+    if out_dtype == torch.float32 and programs < num_sms:
+        split_k = max(1, min(triton.cdiv(num_sms, programs), in_features // MIN_SPLIT_K))
+    block_k = _block(in_features, 16, 128)
+    k_share = triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k
+    split_k = triton.cdiv(in_features, k_share)  # no share left empty by the rounding
+    grid = (num_segments, triton.cdiv(max_seg_len, BLOCK_M), num_slices * rank_blocks * split_k)
+    return ShrinkPlan(split_k, k_share, grid)
+
+
 def sgmv_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, ranks: torch.Tensor, batch: LoRABatch,
-                       out: torch.Tensor, num_slices: int = 1) -> torch.Tensor:
+                       out: torch.Tensor, num_slices: int = 1, num_sms: int = DEFAULT_NUM_SMS) -> torch.Tensor:
+    """Under split-K `out` is zeroed first (the shares add into it): its columns past a slot's rank and the
+    rows of tokens without an adapter then hold 0, which is what no reader looks at."""
     if batch.num_segments == 0:
         return out
     max_rank = lora_a.shape[1] // num_slices
     block_r = _block(max_rank)
-    rank_blocks = triton.cdiv(max_rank, block_r)
-    grid = (batch.num_segments, triton.cdiv(batch.max_seg_len, BLOCK_M), num_slices * rank_blocks)
-    _shrink_kernel[grid](
+    launch = shrink_plan(batch.num_segments, batch.max_seg_len, num_slices, max_rank, x.shape[1], out.dtype,
+                         num_sms)
+    if launch.split_k > 1:
+        out.zero_()
+    _shrink_kernel[launch.grid](
         x, lora_a, out, ranks, batch.token_order, batch.seg_starts, batch.seg_slots,
-        x.shape[1], max_rank, rank_blocks,
+        x.shape[1], max_rank, triton.cdiv(max_rank, block_r), launch.split_k, launch.k_share,
         x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
         out.stride(0), out.stride(1),
         BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=_block(x.shape[1], 16, 128), FP32_DOT=dot_in_fp32(x.dtype),
-        PRECISION=_precision(x.dtype),
+        PRECISION=_precision(x.dtype), SPLIT_K=launch.split_k > 1,
     )
     return out
 

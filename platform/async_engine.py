@@ -18,6 +18,7 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Iterator
 
+from loraplex.platform.device import select_device
 from loraplex.platform.engine import Engine, EngineStats
 from loraplex.platform.engine_client import (AdapterInfo, AdapterStatus, ClientTooSlowError, EngineDeadError,
                                              Health, QueueFullError, StepFailedError, StructuredCheck,
@@ -246,6 +247,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         failures = 0
         try:
+            select_device(self.engine.device)  # CUDA's current device is per thread: this one runs the steps
             while not self._stop.is_set():
                 self._drain_commands(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():

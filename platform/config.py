@@ -194,6 +194,11 @@ class EngineConfig:
     gpu_memory_utilization: float = _setting(0.9, "CUDA: fraction of the device's memory for weights, activations, "
                                                   "adapters and KV cache; the KV cache gets what a profiling pass "
                                                   "at max_num_batched_tokens leaves (vLLM's meaning)")
+    prefill_attention: str = _setting("auto", "CUDA: attention of steps whose prompts are all fresh first chunks "
+                                              "(no prefix hit): triton (the paged kernel) or sdpa (torch SDPA, "
+                                              "causal: its flash backend; not with soft-capped layers; windowed "
+                                              "layers keep the paged kernel); auto: triton until the GPU check "
+                                              "measures SDPA faster", choices=["auto", "triton", "sdpa"])
     enforce_eager: bool = _setting(False, "CUDA: no CUDA graphs (decode batches are captured per padded batch "
                                           "size by default)")
     enable_prefix_caching: bool = _setting(True, "reuse the KV of shared prompt prefixes")
@@ -248,6 +253,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.quantization != "none" and self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"quantization {self.quantization} runs float32 or bfloat16 activations, not {self.dtype}")
+        if self.prefill_attention not in ("auto", "triton", "sdpa"):
+            raise ValueError(f"prefill_attention must be auto, triton or sdpa, got {self.prefill_attention!r}")
         if self.lora_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"lora_dtype must be auto, float32 or bfloat16, got {self.lora_dtype!r}")
         if self.dtype != "auto" and self.lora_dtype != "auto" and self.torch_lora_dtype not in LORA_DTYPES[self.dtype]:

@@ -4,12 +4,16 @@ replayed with the step's inputs copied into persistent buffers. Prefill, jump-fo
 and batches above the largest size run eagerly.
 
 A graph replays the kernels it recorded on the buffers it recorded, so everything the forward
-pass reads lives in those buffers: token ids, positions, slot mapping, block tables (padded to
-max_model_len), sequence lengths, and each token's adapter slot (one SGMV segment per token, the
-null slot for tokens without one: `LoRABatch.per_token`). Padding rows write no KV (slot -1)
-and attend to one cached position. The capture itself is a parameter: `CudaCapture` on CUDA,
-`FakeCapture` on CPU, which replays by running the function again and refuses host syncs while
-capturing, as a real capture does.
+pass reads lives in those buffers: token ids, positions, slot mapping and sequence lengths (rows
+of one tensor, filled from one persistent pinned staging buffer in one copy), the int32 block
+tables (max_model_len wide, copied from the runner's `BlockTable`), and each token's adapter slot
+(tokens grouped by adapter slot on the device inside the graph, the null slot for tokens without one:
+`LoRABatch.grouped`).
+Padding rows write no KV (slot -1) and attend to one cached position (their table rows hold
+whatever valid block ids an earlier step left). The staging buffers are reused: each step reads
+its sampled tokens back before the next one is built, so the last copy has landed by then.
+The capture itself is a parameter: `CudaCapture` on CUDA, `FakeCapture` on CPU, which replays by
+running the function again and refuses host syncs while capturing, as a real capture does.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from loraplex.kernels.paged_attention import PagedAttentionMetadata
 from loraplex.kernels.sgmv import LoRABatch
+from loraplex.platform.block_table import BlockTable
 from loraplex.platform.device import NoHostSync
 
 Capture = Callable[[Callable[[], None]], Callable[[], None]]  # forward -> replay
@@ -80,7 +86,8 @@ class DecodeInputs:
     token_ids: list[int]
     positions: list[int]
     slots: list[int]  # KV slot of each token
-    block_tables: list[list[int]]
+    table: BlockTable  # the runner's block tables, up to date for this step
+    table_rows: list[int]  # each request's row in it
     seq_lens: list[int]
     lora_slots: list[int] | None  # each token's adapter slot (-1: none); None: no adapter in the step
 
@@ -93,14 +100,14 @@ class DecodeGraphs:
         largest = sizes[-1]
         self.sizes, self.null_slot, self.block_size = sizes, null_slot, block_size
         self.device = device
-        self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
-        self.positions = torch.zeros(largest, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((largest,), -1, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(largest, max_blocks, dtype=torch.long, device=device)
-        self.seq_lens = torch.ones(largest, dtype=torch.long, device=device)
+        pin = device.type == "cuda"
+        # token ids, positions, slot mapping, sequence lengths: one tensor, so one copy per step
+        self.inputs = torch.tensor(PADDING, dtype=torch.long, device="cpu").repeat(1, largest).to(device)
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens = self.inputs
+        self._staging = torch.zeros(self.inputs.shape, dtype=torch.long, device="cpu", pin_memory=pin)
+        self._lora_staging = torch.zeros(largest, dtype=torch.int32, device="cpu", pin_memory=pin)
+        self.block_tables = torch.zeros(largest, max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.long, device=device)
-        self.token_order = torch.arange(largest, dtype=torch.long, device=device)
-        self.seg_starts = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self.lora_slots = torch.full((largest,), null_slot if null_slot is not None else -1, dtype=torch.int32,
                                      device=device)
         self.hidden = torch.zeros(largest, model.config.hidden_size, dtype=model.embed_tokens.weight.dtype,
@@ -116,11 +123,12 @@ class DecodeGraphs:
         meta = PagedAttentionMetadata(self.slot_mapping[:size], self.block_tables[:size], self.seq_lens[:size],
                                       self.query_start_loc[:size + 1], max_query_len=1, max_seq_len=max_model_len,
                                       block_size=self.block_size)
-        lora = LoRABatch.per_token(self.token_order[:size], self.seg_starts[:size + 1],
-                                   self.lora_slots[:size]) if with_lora else None
 
         def forward() -> None:
             meta._reference = meta._cpu_parts = None  # derived views are recomputed, as a graph would
+            # tokens grouped by slot inside the graph (a sort on the device each replay): one read of an
+            # adapter's A and B per segment, not per token
+            lora = LoRABatch.grouped(self.lora_slots[:size], self.null_slot) if with_lora else None
             self.hidden[:size] = model(self.input_ids[:size], self.positions[:size], kv_caches, meta, lora)
 
         return forward
@@ -133,22 +141,21 @@ class DecodeGraphs:
         """The hidden states [n, hidden] of a decode step of n <= the largest size."""
         n = len(step.token_ids)
         size = padded_size(self.sizes, n)
-        pad = size - n
-        width = self.block_tables.shape[1]
         with_lora = step.lora_slots is not None
-        host = {
-            self.input_ids: torch.tensor(step.token_ids + [0] * pad, dtype=torch.long, device="cpu"),
-            self.positions: torch.tensor(step.positions + [0] * pad, dtype=torch.long, device="cpu"),
-            self.slot_mapping: torch.tensor(step.slots + [-1] * pad, dtype=torch.long, device="cpu"),
-            self.block_tables: torch.tensor([t + [0] * (width - len(t)) for t in step.block_tables] + [[0] * width] * pad,
-                                            dtype=torch.long, device="cpu"),
-            self.seq_lens: torch.tensor(step.seq_lens + [1] * pad, dtype=torch.long, device="cpu"),
-        }
+        staged = self._staging.numpy()  # written in place: no host tensor per input and step
+        staged[:, :n] = (step.token_ids, step.positions, step.slots, step.seq_lens)
+        staged[:, n:size] = PADDING
+        self.inputs.copy_(self._staging, non_blocking=True)
+        step.table.commit(step.table_rows, self.block_tables)
         if with_lora:
-            slots = [self.null_slot if s < 0 else s for s in step.lora_slots]
-            host[self.lora_slots] = torch.tensor(slots + [self.null_slot] * pad, dtype=torch.int32, device="cpu")
-        for buffer, values in host.items():
-            buffer[:size].copy_(values.pin_memory() if self.device.type == "cuda" else values, non_blocking=True)
+            slots = self._lora_staging.numpy()
+            slots[:n] = [self.null_slot if s < 0 else s for s in step.lora_slots]
+            slots[n:size] = self.null_slot
+            self.lora_slots.copy_(self._lora_staging, non_blocking=True)
         self._graphs[size, with_lora]()
         self.num_replays[size, with_lora] += 1
         return self.hidden[:n]
+
+
+# A padding row of (token id, position, KV slot, sequence length): no KV written, one cached position read
+PADDING = np.array([[0], [0], [-1], [1]])

@@ -1,10 +1,13 @@
-"""What differs by device: sizing the KV cache from a CUDA device's memory after a profiling
-pass, and two checks on a step (`DeviceAudit`: no tensor created without naming its device;
-`NoHostSync`: none of the ops a CUDA graph capture refuses)."""
+"""What differs by device: a CUDA device named with its index and made current per thread, sizing the KV
+cache from its memory after a profiling pass (vLLM's `gpu_memory_utilization`), and two checks on a step
+(`DeviceAudit`: no tensor created without naming its device; `NoHostSync`: none of the ops a CUDA graph capture
+refuses)."""
 
 from __future__ import annotations
 
+import gc
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,36 +16,116 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
+def normalize_device(device: torch.device | str, index: int | None = None) -> torch.device:
+    """`cuda` with its index filled in (`index` where configured, else the current device): tensors report
+    `cuda:0`, never `cuda`, and `torch.device("cuda") != torch.device("cuda:0")`, so every comparison with
+    the engine's device (the audit's, `.to` short cuts) needs the index."""
+    device = torch.device(device)
+    if device.type != "cuda" or device.index is not None:
+        return device
+    return torch.device("cuda", torch.cuda.current_device() if index is None else index)
+
+
+def select_device(device: torch.device) -> None:
+    """Makes `device` CUDA's current device in the calling thread (the runtime keeps one per host thread):
+    without it kernels, graphs and streams of a thread default to device 0 whatever `cuda:N` says."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 @dataclass(frozen=True)
-class DeviceMemory:
-    """A CUDA device's memory as the KV sizing sees it (bytes)."""
+class MemorySnapshot:
+    """A CUDA device's memory at one moment (bytes), after garbage collection and `empty_cache`: without
+    them an engine freed a moment ago (a cycle not yet collected, blocks in torch's cache) counts as used."""
 
     total: int
-    used_before: int  # held before the engine loaded anything: other processes, the CUDA context
-    peak_torch: int  # torch's peak in the profiling pass: weights, adapter slots, activations
+    free: int
+    torch_reserved: int  # held by this process's caching allocator
+    torch_allocated: int  # ... of which live tensors
+
+    @property
+    def non_torch(self) -> int:
+        """Outside torch's allocator: the CUDA context, cuBLAS / NCCL workspaces, other processes."""
+        return self.total - self.free - self.torch_reserved
+
+    @classmethod
+    def measure(cls, device: torch.device) -> "MemorySnapshot":
+        gc.collect()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        return cls(total, free, torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device))
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What the KV sizing reads (bytes), as vLLM's `memory_profiling`: `gpu_memory_utilization` is this
+    engine's share of the whole device, and everything but the KV cache comes out of it."""
+
+    total: int
+    free_at_start: int  # before the engine loaded anything
+    torch_at_start: int  # torch's reservation in this process then (an engine still alive)
+    weights: int  # torch's allocations the loading added: weights, adapter slots
+    activations: int  # the profiling pass's peak above the weights, its own KV blocks left out
+    non_torch: int  # growth outside torch's allocator since the start (cuBLAS workspaces, Triton modules)
+    graphs: int = 0  # the decode graphs' pool, captured after sizing (an estimate)
+
+    def requested(self, utilization: float) -> int:
+        return int(self.total * utilization)
 
     def kv_budget(self, utilization: float) -> int:
-        """vLLM's `gpu_memory_utilization`: the engine may hold `utilization` of the whole
-        device; the KV cache gets what the profiled peak and what was held before leave."""
-        return int(self.total * utilization) - self.used_before - self.peak_torch
+        return self.requested(utilization) - self.weights - self.activations - self.non_torch - self.graphs
+
+    def describe(self, utilization: float) -> str:
+        return (f"{_gib(self.total)} GiB x {utilization} = {_gib(self.requested(utilization))} GiB for this engine: "
+                f"weights and adapter slots {_gib(self.weights)} GiB, profiled activations {_gib(self.activations)} "
+                f"GiB, outside torch {_gib(self.non_torch)} GiB, decode graphs (estimate) {_gib(self.graphs)} GiB")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2 ** 30:.2f}"
 
 
 def kv_blocks_for(memory: DeviceMemory, utilization: float, block_bytes: int) -> int:
+    requested = memory.requested(utilization)
+    if memory.free_at_start < requested:
+        used = memory.total - memory.free_at_start
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} asks for {_gib(requested)} GiB of {_gib(memory.total)} GiB but only "
+            f"{_gib(memory.free_at_start)} GiB was free at start-up: {_gib(used)} GiB in use, "
+            f"{_gib(memory.torch_at_start)} GiB of it by torch in this process (an engine still referenced?) and "
+            f"{_gib(used - memory.torch_at_start)} GiB outside torch (other processes, the CUDA context); free it "
+            "or lower --gpu-memory-utilization")
     budget = memory.kv_budget(utilization)
     if budget < block_bytes:
-        gib = 2 ** 30
         raise ValueError(
-            f"no memory left for the KV cache: gpu_memory_utilization={utilization} of {memory.total / gib:.1f} GiB "
-            f"is {memory.total * utilization / gib:.2f} GiB, of which {memory.used_before / gib:.2f} GiB was in use "
-            f"before start-up and the profiling pass peaked at {memory.peak_torch / gib:.2f} GiB (weights, adapters, "
-            f"activations); raise --gpu-memory-utilization or lower --max-num-batched-tokens / --max-loras")
+            f"no memory left for the KV cache ({_gib(budget)} GiB, a block needs {block_bytes} bytes): "
+            f"{memory.describe(utilization)}; raise --gpu-memory-utilization or lower --max-num-batched-tokens / "
+            "--max-num-seqs / --max-loras")
     return budget // block_bytes
 
 
-def cuda_used_bytes(device: torch.device) -> tuple[int, int]:
-    """(total, in use) of a CUDA device right now, whoever holds it."""
-    free, total = torch.cuda.mem_get_info(device)
-    return total, total - free
+def profile_kv_blocks(max_num_batched_tokens: int, max_model_len: int, block_size: int) -> int:
+    """The blocks `model_runner.profile_step` allocates for its own KV (sequences of at most max_model_len
+    tokens): freed when it returns, the real cache takes their place, so the peak must not count them."""
+    lens = [min(max_model_len, max_num_batched_tokens - start) for start in range(0, max_num_batched_tokens,
+                                                                                 max_model_len)]
+    return sum(-(-n // block_size) for n in lens)
+
+
+def profiled_memory(device: torch.device, start: MemorySnapshot, profile: Callable[[], None], profile_kv: int,
+                    graph_share: float) -> DeviceMemory:
+    """Runs the profiling pass and reads what the engine needs besides its KV cache. `graph_share`: the
+    largest captured decode batch over the profiled tokens (0 without graphs); the graphs' pool holds about
+    that share of the profiled activations, and it is captured after the KV cache took its memory."""
+    loaded = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    profile()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    after = MemorySnapshot.measure(device)
+    activations = max(0, peak - loaded - profile_kv)
+    return DeviceMemory(start.total, start.free, start.torch_reserved, loaded - start.torch_allocated, activations,
+                        max(0, after.non_torch - start.non_torch), int(activations * min(1.0, graph_share)))
 
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository: loraplex's folders, its tests
@@ -72,7 +155,7 @@ class DeviceAudit(TorchDispatchMode):
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
-        self.device = torch.device(device)
+        self.device = normalize_device(device)
         self.found: list[str] = []
         self._default = torch.device("meta")
 

@@ -18,8 +18,9 @@ from loraplex.adapters.registry import AdapterRegistry
 from loraplex.grammar.manager import GrammarManager
 from loraplex.kernels.dispatch import to_device
 from loraplex.platform.config import EngineConfig
-from loraplex.platform.cuda_graphs import CudaCapture
-from loraplex.platform.device import DeviceMemory, cuda_used_bytes, kv_blocks_for
+from loraplex.platform.cuda_graphs import CudaCapture, capture_sizes
+from loraplex.platform.device import (MemorySnapshot, kv_blocks_for, profile_kv_blocks, profiled_memory,
+                                      select_device)
 from loraplex.platform.input_processor import InputProcessor, Limits
 from loraplex.platform.kv_cache_manager import KVCacheManager, reclaim_window
 from loraplex.platform.model_runner import ModelRunner, kv_bytes_per_block, profile_step
@@ -65,14 +66,15 @@ class Engine:
             resolved.engine, resolved.model, resolved.device
         self.max_model_len, self.max_loras = resolved.max_model_len, resolved.max_loras
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
-        memory_before = cuda_used_bytes(device) if device.type == "cuda" else None
+        select_device(device)  # before anything touches it: loading, the profiling pass, graph capture
+        memory_start = MemorySnapshot.measure(device) if device.type == "cuda" else None
         self.model = load_model(config.model, model, resolved.kernels, self.max_model_len, gguf_source(config.model),
                                 device)
         self.adapters = AdapterRegistry(model, self.max_loras, config.max_lora_rank, config.max_cpu_loras,
                                         resolved.kernels.lora_dtype, config.lora_memory, device,
                                         resolved.kernels.stacked_lora)
         self.model.attach_lora(self.adapters.slots)
-        num_blocks = resolved.num_kv_blocks or self._kv_blocks_from_device(memory_before)
+        num_blocks = resolved.num_kv_blocks or self._kv_blocks_from_device(memory_start)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  reclaim_window(model.layer_windows))  # all layers sliding: old blocks freed
         self.eos_token_ids = self._eos_token_ids()
@@ -94,19 +96,21 @@ class Engine:
         self.num_jump_forward_tokens = 0
         self._log_kv_size(num_blocks, config.torch_kv_dtype)
 
-    def _kv_blocks_from_device(self, memory_before: tuple[int, int]) -> int:
+    def _kv_blocks_from_device(self, start: MemorySnapshot) -> int:
         """CUDA: what `gpu_memory_utilization` leaves after a profiling pass at max_num_batched_tokens."""
         config = self.config
         block_bytes = kv_bytes_per_block(self.model_config, config.block_size, config.torch_kv_dtype)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        profile_step(self.model, self.model_config, config.torch_kv_dtype, config.block_size,
-                     config.max_num_batched_tokens, self.max_model_len, config.max_num_seqs, self.device)
-        total, used_before = memory_before
-        memory = DeviceMemory(total, used_before, torch.cuda.max_memory_allocated(self.device))
-        torch.cuda.empty_cache()
+        profile_kv = profile_kv_blocks(config.max_num_batched_tokens, self.max_model_len, config.block_size)
+        graph_share = 0.0 if config.enforce_eager else \
+            capture_sizes(config.max_num_seqs)[-1] / config.max_num_batched_tokens  # a decode graph: a token a row
+
+        def profile() -> None:
+            profile_step(self.model, self.model_config, config.torch_kv_dtype, config.block_size,
+                         config.max_num_batched_tokens, self.max_model_len, config.max_num_seqs, self.device)
+
+        memory = profiled_memory(self.device, start, profile, profile_kv * block_bytes, graph_share)
         num_blocks = kv_blocks_for(memory, config.gpu_memory_utilization, block_bytes)
-        log.info("KV sized from the device: %.1f GiB x %s - %.2f GiB in use before start - %.2f GiB profiled peak",
-                 total / 2**30, config.gpu_memory_utilization, used_before / 2**30, memory.peak_torch / 2**30)
+        log.info("KV sized from the device: %s", memory.describe(config.gpu_memory_utilization))
         return num_blocks
 
     def _eos_token_ids(self) -> tuple[int, ...]:

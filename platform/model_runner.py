@@ -3,8 +3,9 @@ forward pass and returns the logits of each request whose chunk reaches its last
 the hidden states of prompt positions whose logprobs a request asked for).
 
 The batch is built on the host from the scheduler's lists, then copied to the engine's device
-(through pinned memory on CUDA, without waiting); the maxima the kernels need are known on the
-host, so a step reads nothing back from the device but the sampled tokens. Decode batches
+(through pinned memory on CUDA, without waiting); the block tables are a persistent int32
+`BlockTable` updated by what changed since the last step. The maxima the kernels need are known on
+the host, so a step reads nothing back from the device but the sampled tokens. Decode batches
 replay a captured CUDA graph (`cuda_graphs.py`) when one is enabled."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from loraplex.kernels import cpu_kernels
 from loraplex.kernels.dispatch import to_device
 from loraplex.kernels.paged_attention import PagedAttentionMetadata
 from loraplex.kernels.sgmv import LoRABatch
+from loraplex.platform.block_table import BlockTable
 from loraplex.platform.config import ModelConfig
 from loraplex.platform.cuda_graphs import Capture, DecodeGraphs, DecodeInputs, capture_sizes
 from loraplex.platform.kv_cache_manager import KVCacheManager
@@ -86,6 +88,8 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(config.num_layers)]
         self.graphs: DecodeGraphs | None = None
+        # sized by the first steps (rows and width double as needed) until graphs fix them
+        self.block_table = BlockTable(8, 16, kv.block_size, device)
         if device.type == "cpu":
             cpu_kernels.library()  # build (~1 s, once per machine) now rather than in the first step
 
@@ -93,6 +97,8 @@ class ModelRunner:
         """Capture the decode graphs (every padded size, with and without LoRA when `null_slot`
         is given); from then on decode steps that fit replay them."""
         max_blocks = -(-max_model_len // self.block_size)
+        # a graph's table is as wide as max_model_len; the runner's rows are copied into it as they are
+        self.block_table = BlockTable(max_num_seqs, max_blocks, self.block_size, self.device, max_width=max_blocks)
         with torch.inference_mode():  # as the steps that replay them run
             self.graphs = DecodeGraphs(self.model, self.kv_caches, capture_sizes(max_num_seqs), max_blocks,
                                        self.block_size, max_model_len, null_slot, capture)
@@ -110,8 +116,8 @@ class ModelRunner:
         graphs = self.graphs
         if graphs is not None and step.decode_only and graphs.fits(len(step.sampled), lora_slots is not None) \
                 and not self._embedding_adapted(lora_slots):
-            hidden = graphs.run(DecodeInputs(step.token_ids, step.positions, step.slots, step.tables, step.seq_lens,
-                                             lora_slots))
+            hidden = graphs.run(DecodeInputs(step.token_ids, step.positions, step.slots, self.block_table,
+                                             step.table_rows, step.seq_lens, lora_slots))
             return self.model.logits(hidden, lora_slots), step.sampled, []  # one token per request: rows = tokens
         hidden = self._forward(step, lora_slots)
         prompt_hidden = [PromptRows(req, hidden[rows], first, lora_slots[rows.start] if lora_slots else -1,
@@ -142,9 +148,8 @@ class ModelRunner:
         def put(values: list, dtype=torch.long) -> torch.Tensor:
             return to_device(torch.tensor(values, dtype=dtype, device="cpu"), self.device)
 
-        width = max(len(t) for t in step.tables)
         meta = PagedAttentionMetadata.build(
-            slot_mapping=put(step.slots), block_tables=put([t + [0] * (width - len(t)) for t in step.tables]),
+            slot_mapping=put(step.slots), block_tables=self.block_table.commit(step.table_rows),
             seq_lens=put(step.seq_lens), query_start_loc=put(step.starts), block_size=self.block_size,
             max_query_len=step.max_query_len, max_seq_len=max(step.seq_lens))
         lora = LoRABatch.build(lora_slots, self.device) if lora_slots is not None else None
@@ -155,7 +160,6 @@ class ModelRunner:
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        tables: list[list[int]] = []
         seq_lens: list[int] = []
         starts = [0]
         last_rows: list[int] = []
@@ -164,11 +168,10 @@ class ModelRunner:
         for req, num_new in sched.scheduled:
             begin = req.num_computed_tokens
             end = begin + num_new
-            table = self.kv.block_ids(req)
+            blocks = self.kv.req_blocks[req.seq_id]
             token_ids += req.token_slice(begin, end)
             positions += range(begin, end)
-            slots += [table[p // bs] * bs + p % bs for p in range(begin, end)]
-            tables.append(table)
+            slots += [blocks[p // bs].block_id * bs + p % bs for p in range(begin, end)]
             seq_lens.append(end)
             starts.append(starts[-1] + num_new)
             predicting = min(end, len(req.prompt_token_ids) - 1)  # positions that predict a prompt token
@@ -178,7 +181,8 @@ class ModelRunner:
                 last_rows.append(starts[-1] - 1)
                 sampled.append(req)
         max_query_len = max(num_new for _, num_new in sched.scheduled)
-        return StepInputs(token_ids, positions, slots, tables, seq_lens, starts, max_query_len, last_rows, sampled,
+        table_rows = self.block_table.update(self.kv.req_blocks, [req for req, _ in sched.scheduled])
+        return StepInputs(token_ids, positions, slots, table_rows, seq_lens, starts, max_query_len, last_rows, sampled,
                           prompt_rows)
 
 
@@ -189,7 +193,7 @@ class StepInputs:
     token_ids: list[int]
     positions: list[int]
     slots: list[int]
-    tables: list[list[int]]
+    table_rows: list[int]  # each request's row of the runner's BlockTable
     seq_lens: list[int]
     starts: list[int]
     max_query_len: int
@@ -200,4 +204,4 @@ class StepInputs:
     @property
     def decode_only(self) -> bool:
         """One new token per request, each sampled, no prompt logprobs: what a decode graph runs."""
-        return self.max_query_len == 1 and len(self.sampled) == len(self.tables) and not self.prompt_rows
+        return self.max_query_len == 1 and len(self.sampled) == len(self.seq_lens) and not self.prompt_rows

@@ -14,6 +14,7 @@ from loraplex.kernels import autotune
 from loraplex.kernels.dispatch import CpuCaps, KernelConfig, kernel_config, machine, resolve_backend
 from loraplex.kernels.linear_methods import can_pack
 from loraplex.platform.config import EngineConfig, ModelConfig, quantized_activation_dtype
+from loraplex.platform.device import normalize_device
 from loraplex.platform.model_runner import kv_bytes_per_block
 from loraplex.platform.models.linear import Linear
 
@@ -32,7 +33,7 @@ class ResolvedConfig:
 
 def resolve(config: EngineConfig) -> ResolvedConfig:
     model = ModelConfig.from_folder(config.model)
-    device = config.torch_device
+    device = normalize_device(config.torch_device)  # cuda -> cuda:N: compared with tensors' devices
     notes: list[str] = []
     config = _quantization(config, model, device, notes)
     found = backend, caps, tune = machine(device)
@@ -40,7 +41,7 @@ def resolve(config: EngineConfig) -> ResolvedConfig:
     config = _dtype(config, model, device, caps, tune, notes)
     _check_lora_dtype(config, device, backend)
     kernels = kernel_config(device, config.torch_dtype, config.torch_kv_dtype, config.torch_lora_dtype,
-                            config.pack_weights, config.quantization, found)
+                            config.pack_weights, config.quantization, found, config.prefill_attention)
     max_loras, why = config.resolve_max_loras(model)
     notes.append(f"adapters: max_loras={max_loras} per batch ({why}); CPU cache bounded by "
                  f"lora_memory={config.lora_memory / 2**20:.0f} MiB")

@@ -4,10 +4,12 @@ sampling, logprobs.
 Rows are requests; each transform touches only the rows that asked for it. Logprobs are those
 of the raw model distribution (before any transform), as vLLM reports them.
 
-The logits stay on the engine's device; per-request values go there as small tensors, and the
-exponential noise of seeded sampling is drawn on the host from each request's own generator, so
-a seed gives the same tokens on any device. The one read back is the sampled token ids (and,
-when a request asks for logprobs, its rows of them).
+The logits stay on the engine's device; per-request values go there as small tensors. The exponential
+noise of requests without a seed is drawn on the device in one call; a seeded request's rows are drawn
+on the host from its own generator (only those rows cross to the device), so a seed gives the same
+tokens on any device and whatever shares its batch. Penalty counts are a `scatter_add_` (no host read).
+What comes back is the sampled token ids and, for requests that ask for logprobs, each one's chosen
+logprob, rank and top-k (k columns, never a vocabulary-wide row): every read goes through `to_host`.
 """
 
 from __future__ import annotations
@@ -34,16 +36,15 @@ class Sampler:
         self.grammars = grammars  # a GrammarManager: fills and applies the structured rows' bitmask
         self.json_close_window = json_close_window
         self.eos_token_ids = list(eos_token_ids)
-        self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed
+        self.generator = torch.Generator(device=device).manual_seed(seed)  # for requests without a seed
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits [R, vocab] in the model's dtype, one row per request."""
         if self._argmax_only(requests):  # bf16 -> float32 is exact: the same picks, without widening the rows
-            return SamplerOutput(argmax(logits).tolist(), [None] * len(requests))
+            return SamplerOutput(to_host(argmax(logits)), [None] * len(requests))
         logits = logits.float()
-        raw_logprobs = None
-        if any(r.params.logprobs is not None for r in requests):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits[self._put(wanted)], dim=-1) if wanted else None
         structured = self.grammars is not None and any(r.grammar is not None for r in requests)
         if structured or any(_edits_logits(r.params, len(r.output_token_ids)) for r in requests):
             logits = logits.clone()  # the transforms below write in place; the caller's logits stay
@@ -53,14 +54,13 @@ class Sampler:
         self._block_early_stop(logits, requests)
         self._apply_penalties(logits, requests)
         self._apply_logit_bias(logits, requests)
-        token_ids = self._sample(logits, requests)
+        tokens = self._sample(logits, requests)
+        logprobs: list[dict[int, Logprob] | None] = [None] * len(requests)
         if raw_logprobs is not None:
-            raw_logprobs = raw_logprobs.cpu()
-        logprobs = [
-            _logprobs_of(raw_logprobs[i], token_ids[i], r.params.logprobs) if r.params.logprobs is not None else None
-            for i, r in enumerate(requests)
-        ]
-        return SamplerOutput(token_ids, logprobs)
+            found = logprobs_of(raw_logprobs, tokens[self._put(wanted)], [requests[i].params.logprobs for i in wanted])
+            for i, entry in zip(wanted, found):
+                logprobs[i] = entry
+        return SamplerOutput(to_host(tokens), logprobs)
 
     def _argmax_only(self, requests: list[Request]) -> bool:
         return all(r.params.greedy and r.params.logprobs is None and r.grammar is None
@@ -96,9 +96,22 @@ class Sampler:
                 seen = self._put(sorted(set(r.all_token_ids)))
                 row = logits[i, seen]
                 logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-            if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
-                counts = torch.bincount(self._put(r.output_token_ids), minlength=logits.shape[1]).float()
-                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        counted = [i for i, r in enumerate(requests)
+                   if (r.params.presence_penalty or r.params.frequency_penalty) and r.output_token_ids]
+        if counted:
+            self._apply_counts(logits, [requests[i] for i in counted], self._put(counted))
+
+    def _apply_counts(self, logits: torch.Tensor, requests: list[Request], rows: torch.Tensor) -> None:
+        """Presence and frequency penalties of these rows from their output tokens' counts, counted with
+        `scatter_add_` into one [rows, vocab] tensor (`bincount` reads its input's maximum on the host)."""
+        vocab = logits.shape[1]
+        flat = self._put([k * vocab + t for k, r in enumerate(requests) for t in r.output_token_ids])
+        counts = torch.zeros(len(requests) * vocab, dtype=logits.dtype, device=logits.device)
+        counts.scatter_add_(0, flat, torch.ones(len(flat), dtype=logits.dtype, device=logits.device))
+        counts = counts.view(len(requests), vocab)
+        frequency = self._put([r.params.frequency_penalty for r in requests], logits.dtype)[:, None]
+        presence = self._put([r.params.presence_penalty for r in requests], logits.dtype)[:, None]
+        logits[rows] -= frequency * counts + presence * (counts > 0).float()
 
     def _apply_logit_bias(self, logits: torch.Tensor, requests: list[Request]) -> None:
         """OpenAI's logit_bias, after the grammar mask (a bias never un-masks a token: -inf stays)."""
@@ -110,23 +123,39 @@ class Sampler:
     def _put(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return to_device(torch.tensor(values, dtype=dtype, device="cpu"), self.device)
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """The picked token of each row, on the device."""
         out = argmax(logits)
         picked = [i for i, r in enumerate(requests) if not r.params.greedy]
         if not picked:
-            return out.tolist()
+            return out
         rows = self._put(picked)
         sampled = [requests[i] for i in picked]
         temps = self._put([r.params.temperature for r in sampled], logits.dtype)[:, None]
         probs = filter_and_softmax(logits[rows] / temps, sampled)
-        # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) draws from p. Each
-        # request with a seed draws E from its own generator, so its tokens do not depend on
-        # what else shares the batch (nor on the device: E is drawn on the host).
-        noise = torch.empty(probs.shape, dtype=probs.dtype, device="cpu")
-        for j, r in enumerate(sampled):
-            noise[j].exponential_(generator=r.generator or self.generator)
-        out[rows] = argmax(probs / to_device(noise, probs.device))
-        return out.tolist()
+        # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) draws from p.
+        out[rows] = argmax(probs / self._noise(probs, sampled))
+        return out
+
+    def _noise(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Exp(1) noise shaped as `probs`: rows without a seed in one draw on the device from the sampler's
+        generator; each seeded row on the host from its request's own generator, so its tokens depend neither
+        on what else shares the batch nor on the device (only those rows are copied)."""
+        noise = torch.empty_like(probs)
+        seeded = [j for j, r in enumerate(requests) if r.generator is not None]
+        if len(seeded) < len(requests):
+            noise.exponential_(generator=self.generator)
+        if seeded:
+            host = torch.empty(len(seeded), probs.shape[1], dtype=probs.dtype, device="cpu")
+            for row, j in zip(host, seeded):
+                row.exponential_(generator=requests[j].generator)
+            noise[self._put(seeded)] = to_device(host, probs.device)
+        return noise
+
+
+def to_host(values: torch.Tensor) -> list:
+    """The one way a sampler result leaves the device (a host read: it waits for the device)."""
+    return values.tolist()
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -176,16 +205,29 @@ def prompt_logprobs(compute_logits, hidden: torch.Tensor, targets: list[int], nu
     what the model thought of the prompt, before any sampling transform."""
     out = []
     for start in range(0, len(targets), PROMPT_LOGPROB_ROWS):
-        rows = torch.log_softmax(compute_logits(hidden[start:start + PROMPT_LOGPROB_ROWS]).float(), dim=-1).cpu()
-        out += [_logprobs_of(row, target, num_top) for row, target in zip(rows, targets[start:])]
+        rows = torch.log_softmax(compute_logits(hidden[start:start + PROMPT_LOGPROB_ROWS]).float(), dim=-1)
+        chunk = targets[start:start + len(rows)]
+        tokens = to_device(torch.tensor(chunk, dtype=torch.long, device="cpu"), rows.device)
+        out += logprobs_of(rows, tokens, [num_top] * len(chunk))
     return out
 
 
-def _logprobs_of(row: torch.Tensor, token_id: int, num_top: int) -> dict[int, Logprob]:
-    chosen = float(row[token_id])
-    out = {token_id: Logprob(chosen, int((row > row[token_id]).sum()) + 1)}
-    if num_top:
-        values, ids = row.topk(num_top)
-        for rank, (v, t) in enumerate(zip(values.tolist(), ids.tolist()), start=1):
-            out.setdefault(t, Logprob(v, rank))
+def logprobs_of(rows: torch.Tensor, tokens: torch.Tensor, num_tops: list[int]) -> list[dict[int, Logprob]]:
+    """Each row's logprob of its token (with its rank: 1 + the entries above it) and its `num_top` best,
+    found on the device: one read of [rows, 3 + 2k] values comes back, k the largest `num_top`."""
+    k = min(max(num_tops), rows.shape[1])
+    chosen = rows.gather(1, tokens[:, None])
+    ranks = (rows > chosen).sum(dim=1, keepdim=True) + 1
+    top_values, top_ids = rows.topk(k, dim=-1)
+    # float64 holds the float32 logprobs and every id and rank exactly: one tensor, one read
+    packed = torch.cat([t.double() for t in (tokens[:, None], chosen, ranks, top_values, top_ids)], dim=1)
+    return [_entry(row, k, num_top) for row, num_top in zip(to_host(packed), num_tops)]
+
+
+def _entry(packed: list[float], k: int, num_top: int) -> dict[int, Logprob]:
+    """A row of `logprobs_of`'s read: the chosen token's entry first, then its top `num_top`."""
+    token, chosen, rank, values, ids = packed[0], packed[1], packed[2], packed[3:3 + k], packed[3 + k:]
+    out = {int(token): Logprob(chosen, int(rank))}
+    for place, (value, t) in enumerate(zip(values[:num_top], ids[:num_top]), start=1):
+        out.setdefault(int(t), Logprob(value, place))
     return out

@@ -44,6 +44,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, kernels)
         self.rope_kv_write = RopeKVWrite(heads, kv_heads, head_dim, kernels)
         self.attn = PagedAttention(config.attention_scale, kernels, sliding_window=config.layer_windows[index],
+                                   prefill=kernels.prefill_attention,
                                    softcap=config.attn_logit_softcap)
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache, meta: PagedAttentionMetadata):
@@ -259,11 +260,17 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
 
 def load_model(folder: str | Path, config: ModelConfig, kernels: KernelConfig, max_len: int,
                gguf: Path | None = None, device: torch.device = torch.device("cpu")) -> LlamaForCausalLM:
-    """The model in `kernels.dtype` on `device`, each linear layer's weight processed into its format."""
+    """The model in `kernels.dtype` on `device`, each linear layer's weight processed into its format. Built in
+    that dtype on that device, each checkpoint tensor converted as it is copied in: a float32 model converted
+    after would hold twice the weights (an 8B model: 32 GB to load into 16). Quantization reads float32 weights
+    (GGUF bits checked, or quantized before any rounding), so that path builds in float32 on the CPU, the only
+    device it runs on, and converts after."""
+    float_first = kernels.quantization != "none"
+    dtype = torch.float32 if float_first else kernels.dtype
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_len, kernels)
-    model = model.to_empty(device=device)
-    model.rope = RotaryEmbedding(config, max_len).to(device)  # buffers are computed, not loaded
+    model = model.to(dtype).to_empty(device=device)  # on meta the dtype costs nothing
+    model.rope = RotaryEmbedding(config, max_len).to(device=device, dtype=dtype)  # computed, not loaded
     tensors = _read_safetensors(Path(folder))
     blocks = read_prequantized(tensors, config) if config.prequantized else None  # GPTQ / AWQ: bits kept
     if blocks is not None and kernels.quantization != "q4":
@@ -274,9 +281,9 @@ def load_model(folder: str | Path, config: ModelConfig, kernels: KernelConfig, m
     # never trained here: without this, a matmul outside inference_mode on an unpacked weight
     # (prompt logprobs in bfloat16 on CPU, anything on CUDA) fails on the step's inference tensors
     model = model.eval().requires_grad_(False)
-    if kernels.quantization != "none":  # from the float32 weights: GGUF bits checked / quantized before any rounding
+    if float_first:
         quantize_model(model, kernels.quantization, gguf, blocks)
-    model = model.to(kernels.dtype)
+        model = model.to(kernels.dtype)
     for module in model.modules():
         if isinstance(module, Linear):
             module.process_weights_after_loading()

@@ -9,11 +9,13 @@ from loraplex.platform import LLM, SamplingParams
 pytest.importorskip("triton")
 
 
-def test_engine_tokens_match_across_kernel_backends(tiny_model_dir):
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_engine_tokens_match_across_kernel_backends(tiny_model_dir, block_size):
+    """Block size 4 too: the Triton kernel tiles KV across blocks (tl.dot needs tiles of >= 16 positions)."""
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 21, 40)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=32, max_num_batched_tokens=24,
-              enable_prefix_caching=False)
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=32 * 16 // block_size, block_size=block_size,
+              max_num_batched_tokens=24, enable_prefix_caching=False)
     results = {}
     for backend in ("torch", "triton"):
         with dispatch.forced_backend(backend):

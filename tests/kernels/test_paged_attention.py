@@ -4,11 +4,14 @@ reference against plain causal attention on contiguous K/V."""
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
 from loraplex.kernels import cpu_kernels, dispatch
 from loraplex.kernels.custom_ops import PagedAttention
 from loraplex.kernels.dispatch import KernelConfig
-from loraplex.kernels.paged_attention import paged_attention, paged_attention_reference, write_kv
+from loraplex.kernels import paged_attention_triton
+from loraplex.kernels.paged_attention import (PagedAttentionMetadata, paged_attention, paged_attention_reference,
+                                               write_kv)
 from paged_case import dense_attention, make_case, poison_before_window
 
 pytest.importorskip("triton")
@@ -197,3 +200,113 @@ def test_randomized_sweep(seed):
     clens = [pick([0, 1, 15, 16, 47]) for _ in range(n)]
     test_triton_matches_reference(seed, qlens, clens, kv_heads * ratio, kv_heads, pick([32, 64]), pick([16, 32]),
                                   pick([torch.float32, torch.float16, torch.bfloat16]))
+
+
+def triton_attention(query, kc, vc, meta, scale, window=None, cap=None, table_dtype=torch.int64):
+    """The Triton kernel through the dispatch, with the block tables in `table_dtype` (the runner's may be int32)."""
+    meta = PagedAttentionMetadata.build(meta.slot_mapping, meta.block_tables.to(table_dtype), meta.seq_lens,
+                                        meta.query_start_loc, meta.block_size)
+    return attend_with("triton", query, kc, vc, meta, scale, window, cap)
+
+
+@pytest.mark.parametrize("table_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("bs", [1, 4, 8, 16, 32])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_gqa_groups_and_block_sizes(group, bs, table_dtype):
+    """Query heads packed per KV head, KV tiles gathered across blocks of any size (below tl.dot's 16 too),
+    int32 or int64 tables: decodes beside prefill chunks, against the dense math."""
+    qlens, clens = [1, 1, 9, 3], [0, 37, 12, 70]
+    query, kc, vc, meta, tables, seq_lens = make_case(40 + bs + group, qlens, clens, 2 * group, 2, 32, bs,
+                                                      torch.float32)
+    expected = dense_attention(query, kc, vc, tables, qlens, seq_lens, 32 ** -0.5)
+    out = triton_attention(query, kc, vc, meta, 32 ** -0.5, table_dtype=table_dtype)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("bs,window,cap", [(4, 40, 10.0), (16, None, None)])
+def test_window_and_softcap_with_small_blocks(bs, window, cap):
+    """A window off the tile grid over blocks of 4: the walk starts at the window, no block before it read."""
+    qlens, clens = [1, 1, 19], [70, 3, 50]
+    query, kc, vc, meta, tables, seq_lens = make_case(61, qlens, clens, 8, 2, 32, bs, torch.float32)
+    expected = dense_attention(query, kc, vc, tables, qlens, seq_lens, 32 ** -0.5, window, cap)
+    torch.testing.assert_close(triton_attention(query, kc, vc, meta, 32 ** -0.5, window, cap).double(), expected,
+                               atol=2e-5, rtol=2e-5)
+    if window is not None:
+        kc, vc, poisoned, count = poison_before_window(kc, vc, meta, tables, qlens, seq_lens, window)
+        assert count > 0
+        out = triton_attention(query, kc, vc, poisoned, 32 ** -0.5, window, cap, torch.int32)
+        torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+
+
+def test_launch_packs_query_heads_per_kv_head_and_splits_long_decodes():
+    """Batch 1 decode, 32 query heads on 8 KV heads, 4k context: one program per KV head and split (not per
+    query head), more than one split; prefill chunks and batches that fill the SMs are not split."""
+    decode = paged_attention_triton.plan(1, 32, 8, 1, 4096)
+    assert decode.num_splits > 1 and decode.grid == (1, 1, 8 * decode.num_splits)
+    assert decode.programs == 8 * decode.num_splits <= paged_attention_triton.DEFAULT_NUM_SMS
+    assert paged_attention_triton.plan(1, 32, 8, 1, 4096, num_sms=8).num_splits == 1
+    assert paged_attention_triton.plan(64, 32, 8, 1, 4096).num_splits == 1
+    assert paged_attention_triton.plan(1, 32, 8, 1, 4096, sliding_window=512).num_splits == 2  # the window's span
+    prefill = paged_attention_triton.plan(1, 32, 8, 100, 4096)
+    assert prefill.num_splits == 1 and prefill.grid == (1, triton.cdiv(400, 64), 8)
+    assert paged_attention_triton.plan(1, 32, 8, 1, 300).num_splits == 1  # too short to be worth a reduce
+
+
+def test_launch_grid_of_a_long_decode_at_real_shape(monkeypatch):
+    """What a 4k-context batch-1 decode of 32 query heads on 8 KV heads launches (recorded, not run): the
+    attention over KV heads x splits, then one reduce program per (token, query head)."""
+    grids = []
+    for name in ("_paged_attention_kernel", "_reduce_kernel"):
+        monkeypatch.setattr(paged_attention_triton, name, RecordGrid(None, grids))
+    query, kc, vc, meta, _, _ = make_case(63, [1], [4095], 32, 8, 16, 16, torch.float16)
+    triton_attention(query, kc, vc, meta, 0.25)
+    splits = paged_attention_triton.plan(1, 32, 8, 1, 4096).num_splits
+    assert splits > 1 and grids == [(1, 1, 8 * splits), (32,)]
+
+
+@pytest.mark.parametrize("window,cap,dtype", [(None, None, torch.float32), (700, 30.0, torch.float32),
+                                              (None, None, torch.float16)])
+def test_split_kv_decode_of_a_long_context(monkeypatch, window, cap, dtype):
+    """Decodes of a 4k and a short context split into shares (grid recorded at launch: KV heads x splits; the
+    short request's later shares see nothing) and the reduce of their partial softmaxes matches the dense
+    math, under a window and a soft cap too."""
+    grids = []
+    kernel = paged_attention_triton._paged_attention_kernel
+    monkeypatch.setattr(paged_attention_triton, "_paged_attention_kernel", RecordGrid(kernel, grids))
+    qlens, clens = [1, 1], [4095, 90]
+    query, kc, vc, meta, tables, seq_lens = make_case(62, qlens, clens, 4, 1, 16, 16, dtype)
+    out = triton_attention(query, kc, vc, meta, 0.25, window, cap, torch.int32)
+    splits = paged_attention_triton.plan(2, 4, 1, 1, 4096, window).num_splits
+    assert grids == [(2, 1, splits)] and splits > 1
+    expected = dense_attention(query, kc, vc, tables, qlens, seq_lens, 0.25, window, cap)
+    torch.testing.assert_close(out.double(), expected, **(TOL[dtype] if dtype != torch.float32 else
+                                                           dict(atol=2e-5, rtol=2e-5)))
+
+
+class RecordGrid:
+    """A Triton kernel whose launches note their grid (None: noted, not run)."""
+
+    def __init__(self, kernel, grids):
+        self.kernel, self.grids = kernel, grids
+
+    def __getitem__(self, grid):
+        self.grids.append(tuple(grid))
+        return self.kernel[grid] if self.kernel is not None else lambda *args, **kwargs: None
+
+
+def test_attention_compiles_for_the_gpu_at_any_block_size():
+    """The kernel's constants do not depend on the block size, and with window, cap and split all compiled
+    in it builds to a cubin for sm_90 with int32 tables (the one-program-per-block-tile kernel did not for
+    blocks below 16: tl.dot needs every dimension >= 16)."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    from compile_case import compile_for_sm90
+
+    launch = paged_attention_triton.plan(1, 32, 8, 1, 4096, 512)
+    constants = paged_attention_triton.attention_constants(torch.float16, 128, launch, 512, 30.0)
+    assert launch.num_splits > 1 and all(constants[k] >= 16 for k in ("BLOCK_M", "BLOCK_N", "BLOCK_D"))
+    fp32 = {name: "*fp32" for name in ("part_ptr", "m_ptr", "l_ptr")}
+    module = "loraplex.kernels.paged_attention_triton"
+    stages = compile_for_sm90(module, "_paged_attention_kernel", constants,
+                              {**fp32, "tables_ptr": "*i32", "seq_lens_ptr": "*i64", "starts_ptr": "*i64"},
+                              ("scale", "softcap"))
+    assert stages[-1] == "cubin"

@@ -149,3 +149,110 @@ def test_contiguous_segments_add_in_place_and_match_the_reference():
     y0 = torch.randn(80, 48)
     got = sgmv_lora_table_torch(x, table_from_stacked(a, b, ranks, scales, offsets), batch, y0.clone())
     torch.testing.assert_close(got, reference(x, a, b, ranks, scales, offsets, s, y0), atol=1e-5, rtol=1e-5)
+
+
+class RecordGrid:
+    """A Triton kernel whose launches note their grid (None: noted, not run)."""
+
+    def __init__(self, kernel, grids):
+        self.kernel, self.grids = kernel, grids
+
+    def __getitem__(self, grid):
+        self.grids.append(tuple(grid))
+        return self.kernel[grid] if self.kernel is not None else lambda *args, **kwargs: None
+
+
+def test_shrink_plan_splits_k_for_small_batches_only():
+    """Batch 1 through a qkv projection of 4096 inputs at rank 16: 3 programs without split-K; with it each
+    slice's K is shared out; prefill-sized batches and 16-bit outputs (no fp32 atomics) are not split."""
+    from loraplex.kernels.sgmv_triton import shrink_plan
+
+    one = shrink_plan(1, 1, 3, 16, 4096, torch.float32)
+    assert one.split_k > 1 and one.grid == (1, 1, 3 * one.split_k) and one.k_share * one.split_k >= 4096
+    assert one.k_share * (one.split_k - 1) < 4096  # no empty share
+    assert shrink_plan(1, 1, 3, 16, 4096, torch.float32, num_sms=3).split_k == 1
+    assert shrink_plan(64, 32, 3, 16, 4096, torch.float32).split_k == 1
+    assert shrink_plan(1, 1, 3, 16, 4096, torch.bfloat16).split_k == 1
+    assert shrink_plan(1, 1, 1, 16, 200, torch.float32).split_k == 1  # too few features to share
+
+
+@pytest.mark.parametrize("tokens,dtype", [(1, torch.float32), (1, torch.bfloat16), (5, torch.float16)])
+def test_split_k_shrink_matches_reference(monkeypatch, tokens, dtype):
+    """Small batches through wide inputs (1,000 features, qkv slices, mixed ranks): the shares' atomic sums
+    equal the reference, and the launch was split."""
+    from loraplex.kernels import sgmv_triton
+
+    grids = []
+    monkeypatch.setattr(sgmv_triton, "_shrink_kernel", RecordGrid(sgmv_triton._shrink_kernel, grids))
+    s, ranks, x, a, b, scales, offsets = case(20 + tokens, tokens, 3, 16, 1000, [64, 32, 32], dtype, none_frac=0.0)
+    y0 = torch.randn(tokens, 128).to(dtype)
+    h_ref, y_ref = run("torch", s, ranks, x, a, b, scales, offsets, y0)
+    h_tri, y_tri = run("triton", s, ranks, x, a, b, scales, offsets, y0)
+    assert grids and grids[0][2] > 3 * 1  # slices x rank blocks x shares: more than one share
+    torch.testing.assert_close(h_tri, h_ref, **TOL[torch.float32 if dtype == torch.float32 else torch.float16])
+    torch.testing.assert_close(y_tri.float(), y_ref.float(), **TOL[dtype])
+
+
+def test_split_k_under_the_graph_layout(monkeypatch):
+    """The decode graphs' per-token batch (every token its own segment, the null slot for base tokens) on
+    stacked slots: batch 1 and 3 split K (grids recorded: 2 slices x more than one share) and match the
+    grouped reference."""
+    from lora_case import reference
+
+    from loraplex.kernels import sgmv_triton
+    from loraplex.kernels.sgmv import StackedLoRA, sgmv_lora_stacked_triton
+
+    grids = []
+    monkeypatch.setattr(sgmv_triton, "_shrink_kernel", RecordGrid(sgmv_triton._shrink_kernel, grids))
+
+    s, ranks, x, a, b, scales, offsets = case(30, 3, 2, 8, 768, [48, 16], torch.float32, none_frac=0.0)
+    s = [1, -1, 0]
+    table = StackedLoRA.empty(2, offsets, 768, 8, torch.float32, DEVICE)
+    for slot in range(2):
+        r = ranks[slot]
+        table.set(slot, a[slot].view(2, 8, -1)[:, :r].reshape(2 * r, -1), b[slot, :, :r].T, scales[slot])
+    y0 = torch.randn(3, 64)
+    for n in (1, 3):
+        slots = torch.tensor([2 if t < 0 else t for t in s[:n]], dtype=torch.int32)  # 2: the null slot
+        batch = LoRABatch.per_token(torch.arange(n), torch.arange(n + 1, dtype=torch.int32), slots)
+        with dispatch.forced_backend("triton"):
+            got = sgmv_lora_stacked_triton(x[:n], table, batch, y0[:n].clone())
+        torch.testing.assert_close(got, reference(x[:n], a, b, ranks, scales, offsets, s[:n], y0[:n]),
+                                   atol=1e-4, rtol=1e-4)
+    assert [g[:2] for g in grids] == [(1, 1), (3, 1)] and all(g[2] > 2 for g in grids)
+
+
+def test_graph_batch_grouped_by_slot_on_device():
+    """The decode graphs' slots grouped on the device without a host read (as under a capture): one segment
+    per slot with its tokens in order, and the kernels on it (split-K at this size) match the reference."""
+    from lora_case import reference
+
+    from loraplex.kernels.sgmv import StackedLoRA, sgmv_lora_stacked_triton
+    from loraplex.platform.device import NoHostSync
+
+    s, ranks, x, a, b, scales, offsets = case(31, 6, 3, 8, 512, [48, 16], torch.float32, none_frac=0.0)
+    s = [2, -1, 0, 2, -1, 2]
+    table = StackedLoRA.empty(3, offsets, 512, 8, torch.float32, DEVICE)
+    for slot in range(3):
+        r = ranks[slot]
+        table.set(slot, a[slot].view(2, 8, -1)[:, :r].reshape(2 * r, -1), b[slot, :, :r].T, scales[slot])
+    slots = torch.tensor([3 if t < 0 else t for t in s], dtype=torch.int32)  # 3: the null slot
+    y0 = torch.randn(6, 64)
+    with NoHostSync():
+        batch = LoRABatch.grouped(slots.to(DEVICE), 3)
+    assert batch.token_order.tolist() == [2, 0, 3, 5, 1, 4] and batch.seg_starts.tolist() == [0, 1, 1, 4, 6]
+    assert batch.seg_slots.tolist() == [0, 1, 2, 3] and batch.num_segments == 4 and batch.max_seg_len == 6
+    with dispatch.forced_backend("triton"):
+        got = sgmv_lora_stacked_triton(x.to(DEVICE), table, batch, y0.clone().to(DEVICE)).cpu()
+    torch.testing.assert_close(got, reference(x, a, b, ranks, scales, offsets, s, y0), atol=1e-4, rtol=1e-4)
+
+
+def test_split_k_shrink_compiles_for_the_gpu():
+    """The split-K shrink (fp32 atomics) builds to a cubin for sm_90, beside the interpreter runs above."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    from compile_case import compile_for_sm90
+
+    constants = dict(BLOCK_M=16, BLOCK_R=16, BLOCK_K=128, FP32_DOT=False, PRECISION="tf32", SPLIT_K=True)
+    pointers = {"out_ptr": "*fp32", "ranks_ptr": "*i32", "order_ptr": "*i64", "starts_ptr": "*i32",
+                "slots_ptr": "*i32", "a_ptr": "*bf16", "x_ptr": "*bf16"}
+    assert compile_for_sm90("loraplex.kernels.sgmv_triton", "_shrink_kernel", constants, pointers)[-1] == "cubin"

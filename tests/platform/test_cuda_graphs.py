@@ -8,8 +8,13 @@ import torch
 
 from loraplex.kernels import dispatch
 from loraplex.platform import LLM, SamplingParams
-from loraplex.platform.cuda_graphs import FakeCapture, capture_sizes, padded_size
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from loraplex.platform.block_table import BlockTable
+from loraplex.platform.cuda_graphs import DecodeGraphs, DecodeInputs, FakeCapture, capture_sizes, padded_size
 from loraplex.platform.device import HostSyncError, NoHostSync
+from loraplex.platform.kv_cache_manager import KVCacheManager
+from loraplex.platform.request import Request
 
 pytest.importorskip("triton")
 
@@ -66,3 +71,62 @@ def test_decode_graphs_give_the_eager_tokens(tiny_model_dir, tiny_adapters):
         assert _generate(llm, prompts[:3], names[:3]) == eager[3]
         assert _generate(llm, prompts[:2], [None, None]) == base_only
     assert not any(with_lora for _, with_lora in runner.graphs.num_replays) and runner.graphs.num_replays
+
+
+class _StubModel(torch.nn.Module):
+    """What DecodeGraphs reads of a model: the embedding's device and dtype, the hidden size, the call; each
+    replay records the block tables it saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(32, 4)
+        self.config = type("Config", (), {"hidden_size": 4})()
+        self.seen = []
+
+    def forward(self, ids, positions, kv_caches, meta, lora):
+        self.seen.append((meta.block_tables.clone(), meta.slot_mapping.clone(), meta.seq_lens.clone()))
+        return self.embed_tokens(ids)
+
+
+class _StepOps(TorchDispatchMode):
+    """The ops a graph step runs outside its replay: host tensors made, copies into buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops.append((func._schema.name, tuple(out.shape) if isinstance(out, torch.Tensor) else None))
+        return out
+
+
+def test_a_graph_step_copies_each_input_once_from_persistent_buffers():
+    """One copy for ids / positions / slots / lengths, one gather + copy of the int32 block table rows in use
+    (from the runner's BlockTable, not rebuilt from lists), one host tensor (the B row numbers)."""
+    kv = KVCacheManager(64, block_size=4)
+    requests = [Request(f"r{i}", list(range(3 + 2 * i)), SamplingParams()) for i in range(3)]
+    for req in requests:
+        assert kv.allocate_slots(req, req.num_tokens) is not None
+        req.num_computed_tokens = req.num_tokens - 1
+    table = BlockTable(8, 10, 4, torch.device("cpu"), max_width=10)
+    model = _StubModel()
+    graphs = DecodeGraphs(model, [], capture_sizes(8), 10, 4, 40, None, lambda forward: forward)
+    rows = table.update(kv.req_blocks, requests)
+    step = DecodeInputs([1, 2, 3], [r.num_tokens - 1 for r in requests], [5, 6, 7], table, rows,
+                        [r.num_tokens for r in requests], None)
+    model.seen.clear()
+    with _StepOps() as recorded:
+        graphs.run(step)
+    outside = [op for op in recorded.ops if op[0] != "aten::embedding"]
+    made = [op for op in outside if op[0] in ("aten::lift_fresh", "aten::lift_fresh_copy", "aten::_to_copy")]
+    assert len(made) <= 1 and made[0][1] == (3,)  # the row numbers
+    assert [op for op in outside if op[0] in ("aten::copy_", "aten::index_select")] == [
+        ("aten::copy_", (4, 8)), ("aten::index_select", (3, 10)),
+        ("aten::copy_", (4, 4))]  # the last: the replay storing its hidden states
+    tables, slots, seq_lens = model.seen[-1]
+    assert tables.dtype == torch.int32 and graphs.block_tables.dtype == torch.int32
+    for req, got in zip(requests, tables):
+        ids = kv.block_ids(req)
+        assert got[:len(ids)].tolist() == ids
+    assert slots.tolist() == [5, 6, 7, -1] and seq_lens.tolist() == [r.num_tokens for r in requests] + [1]

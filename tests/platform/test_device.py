@@ -34,7 +34,8 @@ def test_device_setting(tiny_model_dir):
 
 
 def test_kv_blocks_from_device_memory():
-    memory = DeviceMemory(total=80 * GIB, used_before=1 * GIB, peak_torch=10 * GIB)
+    memory = DeviceMemory(total=80 * GIB, free_at_start=79 * GIB, torch_at_start=0, weights=8 * GIB,
+                          activations=2 * GIB, non_torch=GIB // 2, graphs=GIB // 2)
     assert memory.kv_budget(0.9) == int(72 * GIB) - 11 * GIB
     assert kv_blocks_for(memory, 0.9, 2 << 20) == (61 * GIB) // (2 << 20)
     assert kv_blocks_for(memory, 0.5, GIB) == 29

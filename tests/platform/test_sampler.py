@@ -179,3 +179,148 @@ def test_logit_bias_moves_the_pick_but_never_unmasks():
 def test_bad_logit_bias_is_refused_at_submission(bias):
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias=bias)
+
+
+# ---- issue #39: what crosses between host and device, and the distributions it must keep ----------------------
+
+import math  # noqa: E402
+
+from loraplex.platform import sampler as sampler_module  # noqa: E402
+from loraplex.platform.device import HostSyncError, NoHostSync  # noqa: E402
+from loraplex.platform.sampler import prompt_logprobs  # noqa: E402
+
+WIDE = 4096  # a vocabulary much wider than any per-request value list or logprob read
+
+
+def _record_copies(monkeypatch):
+    """Shapes of every tensor the sampler puts on the device, and of every tensor read back to the host
+    (`.tolist()` / `.cpu()`, whichever way the code reads)."""
+    puts, reads = [], []
+    real_put, real_tolist, real_cpu = sampler_module.to_device, torch.Tensor.tolist, torch.Tensor.cpu
+
+    def put(tensor, device):
+        puts.append(tuple(tensor.shape))
+        return real_put(tensor, device)
+
+    def tolist(tensor):
+        reads.append(tuple(tensor.shape))
+        return real_tolist(tensor)
+
+    def cpu(tensor, *args, **kwargs):
+        reads.append(tuple(tensor.shape))
+        return real_cpu(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(sampler_module, "to_device", put)
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    monkeypatch.setattr(torch.Tensor, "cpu", cpu)
+    return puts, reads
+
+
+def _wide_rows(n, seed=0):
+    return torch.randn(n, WIDE, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_unseeded_noise_never_crosses_from_the_host(monkeypatch):
+    """Rows without a seed draw their noise on the device: nothing vocabulary-wide is put there. Seeded rows
+    are drawn on the host from their own generator, and only those rows cross."""
+    puts, _ = _record_copies(monkeypatch)
+    unseeded = [req(SamplingParams(temperature=0.9, top_p=0.95), rid=f"u{i}") for i in range(6)]
+    Sampler(WIDE, ())(_wide_rows(6), unseeded)
+    assert puts and all(math.prod(shape) < WIDE for shape in puts)
+    puts.clear()
+    seeded = [req(SamplingParams(temperature=0.9, seed=i), rid=f"s{i}") for i in range(2)]
+    Sampler(WIDE, ())(_wide_rows(8), unseeded + seeded)
+    assert [shape for shape in puts if math.prod(shape) >= WIDE] == [(2, WIDE)]
+
+
+def test_logprobs_read_back_only_k_columns(monkeypatch):
+    """A request's chosen logprob, rank and top-k are found on the device: each read is [rows, 3 + 2k]."""
+    _, reads = _record_copies(monkeypatch)
+    batch = [req(SamplingParams(temperature=0, logprobs=3), rid="a"), req(SamplingParams(temperature=0.8), rid="b"),
+             req(SamplingParams(temperature=0.8, logprobs=1, seed=4), rid="c")]
+    out = Sampler(WIDE, ())(_wide_rows(3), batch)
+    assert out.logprobs[1] is None and len(out.logprobs[0]) >= 3
+    assert reads and all(math.prod(shape) <= 3 * (3 + 2 * 3) for shape in reads)
+    reads.clear()
+    hidden = _wide_rows(5)
+    prompt_logprobs(lambda h: h, hidden, [1, 2, 3, 4, 5], 2)
+    assert reads and all(math.prod(shape) <= 5 * (3 + 2 * 2) for shape in reads)
+
+
+def test_logprobs_match_the_full_rows():
+    """Per row its own k (0 included), the chosen token's rank among all entries, values of the raw rows."""
+    logits = logits_rows(4, seed=5)
+    ks = [0, 2, None, 5]
+    batch = [req(SamplingParams(temperature=0.7, seed=i, logprobs=k), rid=f"r{i}") for i, k in enumerate(ks)]
+    out = Sampler(V, ())(logits, batch)
+    raw = torch.log_softmax(logits, dim=-1)
+    for i, k in enumerate(ks):
+        if k is None:
+            assert out.logprobs[i] is None
+            continue
+        token = out.token_ids[i]
+        expected = {token: (raw[i, token].item(), int((raw[i] > raw[i, token]).sum()) + 1)}
+        top = raw[i].topk(k) if k else None
+        for rank, (v, t) in enumerate(zip(top.values.tolist(), top.indices.tolist()) if k else (), start=1):
+            expected.setdefault(t, (v, rank))
+        assert {t: (lp.logprob, lp.rank) for t, lp in out.logprobs[i].items()} == expected
+
+
+class _NoHostReads(NoHostSync):
+    """What a capture refuses, and `bincount`, which reads its input's maximum to size its output."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name == "aten::bincount":
+            raise HostSyncError("aten::bincount reads its input's maximum on the host")
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def test_penalty_counts_read_nothing_back_and_match_bincount():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(4, V, generator=gen) * 3
+    outputs = [torch.randint(0, V, (n,), generator=gen).tolist() for n in (7, 0, 30, 3)]
+    params = [SamplingParams(presence_penalty=0.7, frequency_penalty=0.3), SamplingParams(frequency_penalty=1.0),
+              SamplingParams(), SamplingParams(presence_penalty=-0.4, repetition_penalty=1.3)]
+    batch = [req(p, output=o, rid=f"r{i}") for i, (p, o) in enumerate(zip(params, outputs))]
+    expected = logits.clone()
+    for i, (p, o) in enumerate(zip(params, outputs)):
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(batch[i].all_token_ids)))
+            row = expected[i, seen]
+            expected[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+        if o:
+            counts = torch.bincount(torch.tensor(o), minlength=V).float()
+            expected[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    work = logits.clone()
+    with _NoHostReads():
+        Sampler(V, ())._apply_penalties(work, batch)
+    assert torch.equal(work, expected)
+
+
+def _race(logits_row, seed, temperature):
+    """The seeded pick as the sampler has always made it: argmax(p / E), E ~ Exp(1) from the request's own host
+    generator (seed + index), one vocabulary row per step."""
+    noise = torch.empty(logits_row.shape[0]).exponential_(generator=torch.Generator().manual_seed(seed))
+    return int(argmax(torch.softmax(logits_row / temperature, dim=-1) / noise))
+
+
+def test_seeded_tokens_are_their_own_generators_race_in_any_batch():
+    logits = logits_rows(5, seed=9)
+    for neighbours in range(5):
+        batch = [req(SamplingParams(temperature=0.8), rid=f"u{j}") for j in range(neighbours)]
+        batch.insert(neighbours // 2, req(SamplingParams(temperature=0.6, seed=77), rid="seeded"))
+        out = Sampler(V, (), seed=neighbours)(logits[:len(batch)], batch)
+        assert out.token_ids[neighbours // 2] == _race(logits[neighbours // 2], 77, 0.6)
+
+
+def test_unseeded_sampling_passes_a_chi_square_test():
+    """6000 unseeded rows (beside seeded ones, which must not disturb them) drawn in one device call."""
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.07, 0.03])
+    n = 6000
+    logits = torch.log(probs).repeat(n + 2, 1)
+    batch = [req(SamplingParams(), rid=f"u{i}") for i in range(n)]
+    batch += [req(SamplingParams(seed=s), rid=f"s{s}") for s in range(2)]
+    tokens = torch.tensor(Sampler(6, (), seed=0)(logits, batch).token_ids[:n])
+    observed = torch.bincount(tokens, minlength=6).double()
+    chi2 = float(((observed - n * probs.double()) ** 2 / (n * probs.double())).sum())
+    assert chi2 < 20.52  # 5 degrees of freedom, p = 0.001
