@@ -125,6 +125,19 @@ class AdapterRegistry:
             self._pins[name] += 1
             return info
 
+    def pin_all(self, names: tuple[str, ...], weights: tuple[LoRAWeights | None, ...]) -> list[AdapterInfo]:
+        """`pin` for each adapter of a mix, all or none: a failed one leaves none of them pinned."""
+        pinned: list[AdapterInfo] = []
+        with self._lock:
+            try:
+                for name, prefetched in zip(names, weights, strict=True):
+                    pinned.append(self.pin(name, prefetched))
+            except BaseException:
+                for info in pinned:
+                    self.unpin(info.name)
+                raise
+        return pinned
+
     def unpin(self, name: str) -> None:
         with self._lock:
             if self._pins[name] <= 0:

@@ -287,9 +287,10 @@ def silu_mul_c(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def sgmv_lora_table_c(x: torch.Tensor, table, tokens: torch.Tensor, token_slots: torch.Tensor,
-                      y: torch.Tensor) -> torch.Tensor:
-    """y[t] += scale[s] * (x[t] A[s]^T) Bt[s], in place, for each token t in `tokens` with slot s
-    in `token_slots`, reading each slot's weights where `table` (a `sgmv.LoRATable`) points.
+                      y: torch.Tensor, token_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """y[t] += w[n] * scale[s] * (x[t] A[s]^T) Bt[s], in place, for each token t = tokens[n] with slot s
+    in `token_slots`, reading each slot's weights where `table` (a `sgmv.LoRATable`) points; `token_weights`
+    [n] float32 (an adapter mix's weights), None: 1.
     x and y share one dtype, float32 or bfloat16, and the weights x's or bfloat16 under float32
     (`SGMV_KINDS`); accumulation is float32."""
     if not (x.is_contiguous() and y.is_contiguous()):
@@ -299,6 +300,6 @@ def sgmv_lora_table_c(x: torch.Tensor, table, tokens: torch.Tensor, token_slots:
         tokens, token_slots = tokens.to(torch.int64), token_slots.to(torch.int64)
     tokens, token_slots = tokens.contiguous(), token_slots.contiguous()
     a_ptrs, b_ptrs, ranks, scales, offsets = table.c_arrays
-    kernel(x, a_ptrs, b_ptrs, ranks, scales, tokens, token_slots, offsets, len(tokens), x.shape[1], table.num_slices,
-           table.max_rank, y)  # -1 (its row buffer not allocated): MemoryError
+    kernel(x, a_ptrs, b_ptrs, ranks, scales, tokens, token_slots, token_weights, offsets, len(tokens), x.shape[1],
+           table.num_slices, table.max_rank, y)  # -1 (its row buffer not allocated): MemoryError
     return y

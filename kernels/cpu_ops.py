@@ -82,7 +82,8 @@ KV = (F32, F16, BF16, FP8)  # K/V caches
 QUANT = (Tensor("q", (U8, I8), "N * K // 2"), Tensor("d", (F32, F16), "N * (K // max(G, 1))"),
          Tensor("m", (F32, F16), "N * (K // max(G, 1))", nullable=True))
 LORA = (Addr("a_ptrs"), Addr("b_ptrs"), Addr("ranks"), Addr("scales"), Tensor("tokens", (I64_T,), "num_tokens"),
-        Tensor("token_slots", (I64_T,), "num_tokens"), Addr("offsets"), I64("num_tokens"), I64("in_features"),
+        Tensor("token_slots", (I64_T,), "num_tokens"), Tensor("token_weights", (F32,), "num_tokens", nullable=True),
+        Addr("offsets"), I64("num_tokens"), I64("in_features"),
         I64("num_slices"), I64("max_rank"))
 
 

@@ -12,6 +12,9 @@ Tokens are grouped into segments of one slot through a sorted index list (`LoRAB
 batch itself is never reordered; each Triton program works on one segment, and a rank block
 beyond the slot's own rank exits at once, so mixed ranks cost what their ranks cost.
 Layouts: A [S, n_slices * R, in], B [S, sum(out_i), R], ranks [S] int32, scales [S] float.
+A request that mixes adapters (`platform/adapter_mix.py`) gives its tokens a weight per pass: the batch's
+`order_weights` multiply each token's delta (every path: C kernel, GEMMs, Triton, reference), and a step
+runs one weighted pass per adapter of its largest mix (`LoRABatch.passes`).
 """
 
 from __future__ import annotations
@@ -39,11 +42,18 @@ class LoRABatch:
     host_ranges: list[tuple[int, int] | None]  # per segment: its rows [lo, hi) when contiguous (prefill)
     num_segments: int
     num_tokens: int  # len(token_order), kept as an int: every LoRA layer of the step asks
+    # float32 [N]: each token_order entry's weight on its delta (an adapter mix); None: 1 (no multiply)
+    order_weights: torch.Tensor | None = None
+    # a step with adapter mixes: pass k maps each token to its k-th (slot, weight); this batch is pass 0,
+    # `passes` the others, each added by every LoRA layer after this one's delta
+    passes: tuple["LoRABatch", ...] = ()
 
     @staticmethod
-    def build(token_slots: list[int] | torch.Tensor, device: torch.device | str = "cpu") -> "LoRABatch":
+    def build(token_slots: list[int] | torch.Tensor, device: torch.device | str = "cpu",
+              token_weights: list[float] | None = None) -> "LoRABatch":
         """Grouped on the host in plain Python (a step's few thousand tokens at most), so that
-        building it reads nothing back from any device."""
+        building it reads nothing back from any device. `token_weights`: each token's weight on its
+        delta (None: all 1, no weights kept)."""
         slots = token_slots.tolist() if isinstance(token_slots, torch.Tensor) else list(token_slots)
         rows = sorted((t for t, slot in enumerate(slots) if slot >= 0), key=slots.__getitem__)  # stable
         sorted_slots = [slots[t] for t in rows]
@@ -68,7 +78,18 @@ class LoRABatch:
             host_ranges=ranges,
             num_segments=len(uniq),
             num_tokens=len(rows),
+            order_weights=None if token_weights is None else
+            to_device(torch.tensor([token_weights[t] for t in rows], dtype=torch.float32), device),
         )
+
+    @staticmethod
+    def build_passes(passes: list[tuple[list[int], list[float]]], device: torch.device | str = "cpu"
+                     ) -> "LoRABatch":
+        """A step with adapter mixes: one weighted batch per (token slots, token weights) pass; the first
+        carries the others."""
+        first, *rest = [LoRABatch.build(slots, device, weights) for slots, weights in passes]
+        first.passes = tuple(rest)
+        return first
 
     @staticmethod
     def per_token(token_order: torch.Tensor, seg_starts: torch.Tensor, token_slots: torch.Tensor) -> "LoRABatch":
@@ -99,6 +120,12 @@ class LoRABatch:
         for g, slot in enumerate(self.host_slots):
             yield slot, self.token_order[self.host_starts[g]:self.host_starts[g + 1]]
 
+    def segment_weights(self):
+        """Per segment its tokens' weights as a column [n, 1] (None: unweighted), beside `segments`."""
+        if self.order_weights is None:
+            return [None] * self.num_segments
+        return [self.order_weights[lo:hi, None] for lo, hi in zip(self.host_starts[:-1], self.host_starts[1:])]
+
 
 # ---- PyTorch path (reference, and the CPU implementation) -------------------------------------
 
@@ -122,7 +149,7 @@ def sgmv_expand_reference(h: torch.Tensor, lora_b: torch.Tensor, ranks: list[int
                           slice_offsets: list[int]) -> torch.Tensor:
     max_rank = lora_b.shape[2]
     ranks, scales = _host_list(ranks), _host_list(scales)
-    for slot, idx in batch.segments():
+    for (slot, idx), weights in zip(batch.segments(), batch.segment_weights()):
         r = ranks[slot]
         if r == 0:
             continue
@@ -131,6 +158,8 @@ def sgmv_expand_reference(h: torch.Tensor, lora_b: torch.Tensor, ranks: list[int
         for i, (lo, hi) in enumerate(zip(slice_offsets[:-1], slice_offsets[1:])):
             torch.matmul(_f32(h_seg[:, i * max_rank:i * max_rank + r]), _f32(lora_b[slot, lo:hi, :r]).T,
                          out=delta[:, lo:hi])
+        if weights is not None:
+            delta *= weights
         # one read-modify-write of the segment's rows, in fp32, as the kernel does
         y.index_copy_(0, idx, (_f32(y.index_select(0, idx)) + scales[slot] * delta).to(y.dtype))
     return y
@@ -243,7 +272,8 @@ def lora_kernel(config: KernelConfig):
 
     def c_or_gemms(x, table, batch, y):
         if batch.num_tokens < limit * batch.num_segments:  # decode-shaped: each token's A and B read in place
-            return cpu_kernels.sgmv_lora_table_c(x.contiguous(), table, batch.token_order, batch.order_slots, y)
+            return cpu_kernels.sgmv_lora_table_c(x.contiguous(), table, batch.token_order, batch.order_slots, y,
+                                                 batch.order_weights)
         return sgmv_lora_table_torch(x, table, batch, y)
 
     return c_or_gemms
@@ -255,24 +285,29 @@ def sgmv_lora_table_torch(x: torch.Tensor, table: LoRATable, batch: LoRABatch, y
     contiguous rows (a prefill chunk) adds into y in place, others gather their rows and
     `index_add_` once."""
     offsets = table.offsets
-    for (slot, idx), rows in zip(batch.segments(), batch.host_ranges):
+    for (slot, idx), rows, weights in zip(batch.segments(), batch.host_ranges, batch.segment_weights()):
         r = table.ranks[slot]
         if r == 0:
             continue
         if rows is not None:  # one request's chunk: its rows in place, no gather or scatter
             lo, hi = rows
-            h = x[lo:hi] @ table.a[slot].to(x.dtype).T
+            h = _weighted(x[lo:hi] @ table.a[slot].to(x.dtype).T, weights)
             b = table.b[slot].to(x.dtype)
             for i, (o_lo, o_hi) in enumerate(zip(offsets[:-1], offsets[1:])):
                 y[lo:hi, o_lo:o_hi].addmm_(h[:, i * r:(i + 1) * r], b[:, o_lo:o_hi], alpha=table.scales[slot])
             continue
-        h = x.index_select(0, idx) @ table.a[slot].to(x.dtype).T
+        h = _weighted(x.index_select(0, idx) @ table.a[slot].to(x.dtype).T, weights)
         b = table.b[slot].to(x.dtype)
         delta = torch.empty(len(idx), y.shape[1], dtype=y.dtype, device=y.device)
         for i, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:])):
             torch.matmul(h[:, i * r:(i + 1) * r], b[:, lo:hi], out=delta[:, lo:hi])
         y.index_add_(0, idx, delta, alpha=table.scales[slot])
     return y
+
+
+def _weighted(h: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """The shrink's rows times their tokens' weights (the delta is linear in them)."""
+    return h if weights is None else h * weights.to(h.dtype)
 
 
 # ---- stacked layout on the device: what the Triton kernels read ----------------------------------

@@ -74,9 +74,10 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, ranks_ptr, order_ptr, starts_ptr, slot
 
 @triton.jit
 def _expand_kernel(h_ptr, b_ptr, y_ptr, ranks_ptr, scales_ptr, order_ptr, starts_ptr, slots_ptr, offsets_ptr,
-                   max_rank, n_blocks,
+                   weights_ptr, max_rank, n_blocks,
                    stride_ht, stride_hr, stride_bs, stride_bn, stride_br, stride_yt, stride_yn,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, FP32_DOT: tl.constexpr,
+                   PRECISION: tl.constexpr, HAS_WEIGHTS: tl.constexpr):
     pid_n = tl.program_id(2)
     slice_id = pid_n // n_blocks
     lo = tl.load(offsets_ptr + slice_id)
@@ -99,6 +100,9 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, ranks_ptr, scales_ptr, order_ptr, starts
                 h, b = h.to(tl.float32), b.to(tl.float32)
             acc += tl.dot(h, b, input_precision=PRECISION)
         scale = tl.load(scales_ptr + slot)
+        if HAS_WEIGHTS:  # an adapter mix: each token's weight on its delta, beside its entry in the order
+            offs_m = tl.load(starts_ptr + tl.program_id(0)) + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+            acc = acc * tl.load(weights_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
         y_ptrs = y_ptr + tokens[:, None] * stride_yt + offs_n[None, :] * stride_yn
         mask = mask_m[:, None] & mask_n[None, :]
         y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -176,10 +180,11 @@ def sgmv_expand_triton(h: torch.Tensor, lora_b: torch.Tensor, ranks: torch.Tenso
     grid = (batch.num_segments, triton.cdiv(batch.max_seg_len, BLOCK_M), len(widths) * n_blocks)
     _expand_kernel[grid](
         h, lora_b, y, ranks, scales, batch.token_order, batch.seg_starts, batch.seg_slots, offsets,
-        lora_b.shape[2], n_blocks,
+        scales if batch.order_weights is None else batch.order_weights, lora_b.shape[2], n_blocks,
         h.stride(0), h.stride(1), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         y.stride(0), y.stride(1),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=_block(lora_b.shape[2], 16, 64),
         FP32_DOT=dot_in_fp32(lora_b.dtype), PRECISION=_precision(lora_b.dtype),
+        HAS_WEIGHTS=batch.order_weights is not None,
     )
     return y

@@ -206,6 +206,8 @@ class EngineConfig:
     max_loras: int | None = _setting(None, "distinct adapters in one batch (default: as many as --lora-memory "
                                            "holds at --max-lora-rank, at most --max-num-seqs; logged at start)")
     max_lora_rank: int = _setting(16, "largest adapter rank accepted")
+    max_adapters_per_request: int = _setting(8, "adapters one request may combine in a weighted mix (each "
+                                                "takes a slot of --max-loras while it runs)")
     max_cpu_loras: int | None = _setting(None, "adapters kept in CPU memory (default: as many as --lora-memory holds)")
     lora_memory: int = _setting(2 << 30, "memory for adapter weights (the CPU LRU; batches read them in place): "
                                          "bytes, or e.g. 4GiB", size=True)
@@ -241,7 +243,7 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_lora_rank", "lora_memory",
-                     "lora_cycle_steps", "num_kv_blocks", "max_loras", "max_cpu_loras"):
+                     "lora_cycle_steps", "num_kv_blocks", "max_loras", "max_cpu_loras", "max_adapters_per_request"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

@@ -90,7 +90,8 @@ class Engine:
         self.sampler = Sampler(model.vocab_size, self.eos_token_ids, config.seed, self.grammars,
                                config.json_close_window, device)
         self.inputs = InputProcessor(self.tokenizer, Limits(model.vocab_size, self.max_model_len,
-                                                            config.max_num_seqs, config.block_size, num_blocks),
+                                                            config.max_num_seqs, config.block_size, num_blocks,
+                                                            config.max_adapters_per_request, self.max_loras),
                                      self.adapters, self.grammars)
         self.outputs = OutputProcessor(self.tokenizer)
         self.num_jump_forward_tokens = 0
@@ -137,7 +138,12 @@ class Engine:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         grammar = self.grammars.new_grammar(request.compiled_grammar) if request.compiled_grammar is not None else None
         extra_keys = request.extra_keys
-        if request.adapter is not None:  # last: nothing after it may fail and leak the pin
+        if request.mix is not None:  # last, as below; each adapter of the mix pinned, all or none
+            infos = self.adapters.pin_all(request.mix.names, request.adapter_weights)
+            # every adapter's content hash and its weight: another mix (or weight) never shares this KV
+            extra_keys = ("lora-mix", *((info.content_hash, weight)
+                                        for info, (_, weight) in zip(infos, request.mix.entries)))
+        elif request.adapter is not None:  # last: nothing after it may fail and leak the pin
             # pinned until the group ends; the content hash keys its prefix cache, so a reloaded
             # adapter under the same name never sees the old one's KV
             extra_keys = ("lora", self.adapters.pin(request.adapter, request.adapter_weights).content_hash)
@@ -163,8 +169,8 @@ class Engine:
 
     def _release_finished(self) -> None:
         for seqs in self.scheduler.pop_finished_groups():
-            if seqs[0].adapter is not None:
-                self.adapters.unpin(seqs[0].adapter)
+            for name in seqs[0].adapter_names:  # a mix pinned each of its adapters
+                self.adapters.unpin(name)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -179,7 +185,7 @@ class Engine:
             num_waiting_seqs=sum(r.pending_forks + 1 for r in s.waiting), kv_usage=self.kv.pool.usage,
             prefix_cache_queries=self.kv.num_queries, prefix_cache_hits=self.kv.num_hits,
             num_preemptions=s.num_preemptions, running_adapters=tuple(sorted(s.running_adapters())),
-            waiting_adapters=tuple(sorted({r.adapter for r in s.waiting if r.adapter is not None})),
+            waiting_adapters=tuple(sorted({name for r in s.waiting for name in r.adapter_names})),
             max_loras=self.max_loras, structured_checked=self.outputs.num_structured_checked,
             schema_violations_strict=self.outputs.num_schema_violations[True],
             schema_violations_lenient=self.outputs.num_schema_violations[False])

@@ -19,6 +19,7 @@ from loraplex.grammar.backend import StructuredOutputs
 from loraplex.grammar.manager import GrammarManager
 from loraplex.grammar.reasoning import prompt_start
 from loraplex.grammar.tools import plain_messages, resolve, template_takes_tools
+from loraplex.platform.adapter_mix import AdapterMix, parse_mix
 from loraplex.platform.kv_cache_manager import cdiv
 from loraplex.platform.request import Request, SamplingParams
 
@@ -35,6 +36,8 @@ class Limits:
     max_num_seqs: int
     block_size: int
     num_kv_blocks: int
+    max_adapters_per_request: int = 8  # adapters in one mix
+    max_loras: int = 8  # distinct adapters in a batch: a mix of more could never run
 
     @property
     def token_capacity(self) -> int:
@@ -93,11 +96,16 @@ class InputProcessor:
     # ---- requests -------------------------------------------------------------------------------
 
     def process(self, request_id: str, prompt: str | dict | list[int], params: SamplingParams,
-                adapter: str | None = None) -> Request:
+                adapter: str | AdapterMix | dict | list | None = None) -> Request:
         """Tokenize and validate; raises ValueError naming the field and the limit (an unknown
-        adapter too). The adapter's weights are read here if the LRU dropped them, and the grammar
-        compiled here, never on the engine thread."""
-        weights = self.adapters.prefetch(adapter) if adapter is not None else None
+        adapter too). `adapter`: a name, None (the base model) or a mix (`AdapterMix`, a dict name ->
+        weight or a list of (name, weight) pairs). The adapters' weights are read here if the LRU
+        dropped them, and the grammar compiled here, never on the engine thread."""
+        adapter, mix = self._adapter_or_mix(adapter)
+        if mix is not None:
+            weights = tuple(self._mixable(name) for name in mix.names)
+        else:
+            weights = self.adapters.prefetch(adapter) if adapter is not None else None
         text = None
         if isinstance(prompt, str):
             text, ids = prompt, self.token_ids(prompt)
@@ -114,7 +122,28 @@ class InputProcessor:
         spec = self._grammar_spec(params)
         compiled = self.grammars.compile(spec) if spec is not None else None
         return Request(request_id, ids, params, prompt=text, adapter=adapter, adapter_weights=weights,
-                       compiled_grammar=compiled)
+                       compiled_grammar=compiled, mix=mix)
+
+    def _adapter_or_mix(self, spec) -> tuple[str | None, AdapterMix | None]:
+        """(name, None) for one adapter at weight 1 (the plain path), (None, mix) for a mix; the mix
+        validated against `max_adapters_per_request` and `max_loras`."""
+        if spec is None or isinstance(spec, str):
+            return spec, None
+        mix = parse_mix(spec, self.limits.max_adapters_per_request)
+        if len(mix.entries) > self.limits.max_loras:
+            raise ValueError(f"adapter: a mix of {len(mix.entries)} adapters needs as many slots, "
+                             f"max_loras is {self.limits.max_loras}")
+        if mix.plain is not None:
+            return mix.plain, None
+        return None, mix
+
+    def _mixable(self, name: str):
+        """An adapter of a mix, prefetched; one that changes the embedding or the head is refused (those
+        layers take one adapter per token)."""
+        weights = self.adapters.prefetch(name)
+        if weights.embedding is not None or weights.head is not None or weights.replacements:
+            raise ValueError(f"adapter: {name!r} adapts embed_tokens / lm_head, which a mix cannot combine")
+        return weights
 
     def _for_this_model(self, params: SamplingParams, ids: list[int]) -> SamplingParams:
         """`params` with the tool-call format read from the chat template (`auto`, mistral's

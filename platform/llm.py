@@ -6,6 +6,7 @@ import itertools
 import json
 from dataclasses import fields
 
+from loraplex.platform.adapter_mix import AdapterMix
 from loraplex.platform.config import EngineConfig
 from loraplex.platform.engine import Engine
 from loraplex.platform.output_processor import accumulate
@@ -51,10 +52,11 @@ class LLM:
         return self.generate(prompts, params, adapter)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
-                 adapter: str | list[str | None] | None = None) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. `adapter`: one name for all prompts or one per
-        prompt (None: the base model). Invalid input raises ValueError before any request is
-        queued."""
+                 adapter: str | AdapterMix | dict | list | None = None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. `adapter`: one for all prompts or a list of one per
+        prompt, each a name, None (the base model) or a mix of adapters: an `AdapterMix`, a dict
+        name -> weight, or (per prompt only, since a list stands for the prompts) a list of
+        (name, weight) pairs. Invalid input raises ValueError before any request is queued."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = params or SamplingParams()

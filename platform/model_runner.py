@@ -112,14 +112,17 @@ class ModelRunner:
         for src, dst in sched.block_copies:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
         lora_slots = self._lora_slots(sched, adapter_slots or {})
+        mix_passes = self._mix_passes(sched, adapter_slots or {})
         step = self._prepare(sched)
         graphs = self.graphs
-        if graphs is not None and step.decode_only and graphs.fits(len(step.sampled), lora_slots is not None) \
+        # a step with adapter mixes runs eagerly: the graphs hold one (slot) pass per token
+        if graphs is not None and mix_passes is None and step.decode_only \
+                and graphs.fits(len(step.sampled), lora_slots is not None) \
                 and not self._embedding_adapted(lora_slots):
             hidden = graphs.run(DecodeInputs(step.token_ids, step.positions, step.slots, self.block_table,
                                              step.table_rows, step.seq_lens, lora_slots))
             return self.model.logits(hidden, lora_slots), step.sampled, []  # one token per request: rows = tokens
-        hidden = self._forward(step, lora_slots)
+        hidden = self._forward(step, lora_slots, mix_passes)
         prompt_hidden = [PromptRows(req, hidden[rows], first, lora_slots[rows.start] if lora_slots else -1,
                                     self.model.compute_logits) for req, rows, first in step.prompt_rows]
         if not step.sampled:
@@ -135,8 +138,26 @@ class ModelRunner:
         return adapters is not None and adapters.used_by(lora_slots)
 
     @staticmethod
+    def _mix_passes(sched: SchedulerOutput, adapter_slots: dict[str, int]
+                    ) -> list[tuple[list[int], list[float]]] | None:
+        """A step with adapter mixes: K passes (K the largest mix), pass k each new token's k-th (slot, weight)
+        (slot -1: none; a plain adapter's token is in pass 0 at weight 1); None when no request has a mix."""
+        mixes = [req.mix for req, _ in sched.scheduled if req.mix is not None]
+        if not mixes:
+            return None
+        passes = [([], []) for _ in range(max(len(mix.entries) for mix in mixes))]
+        for req, num_new in sched.scheduled:
+            entries = req.mix.entries if req.mix is not None else ((req.adapter, 1.0),) if req.adapter else ()
+            for k, (slots, weights) in enumerate(passes):
+                slot, weight = (adapter_slots[entries[k][0]], entries[k][1]) if k < len(entries) else (-1, 0.0)
+                slots += [slot] * num_new
+                weights += [weight] * num_new
+        return passes
+
+    @staticmethod
     def _lora_slots(sched: SchedulerOutput, adapter_slots: dict[str, int]) -> list[int] | None:
-        """Each new token's adapter slot (-1: none); None when no request uses an adapter."""
+        """Each new token's adapter slot (-1: none, and for a mix, whose adapters change no embedding or
+        head: `_mix_passes` holds its slots); None when no request uses an adapter."""
         if not adapter_slots:
             return None
         token_slots: list[int] = []
@@ -144,7 +165,8 @@ class ModelRunner:
             token_slots += [adapter_slots[req.adapter] if req.adapter is not None else -1] * num_new
         return token_slots
 
-    def _forward(self, step: "StepInputs", lora_slots: list[int] | None) -> torch.Tensor:
+    def _forward(self, step: "StepInputs", lora_slots: list[int] | None,
+                 mix_passes: list[tuple[list[int], list[float]]] | None = None) -> torch.Tensor:
         def put(values: list, dtype=torch.long) -> torch.Tensor:
             return to_device(torch.tensor(values, dtype=dtype, device="cpu"), self.device)
 
@@ -152,7 +174,10 @@ class ModelRunner:
             slot_mapping=put(step.slots), block_tables=self.block_table.commit(step.table_rows),
             seq_lens=put(step.seq_lens), query_start_loc=put(step.starts), block_size=self.block_size,
             max_query_len=step.max_query_len, max_seq_len=max(step.seq_lens))
-        lora = LoRABatch.build(lora_slots, self.device) if lora_slots is not None else None
+        if mix_passes is not None:
+            lora = LoRABatch.build_passes(mix_passes, self.device)
+        else:
+            lora = LoRABatch.build(lora_slots, self.device) if lora_slots is not None else None
         return self.model(put(step.token_ids), put(step.positions), self.kv_caches, meta, lora)
 
     def _prepare(self, sched: SchedulerOutput) -> "StepInputs":

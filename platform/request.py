@@ -159,15 +159,17 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  prompt: str | None = None, index: int = 0, extra_keys: tuple = (),
-                 adapter: str | None = None, adapter_weights=None, compiled_grammar=None) -> None:
+                 adapter: str | None = None, adapter_weights=None, compiled_grammar=None, mix=None) -> None:
         self.request_id = request_id  # the group's id, shared by its n sequences
         self.index = index
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.extra_keys = extra_keys  # salt for prefix-cache hashes (adapter content hash, grammar)
-        self.adapter = adapter  # LoRA adapter name; None: the base model
-        self.adapter_weights = adapter_weights  # prefetched by the input processor, handed to the registry's pin
+        self.adapter = adapter  # LoRA adapter name; None: the base model (or a mix)
+        self.mix = mix  # an `AdapterMix` of two or more adapters (or one not at weight 1); None: `adapter` alone
+        # prefetched by the input processor, handed to the registry's pin (a mix: one per adapter, in order)
+        self.adapter_weights = adapter_weights
         self.compiled_grammar = compiled_grammar  # compiled spec, shared by the n sequences
         self.grammar = None  # this sequence's matcher
         self.output_token_ids: list[int] = []
@@ -188,6 +190,13 @@ class Request:
         """The engine took the request: its prefix-cache salt (the adapter's content hash) and
         its grammar matcher are set; the prefetched weights were handed to the registry."""
         self.extra_keys, self.grammar, self.adapter_weights = extra_keys, grammar, None
+
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        """The adapters it holds slots and pins of (a mix: each of them), for the scheduler and the engine."""
+        if self.mix is not None:
+            return self.mix.names
+        return (self.adapter,) if self.adapter is not None else ()
 
     @property
     def seq_id(self) -> str:

@@ -105,7 +105,7 @@ class Scheduler:
         return out
 
     def running_adapters(self) -> set[str]:
-        return {r.adapter for r in self.running if r.adapter is not None}
+        return {name for r in self.running for name in r.adapter_names}
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         adapters = self.running_adapters()
@@ -116,8 +116,7 @@ class Scheduler:
             group = req.pending_forks + 1
             if self.running and len(self.running) + group > self.max_num_seqs:
                 break
-            if req.adapter is not None and (req.adapter in yielding or
-                                            (req.adapter not in adapters and len(adapters) >= self.max_loras)):
+            if req.adapter_names and not self._slots_for(req.adapter_names, adapters, yielding):
                 i += 1  # no slot for it now: base requests and resident adapters behind it go on
                 continue
             hits, num_hit = ([], 0)
@@ -133,11 +132,17 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            if req.adapter is not None:
-                adapters.add(req.adapter)
+            adapters.update(req.adapter_names)
             out.scheduled.append((req, num_new))
             budget -= num_new
         return budget
+
+    def _slots_for(self, names: tuple[str, ...], resident: set[str], yielding: set[str]) -> bool:
+        """Whether a request's adapters (a mix: each of them, counted once however many mixes share it) all
+        fit in `max_loras` beside the resident ones, none of them yielding its slot."""
+        if any(name in yielding for name in names):
+            return False
+        return len(resident.union(names)) <= self.max_loras
 
     def _yielding_adapters(self, resident: set[str]) -> set[str]:
         """Resident adapters that stop admitting so that waiting ones get a slot: while adapters
@@ -148,7 +153,7 @@ class Scheduler:
             self._resident_since.setdefault(name, self._step)
         if len(resident) < self.max_loras:
             return set()
-        starved = {r.adapter for r in self.waiting if r.adapter is not None and r.adapter not in resident}
+        starved = {name for r in self.waiting for name in r.adapter_names if name not in resident}
         overdue = sorted((since, name) for name, since in self._resident_since.items()
                          if self._step - since >= self.lora_cycle_steps)
         return {name for _, name in overdue[:len(starved)]}
@@ -185,7 +190,7 @@ class Scheduler:
         for index in range(1, parent.params.n):
             child = Request(parent.request_id, parent.prompt_token_ids, parent.params, parent.prompt, index=index,
                             extra_keys=parent.extra_keys, adapter=parent.adapter,
-                            compiled_grammar=parent.compiled_grammar)
+                            compiled_grammar=parent.compiled_grammar, mix=parent.mix)
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
             if parent.compiled_grammar is not None:  # forks happen before any token: a fresh matcher

@@ -134,11 +134,18 @@ struct lora_call {
     const float *scales;            /* [S] */
     const int64_t *tokens;          /* [N] rows of x / y that have a slot */
     const int64_t *token_slots;     /* [N] their slots */
+    const float *token_weights;     /* [N] each token's weight on its slot's delta (a mix); NULL: 1 */
     const int64_t *offsets;         /* [num_slices + 1] output offset of each slice */
     int64_t in_features, num_slices, max_rank;
     int64_t rows;                   /* h's stride per token: num_slices * max_rank, padded to whole fours */
     void *y;                        /* [T, out_total] */
 };
+/* the factor on token n's shrink: its slot's scale, times its weight in a mix (NULL weights: the
+ * scale alone, so the unweighted path computes exactly what it did before weights existed) */
+static inline float lora_token_scale(const struct lora_call *c, int64_t s, int64_t n)
+{
+    return c->token_weights ? c->scales[s] * c->token_weights[n] : c->scales[s];
+}
 /* one group: tokens[n0 .. n0 + nt) of one slot, with this thread's float32 scratch */
 typedef void (*lora_group_fn)(const struct lora_call *c, int64_t n0, int64_t nt, float *scratch);
 
@@ -170,11 +177,12 @@ static int lora_run(const struct lora_call *c, int64_t num_tokens, lora_group_fn
 /* the exported kernel NAME (x and y of type T) over GROUP, with SCRATCH floats per thread */
 #define LORA_ENTRY(NAME, T, GROUP, SCRATCH)                                                        \
 int NAME(const T *x, const int64_t *a_ptrs, const int64_t *b_ptrs, const int64_t *ranks, const float *scales, \
-         const int64_t *tokens, const int64_t *token_slots, const int64_t *offsets, int64_t num_tokens, \
+         const int64_t *tokens, const int64_t *token_slots, const float *token_weights,           \
+         const int64_t *offsets, int64_t num_tokens,                                               \
          int64_t in_features, int64_t num_slices, int64_t max_rank, T *y)                          \
 {                                                                                                  \
-    const struct lora_call c = {x, a_ptrs, b_ptrs, ranks, scales, tokens, token_slots, offsets, in_features, \
-                                num_slices, max_rank, num_slices * max_rank + 3, y};               \
+    const struct lora_call c = {x, a_ptrs, b_ptrs, ranks, scales, tokens, token_slots, token_weights, \
+                                offsets, in_features, num_slices, max_rank, num_slices * max_rank + 3, y}; \
     return lora_run(&c, num_tokens, GROUP, SCRATCH);                                               \
 }
 
@@ -215,7 +223,7 @@ static void NAME(const struct lora_call *c, int64_t n0, int64_t nt, float *acc) 
             lora_dot4x4_##SUFFIX(xs, rk, in_features, h + k, rows);                                \
     }                                                                                              \
     for (int64_t q = 0; q < nt; ++q) {                                                             \
-        for (int64_t k = 0; k < k_all; ++k) h[q * rows + k] *= c->scales[s];                      \
+        for (int64_t k = 0; k < k_all; ++k) h[q * rows + k] *= lora_token_scale(c, s, n0 + q); \
         const T *yt = y + tokens[n0 + q] * out_total;                                              \
         for (int64_t o = 0; o < out_total; ++o) acc[q * out_total + o] = LOAD(yt, o);              \
     }                                                                                              \
@@ -384,7 +392,7 @@ static inline __attribute__((always_inline)) void lora_group_512_##T##_n(       
         lora_dot_512(xs, NT, rk, in_features, h + k, rows);                                        \
     }                                                                                              \
     for (int q = 0; q < NT; ++q)                                                                   \
-        for (int64_t k = 0; k < k_all; ++k) h[q * rows + k] *= c->scales[s];                       \
+        for (int64_t k = 0; k < k_all; ++k) h[q * rows + k] *= lora_token_scale(c, s, n0 + q); \
     for (int64_t i = 0; i < num_slices; ++i)                                                       \
         lora_expand_512_##T(ys, NT, h + i * r, rows, bt, r, out_total, c->offsets[i], c->offsets[i + 1]); \
 }                                                                                                  \

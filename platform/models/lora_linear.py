@@ -38,4 +38,7 @@ class LoRALinear(Linear):
         batch, lora = self.context.batch, self.lora
         if batch is None or lora is None:
             return y
-        return self.add_lora(x, lora, batch, y)
+        y = self.add_lora(x, lora, batch, y)
+        for mix_pass in batch.passes:  # adapter mixes: each token's further (slot, weight) pairs
+            y = self.add_lora(x, lora, mix_pass, y)
+        return y

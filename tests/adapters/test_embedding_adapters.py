@@ -228,7 +228,7 @@ class EagerGraphs:
         held, embed.adapters = embed.adapters, None
         try:
             n = len(step.token_ids)
-            inputs = StepInputs(step.token_ids, step.positions, step.slots, step.block_tables, step.seq_lens,
+            inputs = StepInputs(step.token_ids, step.positions, step.slots, step.table_rows, step.seq_lens,
                                 list(range(n + 1)), 1, [], [], [])
             return self.runner._forward(inputs, step.lora_slots)
         finally:

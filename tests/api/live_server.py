@@ -126,3 +126,20 @@ def assert_error(result, status: int, fragment: str = "") -> None:
     assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["code"] == status
     assert fragment.lower() in body["error"]["message"].lower()
     assert "Traceback" not in body["error"]["message"]
+
+
+def streamed(chunks) -> tuple[str, dict[int, list[str]], list[str]]:
+    """Content, each call's [name, arguments] added up by index (the name comes once, first), and the
+    finish reasons of a streamed chat completion."""
+    content, calls, finishes = "", {}, []
+    for chunk in chunks:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for part in delta.tool_calls or []:
+            have = calls.setdefault(part.index, ["", ""])
+            if part.id:
+                assert part.function.name and not have[0]
+                have[0] = part.function.name
+            have[1] += part.function.arguments or ""
+        finishes += [chunk.choices[0].finish_reason] if chunk.choices[0].finish_reason else []
+    return content, calls, finishes

@@ -48,7 +48,7 @@ def test_every_engine_setting_is_a_serve_flag():
              "lora_cycle_steps": 4, "grammar_backend": "outlines", "grammar_compile_timeout_s": 2.5,
              "jump_forward": False, "json_close_window": 8, "pack_weights": False, "kv_cache_dtype": "float16",
              "quantization": "int8", "device": "cuda:1", "gpu_memory_utilization": 0.5, "enforce_eager": True,
-             "lora_dtype": "bfloat16", "prefill_attention": "sdpa"}
+             "lora_dtype": "bfloat16", "prefill_attention": "sdpa", "max_adapters_per_request": 3}
     settable = {f.name for f in fields(EngineConfig)} - {"model"}
     assert set(given) == settable, "a new EngineConfig field: add it here with a non-default value"
     argv = ["serve", "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "7",
@@ -59,7 +59,8 @@ def test_every_engine_setting_is_a_serve_flag():
             "--json-close-window", "8",
             "--no-pack-weights", "--kv-cache-dtype", "float16", "--quantization", "int8", "--lora-dtype", "bfloat16",
             "--device", "cuda:1",
-            "--gpu-memory-utilization", "0.5", "--enforce-eager", "--prefill-attention", "sdpa"]
+            "--gpu-memory-utilization", "0.5", "--enforce-eager", "--prefill-attention", "sdpa",
+            "--max-adapters-per-request", "3"]
     config = engine_config(build_parser().parse_args(argv), "m")
     assert config == EngineConfig(model="m", **given)
     defaults = engine_config(build_parser().parse_args(["serve"]), "m")

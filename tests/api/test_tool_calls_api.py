@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from conftest import assert_all_blocks_free
-from live_server import assert_error, client, http, live, wait_idle  # noqa: F401
+from live_server import assert_error, client, http, live, streamed, wait_idle  # noqa: F401
 
 MSG = [{"role": "user", "content": "Hello world, hello adapters"}]
 UNIT = {"type": "object", "additionalProperties": False, "required": ["unit"],
@@ -39,21 +39,6 @@ def check_calls(calls) -> None:
     for call in calls:
         assert call.type == "function" and call.id.startswith("call_")
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
-
-
-def streamed(chunks) -> tuple[str, dict[int, list[str]], list[str]]:
-    """Content, each call's (name, arguments) added up by index, and the finish reasons."""
-    content, calls, finishes = "", {}, []
-    for chunk in chunks:
-        delta = chunk.choices[0].delta
-        content += delta.content or ""
-        for part in delta.tool_calls or []:
-            have = calls.setdefault(part.index, ["", ""])
-            if part.id:
-                have[0] = part.function.name
-            have[1] += part.function.arguments or ""
-        finishes += [chunk.choices[0].finish_reason] if chunk.choices[0].finish_reason else []
-    return content, calls, finishes
 
 
 @pytest.mark.parametrize("model", ["tiny", "tiny:a0"])

@@ -16,6 +16,7 @@ from tokenizers import AddedToken
 from transformers import AutoTokenizer
 
 from conftest import assert_all_blocks_free, make_tiny_model
+import live_server
 from live_server import USER_KEY, assert_error, http, start_server, wait_idle
 
 MSG = [{"role": "user", "content": "Hello world, hello adapters"}]
@@ -88,18 +89,8 @@ def check_calls(calls, name: str | None = None) -> None:
 
 
 def streamed(chunks) -> tuple[str, list[tuple[str, str]], list[str]]:
-    """Content, each call's (name, arguments) added up by index, and the finish reasons."""
-    content, calls, finishes = "", {}, []
-    for chunk in chunks:
-        delta = chunk.choices[0].delta
-        content += delta.content or ""
-        for part in delta.tool_calls or []:
-            have = calls.setdefault(part.index, ["", ""])
-            if part.id:
-                assert part.function.name and not have[0]  # the name comes once, first
-                have[0] = part.function.name
-            have[1] += part.function.arguments or ""
-        finishes += [chunk.choices[0].finish_reason] if chunk.choices[0].finish_reason else []
+    """Content, each call's (name, arguments) in index order, and the finish reasons."""
+    content, calls, finishes = live_server.streamed(chunks)
     return content, [tuple(calls[i]) for i in sorted(calls)], finishes
 
 

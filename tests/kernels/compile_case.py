@@ -8,6 +8,17 @@ import subprocess
 import sys
 
 
+class RecordGrid:
+    """A Triton kernel whose launches note their grid (None: noted, not run)."""
+
+    def __init__(self, kernel, grids):
+        self.kernel, self.grids = kernel, grids
+
+    def __getitem__(self, grid):
+        self.grids.append(tuple(grid))
+        return self.kernel[grid] if self.kernel is not None else lambda *args, **kwargs: None
+
+
 def compile_for_sm90(module: str, kernel: str, constants: dict, pointer_types: dict, floats: tuple = ()) -> list:
     """`module.kernel` compiled with every `*_ptr` argument `pointer_types[name]` (default *fp16), those in
     `floats` fp32, other arguments i32; returns the stages it built (the last one "cubin")."""

@@ -13,6 +13,7 @@ from loraplex.kernels import paged_attention_triton
 from loraplex.kernels.paged_attention import (PagedAttentionMetadata, paged_attention, paged_attention_reference,
                                                write_kv)
 from paged_case import dense_attention, make_case, poison_before_window
+from compile_case import RecordGrid
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -281,17 +282,6 @@ def test_split_kv_decode_of_a_long_context(monkeypatch, window, cap, dtype):
     expected = dense_attention(query, kc, vc, tables, qlens, seq_lens, 0.25, window, cap)
     torch.testing.assert_close(out.double(), expected, **(TOL[dtype] if dtype != torch.float32 else
                                                            dict(atol=2e-5, rtol=2e-5)))
-
-
-class RecordGrid:
-    """A Triton kernel whose launches note their grid (None: noted, not run)."""
-
-    def __init__(self, kernel, grids):
-        self.kernel, self.grids = kernel, grids
-
-    def __getitem__(self, grid):
-        self.grids.append(tuple(grid))
-        return self.kernel[grid] if self.kernel is not None else lambda *args, **kwargs: None
 
 
 def test_attention_compiles_for_the_gpu_at_any_block_size():

@@ -7,6 +7,7 @@ from lora_case import lora_case
 
 from loraplex.kernels import dispatch
 from loraplex.kernels.sgmv import LoRABatch, sgmv_expand, sgmv_shrink
+from compile_case import RecordGrid
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -149,17 +150,6 @@ def test_contiguous_segments_add_in_place_and_match_the_reference():
     y0 = torch.randn(80, 48)
     got = sgmv_lora_table_torch(x, table_from_stacked(a, b, ranks, scales, offsets), batch, y0.clone())
     torch.testing.assert_close(got, reference(x, a, b, ranks, scales, offsets, s, y0), atol=1e-5, rtol=1e-5)
-
-
-class RecordGrid:
-    """A Triton kernel whose launches note their grid (None: noted, not run)."""
-
-    def __init__(self, kernel, grids):
-        self.kernel, self.grids = kernel, grids
-
-    def __getitem__(self, grid):
-        self.grids.append(tuple(grid))
-        return self.kernel[grid] if self.kernel is not None else lambda *args, **kwargs: None
 
 
 def test_shrink_plan_splits_k_for_small_batches_only():
