@@ -77,13 +77,15 @@ browser:
 	  echo "could not install chromium / chromium-driver: tests/api/test_console_ui.py will fail saying so"; }
 
 # lint-imports: the layer contracts in .importlinter (the API only through engine_client, ...)
+# Two workers, a test file whole on one (--dist loadfile): CI's 2 cores spend much of the suite waiting on
+# servers and subprocesses.
 test: model browser setup-ray
 	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 test-all: model browser setup-ray
 	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest -q -m "slow or not slow"
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "slow or not slow"
 
 bench: model
 	$(PY) benchmarks/throughput.py

@@ -39,8 +39,8 @@ def test_fake_capture_refuses_host_syncs():
 
 
 def _generate(llm, prompts, names):
-    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
-              SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=6, ignore_eos=True)]
+    params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=4, ignore_eos=True)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], [params[i % 2] for i in range(len(prompts))],
                         adapter=names)
     return [o.outputs[0].token_ids for o in outs]

@@ -254,6 +254,10 @@ def test_default_model_q4_in_bf16_stays_close_to_the_bf16_model(default_model_di
     measured max |logit diff| 0.84 on a logit range of 66 and every top-1 token the same with AMX
     (0.75 and 37 of 38 without it, float32 math on the exact weights), and the same 16 greedy tokens
     on all four prompts of one batch (decode calls of 4 tokens: AMX where present)."""
+    from loraplex.kernels.cpu_kernels import native_bf16
+
+    if not native_bf16():  # emulated bf16 is checked on a tiny model (test_model.py); here it costs minutes
+        pytest.skip("this CPU has no native bf16: dtype auto serves q4 in float32 here")
     q4 = Engine(EngineConfig(model=str(default_model_dir), num_kv_blocks=64, quantization="q4", dtype="bfloat16"))
     bf16 = Engine(EngineConfig(model=str(default_model_dir), num_kv_blocks=64, dtype="bfloat16"))
     text = ("The history of the Roman Empire spans many centuries. It began when Augustus became the first "
