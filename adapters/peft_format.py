@@ -131,6 +131,8 @@ def read_peft_adapter(name: str, path: str | Path, config: ModelConfig, max_lora
         raise fail("not a folder") from None
     except OSError as exc:  # a link loop, a name too long, a link where none may be
         raise fail(f"cannot be read ({exc.strerror or type(exc).__name__})") from None
+    _refuse_duplicates(tensors, fail)
+    _refuse_non_finite(tensors, fail)
     rank = int(raw["r"])
     alpha = float(raw.get("lora_alpha", rank))
     scaling = alpha / rank ** 0.5 if raw.get("use_rslora") else alpha / rank
@@ -149,7 +151,7 @@ def read_peft_adapter(name: str, path: str | Path, config: ModelConfig, max_lora
     digest = hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode())
     for key in sorted(tensors):
         digest.update(key.encode())
-        digest.update(tensors[key].contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(tensors[key].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return LoRAWeights(name, str(folder), rank, scaling, frozenset(targets), projections, digest.hexdigest(),
                        vocab.embedding, vocab.head, vocab.replacements, vocab.modules_to_save)
 
@@ -336,6 +338,41 @@ def _read_weights(files: _Folder, fail) -> dict[str, torch.Tensor]:
             raise fail(f"{name} must map weight names to tensors")
         return tensors
     raise fail("adapter_model.safetensors (or .bin) is missing")
+
+
+# spellings of one tensor: peft's `base_model.model.` prefix, an adapter-name segment after the factor
+# or in modules_to_save, a `.weight` suffix or none; what is left names the tensor
+_SPELLINGS = (re.compile(r"^base_model\.model\."), re.compile(r"\.weight$"),
+              re.compile(r"(?<=\.lora_[AB])\.[\w-]+$|(?<=\.lora_embedding_[AB])\.[\w-]+$"),
+              re.compile(r"\.modules_to_save(?:\.[\w-]+)?$"))
+
+
+def tensor_name(key: str) -> str:
+    """The tensor a weight key names, whatever its spelling."""
+    for spelling in _SPELLINGS:
+        key = spelling.sub("", key)
+    return key
+
+
+def _refuse_duplicates(tensors: dict[str, torch.Tensor], fail) -> None:
+    """Each tensor under one key: a second spelling would be read in place of the first, and only
+    one of them checked."""
+    seen: dict[str, str] = {}
+    for key in tensors:
+        first = seen.setdefault(tensor_name(key), key)
+        if first != key:
+            raise fail(f"weights {first!r} and {key!r} are the same tensor under two spellings")
+
+
+def _refuse_non_finite(tensors: dict[str, torch.Tensor], fail) -> None:
+    """NaN or infinite weights would turn every output of a request on the adapter into garbage."""
+    for key, tensor in tensors.items():
+        if not tensor.is_floating_point():
+            continue
+        finite = torch.isfinite(tensor)
+        if not bool(finite.all()):
+            nan = int(torch.isnan(tensor).sum())
+            raise fail(f"weight {key!r} has {nan} NaN and {int((~finite).sum()) - nan} infinite values")
 
 
 def _load_safetensors(data: bytes) -> dict[str, torch.Tensor]:

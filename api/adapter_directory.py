@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Protocol
 
 from loraplex.api.adapter_roots import AdapterRoots
-from loraplex.api.errors import APIError
+from loraplex.api.callers import OPEN, Caller
+from loraplex.api.errors import APIError, bad_input
 from loraplex.api.model_name import adapter_of
 from loraplex.api.settings import ServerConfig
-from loraplex.platform.engine_client import AdapterInfo, EngineClient, UnknownAdapterError
+from loraplex.platform.engine_client import AdapterInfo, AdapterMix, EngineClient, UnknownAdapterError, parse_mix
 
 log = logging.getLogger(__name__)
 
@@ -40,25 +41,60 @@ class AdapterDirectory:
         self.roots = AdapterRoots(config.adapter_roots)
         self._loading: dict[str, asyncio.Future] = {}  # adapter name -> its one load in flight
 
-    async def infos(self) -> list[AdapterInfo]:
-        """The adapters this server answers for: the shared set's, else its own."""
-        return await self.shared.list() if self.shared is not None else self.client.list_adapters()
+    async def infos(self, caller: Caller = OPEN) -> list[AdapterInfo]:
+        """The adapters this server answers for (the shared set's, else its own) that `caller` may use."""
+        infos = await self.shared.list() if self.shared is not None else self.client.list_adapters()
+        return [info for info in infos if caller.may_use(info.name)]
 
     def _here(self, name: str) -> bool:
         return bool(name) and name in {a.name for a in self.client.list_adapters()}
 
-    async def resolve(self, model: str) -> str | None:
+    async def resolve(self, model: str, caller: Caller = OPEN) -> str | None:
         """The adapter `model` names, None for the base model; read first if it is not here yet
-        (off the event loop and the engine thread; concurrent first requests share one load)."""
+        (off the event loop and the engine thread; concurrent first requests share one load). What
+        `caller` may not use is the same 404 as what does not exist."""
         name = adapter_of(model, self.config.served_model_name)
+        missing = f"The model `{model}` does not exist."
         if name is None:
+            if not caller.may_use(None):
+                raise APIError(404, missing, "model")
             return None
+        await self._ensure(name, caller, missing, "model")
+        return name
+
+    def check_visible(self, model: str, caller: Caller = OPEN) -> None:
+        """A 404 unless `model` is the base model or an adapter served here that `caller` may use (nothing is
+        loaded: for requests that only read the tokenizer)."""
+        name = adapter_of(model, self.config.served_model_name)
+        if not caller.may_use(name) or (name is not None and caller.tenant is not None and not self._here(name)):
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+    async def resolve_mix(self, model: str, weights: list[tuple[str, float]] | None,
+                          caller: Caller = OPEN) -> str | AdapterMix | None:
+        """What a generation request runs on: `model`'s adapter, or, given `adapters`, their mix on
+        the base model (each adapter read first where needed). One adapter at weight 1 is that adapter."""
+        if weights is None:
+            return await self.resolve(model, caller)
+        base = self.config.served_model_name
+        if model != base:
+            raise APIError(400, f"adapters: with a mix of adapters, model names the base model `{base}`, "
+                                f"got `{model}`", "adapters")
+        with bad_input("adapters"):
+            mix = parse_mix(weights, self.client.max_adapters_per_request, "adapters")
+        for i, name in enumerate(mix.names):
+            await self._ensure(name, caller, f"The adapter `{name}` does not exist.", f"adapters[{i}].name")
+        return mix.plain or mix
+
+    async def _ensure(self, name: str, caller: Caller, missing: str, param: str) -> None:
+        """`name` served here, read first if needed; a 404 saying `missing` if it is unknown (or not
+        `caller`'s to use)."""
+        if not caller.may_use(name):
+            raise APIError(404, missing, param)
         source = await self._source(name)
         if source is None:
-            raise APIError(404, f"The model `{model}` does not exist.", "model")
+            raise APIError(404, missing, param)
         if source is not True:
-            await self._load_once(name, *source)
-        return name
+            await self._load_once(name, *source, param)
 
     async def _source(self, name: str) -> tuple[Path, bool] | bool | None:
         """True: served here already; (folder, confined): to read first; None: unknown. The
@@ -76,7 +112,7 @@ class AdapterDirectory:
         path = self.roots.find(name) if self.config.enable_lora_resolver and name else None
         return None if path is None else (path, True)
 
-    async def _load_once(self, name: str, path: Path, confined: bool) -> None:
+    async def _load_once(self, name: str, path: Path, confined: bool, param: str) -> None:
         load = self._loading.get(name)
         if load is None:
             load = asyncio.ensure_future(self.client.load_adapter(name, str(path), confined))
@@ -87,15 +123,20 @@ class AdapterDirectory:
             await asyncio.shield(load)
         except ValueError as exc:
             if not self._here(name):  # not loaded by anyone meanwhile
-                raise APIError(400, f"adapter {name!r} could not be loaded: {exc}", "model") from None
+                raise APIError(400, f"adapter {name!r} could not be loaded: {exc}", param) from None
 
-    async def load(self, name: str, lora_path: str) -> None:
+    async def load(self, name: str, lora_path: str, caller: Caller = OPEN) -> None:
         """The admin load: a folder inside an adapter root, under a name not taken (here or, for
-        a replica, anywhere in the shared set)."""
+        a replica, anywhere in the shared set). A tenant loads from its own root, names within its
+        patterns."""
+        if caller.tenant is not None and not caller.may_use(name):
+            raise APIError(403, f"tenant {caller.tenant.name!r} loads adapters under its own names "
+                                f"({', '.join(caller.tenant.adapters) or 'none'})", "lora_name")
         taken = APIError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
         if name in {a.name for a in await self.infos()}:
             raise taken
-        path = self.roots.path(lora_path)
+        roots = self.roots if caller.tenant is None else AdapterRoots((caller.tenant.adapter_root,))
+        path = roots.path(lora_path)
         try:
             info = await self.client.load_adapter(name, str(path), True)
         except ValueError as exc:
@@ -106,9 +147,11 @@ class AdapterDirectory:
             raise taken
         log.info("loaded adapter %r from %s", name, path)
 
-    async def unload(self, name: str) -> None:
+    async def unload(self, name: str, caller: Caller = OPEN) -> None:
         """The admin unload; a replica's copy goes once its requests end (ray_serve.py)."""
         missing = APIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
+        if not caller.may_use(name):
+            raise missing
         if self.shared is not None:
             if not await self.shared.unregister(name):
                 raise missing

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,9 +21,10 @@ log = logging.getLogger(__name__)
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, retry_after: str = "1") -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+        self.retry_after = retry_after  # a 429's Retry-After, in seconds
 
 
 # engine-side failures, most specific first; any other ValueError is the request's own fault (a
@@ -57,21 +59,37 @@ def bad_input(param: str | None = None):
         raise APIError(400, str(exc), param) from None
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, shown: Callable[[Request, str], str] = lambda request, text: text) -> None:
+    """OpenAI's error body for every failure. `shown`: a message as this caller may see it (the
+    server's folders hidden from all but the admin). An expected refusal (a 4xx, or an engine
+    error of `_STATUSES`) logs one line; only an unexpected error logs its traceback."""
+    def respond(request: Request, api: APIError, headers: dict | None = None) -> JSONResponse:
+        if api.status < 500:  # repr: a client's text with a line break cannot forge a log line
+            # a 401's hint spells the Authorization header, which log scanners take for a leaked key
+            said = "no valid key" if api.status == 401 else api.message
+            log.info("%s %r: %d %r", request.method, request.url.path, api.status, said)
+        return error_response(api.status, shown(request, api.message), api.param, headers)
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        headers = {"Retry-After": "1"} if exc.status == 429 else None
-        return error_response(exc.status, exc.message, exc.param, headers)
+        return respond(request, exc, {"Retry-After": exc.retry_after} if exc.status == 429 else None)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        return error_response(400, fmt.validation_message(exc.errors()), fmt.validation_param(exc.errors()))
+        return respond(request, APIError(400, fmt.validation_message(exc.errors()), fmt.validation_param(exc.errors())))
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException):
-        return error_response(exc.status_code, str(exc.detail))
+        return respond(request, APIError(exc.status_code, str(exc.detail)))
+
+    # each known kind gets its own handler: starlette re-raises what reaches the catch-all one (so
+    # the server logs its traceback), which is right for a bug only
+    async def _known(request: Request, exc: Exception):
+        return await _api_error(request, as_api_error(exc))
+
+    for kind, _, _ in _STATUSES:
+        app.add_exception_handler(kind, _known)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
-        api = as_api_error(exc)
-        return error_response(api.status, api.message, api.param)
+        return await _api_error(request, as_api_error(exc))

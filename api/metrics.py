@@ -12,7 +12,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from loraplex.platform.engine_client import EngineStats
+from loraplex.platform.engine_client import AdapterMix, EngineStats
 
 P = "loraplex:"
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -67,32 +67,80 @@ class ServerMetrics:
         self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", registry=r)
         self.request_success = Counter(P + "request_success", "Finished requests by finish reason.",
                                        ["finished_reason"], registry=r)
-        self.lora_requests = Counter(P + "lora_requests", "Requests per LoRA adapter ('' = base model).",
-                                     ["lora_name"], registry=r)
-        self.lora_generation_tokens = Counter(P + "lora_generation_tokens", "Tokens generated per LoRA adapter "
-                                              "('' = base model).", ["lora_name"], registry=r)
+        self.lora_requests = Counter(P + "lora_requests", "Requests per LoRA adapter, alone or in a mix "
+                                     "('' = base model).", ["lora_name"], registry=r)
+        self.lora_generation_tokens = Counter(P + "lora_generation_tokens", "Tokens generated per LoRA adapter, "
+                                              "alone or in a mix ('' = base model).", ["lora_name"], registry=r)
+        self.mix_requests = Counter(P + "adapter_mix_requests", "Requests on a weighted mix of adapters "
+                                    "(`adapters`).", registry=r)
+        self.tenant_requests = Counter(P + "tenant_requests", "Requests per tenant (--tenants).", ["tenant"],
+                                       registry=r)
+        self.tenant_prompt_tokens = Counter(P + "tenant_prompt_tokens", "Prompt tokens per tenant.", ["tenant"],
+                                            registry=r)
+        self.tenant_generation_tokens = Counter(P + "tenant_generation_tokens", "Tokens generated per tenant.",
+                                                ["tenant"], registry=r)
+        self.tenant_rate_limited = Counter(P + "tenant_rate_limited", "Requests refused with 429 per tenant and "
+                                           "limit.", ["tenant", "limit"], registry=r)
+        self.tenant_queue_time = Histogram(P + "tenant_queue_time_seconds", "Arrival to first admission into the "
+                                           "batch, per tenant.", ["tenant"], buckets=_LATENCY_BUCKETS, registry=r)
         self.stats = stats
         # for the console's live view: recent latencies and running totals, read without parsing
         # the Prometheus text
         self.recent_ttft: deque[float] = deque(maxlen=RECENT)
         self.recent_itl: deque[float] = deque(maxlen=RECENT)
-        self.by_adapter: dict[str, dict[str, int]] = {}  # '' = the base model
+        self.by_adapter: dict[str, dict[str, int]] = {}  # '' = the base model; a mix counts for each adapter
+        self.totals = _counts()  # each request once, mixes included
+        self.by_tenant: dict[str, dict[str, int]] = {}  # usage since start, for billing (`GET /v1/usage`)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def count_request(self, adapter: str | None) -> None:
-        self.lora_requests.labels(adapter or "").inc()
-        self.adapter_totals(adapter)["requests"] += 1
+    def count_request(self, adapter: str | AdapterMix | None, tenant: str | None = None) -> None:
+        for name in adapter_labels(adapter):
+            self.lora_requests.labels(name).inc()
+            self.adapter_totals(name)["requests"] += 1
+        if isinstance(adapter, AdapterMix):
+            self.mix_requests.inc()
+        self.totals["requests"] += 1
+        if tenant is not None:
+            self.tenant_requests.labels(tenant).inc()
+            self.tenant_totals(tenant)["requests"] += 1
 
-    def adapter_totals(self, adapter: str | None) -> dict[str, int]:
-        return self.by_adapter.setdefault(adapter or "", {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0})
+    def count_served(self, adapter: str | AdapterMix | None, prompt_tokens: int, generated: int,
+                     tenant: str | None = None) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generated)
+        counted = [self.totals] + [self.adapter_totals(name) for name in adapter_labels(adapter)]
+        if tenant is not None:
+            counted.append(self.tenant_totals(tenant))
+            self.tenant_prompt_tokens.labels(tenant).inc(prompt_tokens)
+            self.tenant_generation_tokens.labels(tenant).inc(generated)
+        for counts in counted:
+            counts["prompt_tokens"] += prompt_tokens
+            counts["generation_tokens"] += generated
+        for name in adapter_labels(adapter):
+            self.lora_generation_tokens.labels(name).inc(generated)
+
+    def count_rate_limited(self, tenant: str, limit: str) -> None:
+        self.tenant_rate_limited.labels(tenant, limit).inc()
+        self.tenant_totals(tenant).setdefault("rate_limited", 0)
+        self.tenant_totals(tenant)["rate_limited"] += 1
+
+    def tenant_totals(self, tenant: str) -> dict[str, int]:
+        return self.by_tenant.setdefault(tenant, {**_counts(), "rate_limited": 0})
+
+    def usage(self) -> dict:
+        """Token totals since start per tenant and per adapter ('' = the base model)."""
+        return {"tenants": {name: dict(c) for name, c in self.by_tenant.items()},
+                "adapters": {name: dict(c) for name, c in self.by_adapter.items()}, "totals": dict(self.totals)}
+
+    def adapter_totals(self, name: str | None) -> dict[str, int]:
+        return self.by_adapter.setdefault(name or "", _counts())
 
     def snapshot(self) -> dict:
         """The engine's state and recent latencies, as JSON for the console (`GET /v1/stats`)."""
         s = self.stats()
-        totals = {key: sum(counts[key] for counts in self.by_adapter.values())
-                  for key in ("requests", "prompt_tokens", "generation_tokens")}
+        totals = dict(self.totals)
         return {"time": time.time(), "num_requests_running": s.num_running, "num_requests_waiting": s.num_waiting,
                 "kv_cache_usage_perc": s.kv_usage, "max_loras": s.max_loras,
                 "running_adapters": list(s.running_adapters), "waiting_adapters": list(s.waiting_adapters),
@@ -100,6 +148,17 @@ class ServerMetrics:
 
 
 RECENT = 512  # latencies kept for the console's percentiles
+
+
+def _counts() -> dict[str, int]:
+    return {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0}
+
+
+def adapter_labels(adapter: str | AdapterMix | None) -> tuple[str, ...]:
+    """The `lora_name` labels a request counts under: '' for the base model, each adapter of a mix."""
+    if isinstance(adapter, AdapterMix):
+        return adapter.names
+    return (adapter or "",)
 
 
 def _percentiles(values) -> dict[str, float | None]:
@@ -113,9 +172,10 @@ def _percentiles(values) -> dict[str, float | None]:
 class RequestTimer:
     """Latencies of one request, fed each time new tokens arrive."""
 
-    def __init__(self, metrics: ServerMetrics, adapter: str | None = None) -> None:
+    def __init__(self, metrics: ServerMetrics, adapter: str | AdapterMix | None = None,
+                 tenant: str | None = None) -> None:
         self.metrics = metrics
-        self.adapter = adapter
+        self.adapter, self.tenant = adapter, tenant
         self.arrival = self.last = time.perf_counter()
         self.num_tokens = 0
 
@@ -137,11 +197,10 @@ class RequestTimer:
         """`generated`: tokens of all choices (default: the longest choice's)."""
         generated = self.num_tokens if generated is None else generated
         self.metrics.e2e.observe(time.perf_counter() - self.arrival)
-        self.metrics.prompt_tokens.inc(prompt_tokens)
-        self.metrics.generation_tokens.inc(generated)
-        self.metrics.lora_generation_tokens.labels(self.adapter or "").inc(generated)
-        served = self.metrics.adapter_totals(self.adapter)
-        served["prompt_tokens"] += prompt_tokens
-        served["generation_tokens"] += generated
+        self.metrics.count_served(self.adapter, prompt_tokens, generated, self.tenant)
         for reason in finish_reasons:
             self.metrics.request_success.labels(reason or "abort").inc()
+
+    def queued(self, seconds: float) -> None:
+        if self.tenant is not None:
+            self.metrics.tenant_queue_time.labels(self.tenant).observe(seconds)

@@ -53,18 +53,18 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def model_list(base: str, base_path: str, max_model_len: int, created: int, adapters) -> dict:
+def model_list(base: str, base_path: str, max_model_len: int, created: int, adapters, paths: bool = False) -> dict:
+    """`paths`: each card's `root` is its folder (vLLM's), for the admin; else its id."""
     def card(model_id: str, root: str, parent: str | None) -> dict:
-        return {"id": model_id, "object": "model", "created": created, "owned_by": "loraplex", "root": root,
-                "parent": parent, "max_model_len": max_model_len}
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "loraplex",
+                "root": root if paths and root else model_id, "parent": parent, "max_model_len": max_model_len}
 
-    return {"object": "list", "data": [card(base, base_path or base, None),
-                                       *(card(a.name, a.path, base) for a in adapters)]}
+    return {"object": "list", "data": [card(base, base_path, None), *(card(a.name, a.path, base) for a in adapters)]}
 
 
-def adapter_list(adapters, status: dict, served: dict[str, dict[str, int]]) -> dict:
+def adapter_list(adapters, status: dict, served: dict[str, dict[str, int]], paths: bool = False) -> dict:
     """The console's adapter table: shape, residency and traffic of each adapter, and the base
-    model's traffic."""
+    model's traffic. `paths`: each adapter's folder, for the admin; else null."""
     def traffic(name: str) -> dict[str, int]:
         counts = served.get(name, {})
         return {"requests": counts.get("requests", 0), "generation_tokens": counts.get("generation_tokens", 0)}
@@ -72,7 +72,8 @@ def adapter_list(adapters, status: dict, served: dict[str, dict[str, int]]) -> d
     rows = []
     for a in adapters:
         where = status.get(a.name)
-        rows.append({"id": a.name, "path": a.path, "rank": a.rank, "target_modules": list(a.target_modules),
+        rows.append({"id": a.name, "path": a.path if paths else None, "rank": a.rank,
+                     "target_modules": list(a.target_modules),
                      "resident": bool(where and where.resident), "in_memory": bool(where and where.in_memory),
                      "pinned": where.pins if where else 0, **traffic(a.name)})
     return {"object": "list", "data": rows, "base": traffic("")}

@@ -75,6 +75,12 @@ class StructuredOutputsBody(_Body):
     strict: bool = True  # json: refuse what cannot be enforced exactly (false: drop it, and list it)
 
 
+class AdapterWeight(_Body):
+    """One adapter of a request's mix: y = W x + sum_i weight_i * (alpha_i / r_i) * B_i A_i x."""
+    name: str
+    weight: float = 1.0
+
+
 # OpenAI fields taken on purpose without effect: bookkeeping for OpenAI's own platform, or knobs
 # of models these are not (reasoning, verbosity).
 IGNORED = {"user": "an end-user id for OpenAI's abuse monitoring", "metadata": "stored-completion tags",
@@ -124,6 +130,7 @@ class _SamplingFields(_Body):
     guided_grammar: str | None = None
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None  # vLLM's: logprobs of the prompt's tokens (and this many alternatives)
+    adapters: list[AdapterWeight] | None = None  # ours: adapters mixed with weights on the base model (`model`)
     # taken and ignored (IGNORED); refused unless a no-op value (REFUSED)
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -159,6 +166,10 @@ class _SamplingFields(_Body):
                               structured=self.structured(tool_format), logit_bias=self._logit_bias(),
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               prompt_logprobs=prompt_logprobs, reasoning=self.reasoning(reasoning_parser), **given)
+
+    def adapter_weights(self) -> list[tuple[str, float]] | None:
+        """`adapters` as (name, weight) pairs, None when the request names no mix."""
+        return None if self.adapters is None else [(a.name, a.weight) for a in self.adapters]
 
     def reasoning(self, parser: str | None) -> Reasoning | None:
         return None

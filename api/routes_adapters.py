@@ -1,13 +1,19 @@
-"""The adapters: GET /v1/adapters (the console's table) and the admin endpoints
-POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's bodies and answers)."""
+"""The adapters: GET /v1/adapters (the console's table; a tenant sees its own) and the admin
+endpoints POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's bodies and answers; off
+when the server has user keys and no admin key, api/auth.py; a tenant with `can_load_adapters`
+loads and unloads its own). Each load and unload goes to the audit log."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+import contextlib
+
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
 
 from loraplex.api import openai_format as fmt
-from loraplex.api.auth import require_admin, require_user
+from loraplex.api.auth import require_loader, require_user, sees_paths
+from loraplex.api.callers import caller_of
+from loraplex.api.errors import APIError
 from loraplex.api.protocol import LoadAdapterRequest, UnloadAdapterRequest
 from loraplex.api.state import ServerState, state_of
 
@@ -15,20 +21,36 @@ router = APIRouter()
 
 
 @router.get("/v1/adapters", dependencies=[Depends(require_user)])
-async def adapters(state: ServerState = Depends(state_of)):
+async def adapters(request: Request, state: ServerState = Depends(state_of)):
     """loraplex's own: each registered adapter with its shape, where it is now, and what it
-    served (the console's adapters view)."""
+    served (the console's adapters view); its folder only for the admin."""
     status = state.client.adapter_status()
-    return fmt.adapter_list(await state.adapters.infos(), status, state.metrics.by_adapter)
+    infos = await state.adapters.infos(caller_of(request))
+    return fmt.adapter_list(infos, status, state.metrics.by_adapter, sees_paths(request))
 
 
-@router.post("/v1/load_lora_adapter", dependencies=[Depends(require_admin)])
-async def load_lora_adapter(body: LoadAdapterRequest, state: ServerState = Depends(state_of)):
-    await state.adapters.load(body.lora_name, body.lora_path)
+@router.post("/v1/load_lora_adapter", dependencies=[Depends(require_loader)])
+async def load_lora_adapter(body: LoadAdapterRequest, request: Request, state: ServerState = Depends(state_of)):
+    async with _audited(request, state, "load_adapter", body.lora_name, lora_path=body.lora_path):
+        await state.adapters.load(body.lora_name, body.lora_path, caller_of(request))
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
-@router.post("/v1/unload_lora_adapter", dependencies=[Depends(require_admin)])
-async def unload_lora_adapter(body: UnloadAdapterRequest, state: ServerState = Depends(state_of)):
-    await state.adapters.unload(body.lora_name)
+@router.post("/v1/unload_lora_adapter", dependencies=[Depends(require_loader)])
+async def unload_lora_adapter(body: UnloadAdapterRequest, request: Request, state: ServerState = Depends(state_of)):
+    async with _audited(request, state, "unload_adapter", body.lora_name):
+        await state.adapters.unload(body.lora_name, caller_of(request))
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+
+@contextlib.asynccontextmanager
+async def _audited(request: Request, state: ServerState, action: str, name: str, **fields):
+    """The action in the audit log, done or refused (with the status and why)."""
+    by = caller_of(request).label
+    try:
+        yield
+    except Exception as exc:  # an APIError, or an engine refusal the error handlers map (409 in use)
+        status = exc.status if isinstance(exc, APIError) else None
+        state.audit.write(action, by=by, name=name, ok=False, status=status, why=str(exc), **fields)
+        raise
+    state.audit.write(action, by=by, name=name, ok=True, **fields)

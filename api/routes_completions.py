@@ -6,6 +6,7 @@ from fastapi import APIRouter, Depends, Request
 
 from loraplex.api import openai_format as fmt
 from loraplex.api.auth import require_user
+from loraplex.api.callers import caller_of
 from loraplex.api.errors import bad_input
 from loraplex.api.generation import given, respond
 from loraplex.api.protocol import CompletionRequest
@@ -16,7 +17,7 @@ router = APIRouter(dependencies=[Depends(require_user)])
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, state: ServerState = Depends(state_of)):
-    adapter = await state.adapters.resolve(body.model)
+    adapter = await state.adapters.resolve_mix(body.model, body.adapter_weights(), caller_of(request))
     client = state.client
     with bad_input():
         prompts = body.prompts()

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fastapi import APIRouter, Depends, FastAPI
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.staticfiles import StaticFiles
 
 from loraplex.api.auth import require_user
+from loraplex.api.callers import caller_of
 from loraplex.api.errors import bad_input
 from loraplex.api.protocol import ValidateSchemaRequest
 from loraplex.api.state import ServerState, state_of
@@ -18,10 +19,15 @@ router = APIRouter(dependencies=[Depends(require_user)])
 
 
 @router.get("/v1/stats")
-async def stats(state: ServerState = Depends(state_of)):
+async def stats(request: Request, state: ServerState = Depends(state_of)):
     """loraplex's own: queues, KV usage, token totals and recent latency percentiles, as JSON
-    (the console's live view; /metrics has the same for Prometheus)."""
-    return state.metrics.snapshot()
+    (the console's live view; /metrics has the same for Prometheus). A tenant sees only its own
+    adapters among those running and waiting."""
+    caller = caller_of(request)
+    snapshot = state.metrics.snapshot()
+    for key in ("running_adapters", "waiting_adapters"):
+        snapshot[key] = [name for name in snapshot[key] if caller.may_use(name)]
+    return snapshot
 
 
 @router.post("/v1/validate_schema")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from loraplex.api.auth import require_user
+from loraplex.api.callers import caller_of
 from loraplex.api.errors import APIError, bad_input
 from loraplex.api.protocol import DetokenizeRequest, TokenizeRequest, chat_dicts
 from loraplex.api.state import ServerState, state_of
@@ -16,9 +17,11 @@ router = APIRouter(dependencies=[Depends(require_user)])
 
 
 @router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, state: ServerState = Depends(state_of)):
+async def tokenize(body: TokenizeRequest, request: Request, state: ServerState = Depends(state_of)):
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt or messages")
+    if body.model is not None:  # a model the caller may not use is the same 404 as a missing one
+        state.adapters.check_visible(body.model, caller_of(request))
     client = state.client
     if body.messages is not None:
         with bad_input():

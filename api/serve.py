@@ -1,25 +1,35 @@
-"""`loraplex serve`: the engine client and the app from the command line's flags, under uvicorn;
-SIGTERM drains (a grace period, then "shutting down" errors, exit 0)."""
+"""`loraplex serve`: the engine client and the app from the command line's flags, under uvicorn
+with a connection guard (slow and stalled clients, api/connection_guard.py); SIGTERM drains (a grace
+period, then "shutting down" errors) and always exits 0; SIGHUP re-reads the tenants file."""
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import dataclasses
 import logging
+import os
 import signal
+import sys
 import threading
 from pathlib import Path
+from typing import NoReturn
 
 import uvicorn
 
 from loraplex.api.cli import model_folder, engine_args
+from loraplex.api.connection_guard import guarded_protocol
 from loraplex.api.flags import values
+from loraplex.api.routes_tenants import reload_tenants_now
 from loraplex.api.server import build_app
 from loraplex.api.settings import ServerConfig
+from loraplex.api.tenants import TenantRegistry, TenantsError
 from loraplex.platform.config import EngineConfig
 from loraplex.platform.engine_client import EngineClient, build_engine_client
 
 log = logging.getLogger(__name__)
+EXIT_HOOKS_S = 5.0  # what the exit hooks get before the process leaves without them
 
 
 def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
@@ -32,6 +42,8 @@ def server_config(args: argparse.Namespace, model: str) -> ServerConfig:
     for root in config.adapter_roots:
         if not Path(root).is_dir():
             raise ValueError(f"--adapter-root {root!r} is not a folder")
+    if config.tenants_file:  # a broken file fails here, before the model is loaded
+        TenantRegistry(config.tenants_file, (config.admin_api_key, config.metrics_api_key, config.api_key))
     return dataclasses.replace(config, served_model_name=config.served_model_name or Path(model).name,
                                model_path=model)
 
@@ -42,16 +54,48 @@ def serve(args: argparse.Namespace) -> int:
     client = build_engine_client(engine_config(args, model), server.max_waiting_requests, tuple(args.lora_modules))
     app = build_app(client, server)
     _log_where(server)
-    config = uvicorn.Config(app, host=server.host, port=server.port, log_level="info",
-                            timeout_graceful_shutdown=server.shutdown_timeout_s + 5)
+    config = uvicorn_config(app, server, log_level="info", timeout_graceful_shutdown=server.shutdown_timeout_s + 5)
     # uvicorn re-raises the signal that stopped it once it is done: a stop we asked for exits 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
+    signal.signal(signal.SIGHUP, lambda *_: _reload_tenants(app.state.loraplex))
     try:
-        _DrainingServer(config, client, server.shutdown_timeout_s).run()
+        _DrainingServer(config, client, server.shutdown_timeout_s).run()  # exits the process once drained
     finally:
         client.shutdown()
-    return 0
+    return 1  # uvicorn stopped without starting
+
+
+def _reload_tenants(state) -> None:
+    """SIGHUP: the tenants file read again (without --tenants, nothing to do; a broken file is logged)."""
+    if state.tenants.path:
+        with contextlib.suppress(TenantsError):
+            reload_tenants_now(state, "SIGHUP")
+
+
+def uvicorn_config(app, server: ServerConfig, **kwargs) -> uvicorn.Config:
+    """uvicorn's settings for `server`, on the guarded h11 protocol (the guard hooks the parser's
+    states, so it is h11, not httptools)."""
+    return uvicorn.Config(app, host=server.host, port=server.port, http=guarded_protocol(server),
+                          timeout_keep_alive=server.keep_alive_timeout_s, **kwargs)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Leave without the interpreter's finalization. The drain is over and the engine stopped, but
+    a normal exit would wait for every non-daemon thread (a compile abandoned after its timeout may
+    never end) and then tear down native threads still running, which can abort the process
+    (std::terminate) instead of exiting with `code`. The exit hooks still run (a compile pool kills
+    its worker processes there), for a bounded time, then the logs are flushed."""
+    hooks = threading.Thread(target=atexit._run_exitfuncs, name="loraplex-exit", daemon=True)
+    hooks.start()
+    hooks.join(EXIT_HOOKS_S)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can reach it
+            pass
+    os._exit(code)
 
 
 def _log_where(server: ServerConfig) -> None:
@@ -70,6 +114,14 @@ class _DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, client: EngineClient, grace_s: float) -> None:
         super().__init__(config)
         self.client, self.grace_s = client, grace_s
+
+    async def serve(self, sockets=None) -> None:
+        await super().serve(sockets)
+        if self.started:
+            # drained: exit here, not after the event loop's close, which would wait for its worker
+            # threads (one may still be compiling a grammar, for as long as the compile timeout)
+            self.client.shutdown()
+            _exit_now(0)
 
     def handle_exit(self, sig, frame) -> None:
         if not self.should_exit:

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server over an `EngineClient`: `build_app(client, config)` wires
-the routers (one module per endpoint family), the error handlers, the body limit and the web
-console; `loraplex serve` runs the app under uvicorn, each Ray replica calls it in-process.
+the routers (one module per endpoint family), the error handlers, the body limit, relative
+redirects and the web console; `loraplex serve` runs the app under uvicorn, each Ray replica calls it in-process.
 
 Each request: parse (pydantic, api/protocol.py) -> resolve `model` to base or adapter
 (api/adapter_directory.py) -> tokenize -> SamplingParams -> the client's `generate_many`
@@ -10,11 +10,14 @@ which aborts its requests (KV blocks and pins freed).
 
 from __future__ import annotations
 
+import logging
+from urllib.parse import urlsplit
+
 from fastapi import FastAPI
 
 import loraplex
-from loraplex.api import (routes_adapters, routes_chat, routes_completions, routes_console, routes_models,
-                          routes_tokenize)
+from loraplex.api import (auth, routes_adapters, routes_chat, routes_completions, routes_console, routes_models,
+                          routes_tenants, routes_tokenize)
 from loraplex.api.adapter_directory import SharedAdapters
 from loraplex.api.body_limit import BodyLimit
 from loraplex.api.errors import APIError, install_error_handlers
@@ -24,7 +27,9 @@ from loraplex.platform.engine_client import EngineClient
 
 __all__ = ["APIError", "ServerConfig", "ServerState", "SharedAdapters", "app_for", "build_app"]
 
-ROUTERS = (routes_models, routes_completions, routes_chat, routes_tokenize, routes_adapters, routes_console)
+log = logging.getLogger(__name__)
+ROUTERS = (routes_models, routes_completions, routes_chat, routes_tokenize, routes_adapters, routes_console,
+           routes_tenants)
 
 
 def build_app(client: EngineClient, config: ServerConfig, shared: SharedAdapters | None = None) -> FastAPI:
@@ -37,9 +42,39 @@ def app_for(state: ServerState) -> FastAPI:
                   description="OpenAI-compatible multi-LoRA, structured-output LLM server")
     app.state.loraplex = state
     app.add_middleware(BodyLimit, limit=state.config.max_request_body_bytes)
-    install_error_handlers(app)
+    app.add_middleware(RelativeRedirects)
+    install_error_handlers(app, auth.shown)
     for module in ROUTERS:
         app.include_router(module.router)
     if state.config.enable_ui:
         routes_console.mount_ui(app)
+    if auth.admin_off(state):
+        log.warning(auth.ADMIN_OFF)
     return app
+
+
+class RelativeRedirects:
+    """Redirects name a path, never a host: starlette builds its own (a missing slash, /ui) from the
+    request's Host header, which a client chooses."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def relative(message) -> None:
+            if message["type"] == "http.response.start" and 300 <= message["status"] < 400:
+                message = {**message, "headers": [(k, _path_only(v) if k.lower() == b"location" else v)
+                                                  for k, v in message.get("headers", [])]}
+            await send(message)
+
+        await self.app(scope, receive, relative)
+
+
+def _path_only(location: bytes) -> bytes:
+    parts = urlsplit(location.decode("latin-1"))
+    path = "/" + parts.path.lstrip("/")  # "//host" would name a host again
+    return (path + (f"?{parts.query}" if parts.query else "") + (f"#{parts.fragment}" if parts.fragment else "")
+            ).encode("latin-1")

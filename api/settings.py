@@ -30,8 +30,19 @@ class ServerConfig:
     port: int = setting(8000, "port to listen on")
     api_key: str | None = setting(None, "key for /v1/*, /tokenize, /detokenize (or LORAPLEX_API_KEY)",
                                   env="LORAPLEX_API_KEY")
-    admin_api_key: str | None = setting(None, "the only key that opens the adapter admin endpoints "
-                                              "(or LORAPLEX_ADMIN_API_KEY)", env="LORAPLEX_ADMIN_API_KEY")
+    admin_api_key: str | None = setting(None, "the only key that opens the adapter admin endpoints and sees "
+                                              "folder paths (or LORAPLEX_ADMIN_API_KEY); with --api-key and "
+                                              "none, the admin endpoints are off", env="LORAPLEX_ADMIN_API_KEY")
+    tenants_file: str | None = setting(None, "JSON (or .toml) file of tenants: API keys scoped to adapters, limits, "
+                                             "weights (docs/tenants.md); SIGHUP or POST /v1/reload_tenants re-reads it",
+                                       flag="--tenants", metavar="FILE")
+    metrics_api_key: str | None = setting(None, "key that opens /metrics beside the admin key (or "
+                                                "LORAPLEX_METRICS_API_KEY); /metrics is closed to others when "
+                                                "either this or --tenants is set", env="LORAPLEX_METRICS_API_KEY")
+    audit_log: str | None = setting(None, "append a JSON line per admin action and per refused caller (401, 403, "
+                                          "429) to this file", metavar="FILE")
+    tenant_limit_share: float = setting(1.0, "the part of each tenant's limits this server enforces (a Ray "
+                                             "replica's: 1 / replicas)", flag=None)
     adapter_roots: tuple[str, ...] = setting((), "folder the admin endpoint may load adapters from (repeatable; "
                                                  "none: runtime loading off)", flag="--adapter-root", metavar="DIR")
     enable_lora_resolver: bool = setting(False, "serve an unregistered adapter name by loading the PEFT folder of "
@@ -41,6 +52,19 @@ class ServerConfig:
     request_timeout_s: float | None = setting(None, "seconds; beyond this, 504", flag="--request-timeout")
     shutdown_timeout_s: float = setting(30.0, "on SIGTERM, seconds in-flight requests get to finish",
                                         flag="--shutdown-timeout")
+    # slow and stalled clients (api/serve.py's connection guard)
+    read_timeout_s: float = setting(30.0, "seconds a client gets to send a request's headers and body; a slower "
+                                          "connection is closed (slowloris)", flag="--read-timeout")
+    keep_alive_timeout_s: float = setting(5.0, "seconds an idle keep-alive connection stays open",
+                                          flag="--keep-alive-timeout")
+    max_idle_connections: int = setting(256, "idle keep-alive connections kept open; beyond this the longest "
+                                             "idle one is closed")
+    stream_buffer_bytes: int = setting(128 << 10, "per connection, bytes of a response the server holds for a "
+                                                  "client that has not read them; past this, writing waits",
+                                       size=True)
+    stall_timeout_s: float = setting(10.0, "seconds a client whose buffer is full may take no bytes; then its "
+                                           "connection is dropped and its requests aborted (KV freed)",
+                                     flag="--stall-timeout")
     enable_ui: bool = setting(True, "no web console at /ui", flag="--disable-ui", invert=True)
     tool_call_parser: str = setting("auto", "the format tool calls are written and read in (vLLM's names); auto: "
                                             "from the markers in the chat template (hermes without any)",
@@ -54,6 +78,10 @@ class ServerConfig:
         if self.tool_call_parser not in (*TOOL_CALL_PARSERS, "auto"):
             raise ValueError(f"tool_call_parser must be one of {[*TOOL_CALL_PARSERS, 'auto']}, "
                              f"got {self.tool_call_parser!r}")
+        if min(self.read_timeout_s, self.keep_alive_timeout_s, self.stall_timeout_s) <= 0:
+            raise ValueError("read_timeout_s, keep_alive_timeout_s and stall_timeout_s must be > 0")
+        if self.max_idle_connections < 0 or self.stream_buffer_bytes < 4096:
+            raise ValueError("max_idle_connections must be >= 0 and stream_buffer_bytes >= 4096")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {list(REASONING_PARSERS)}, "
                              f"got {self.reasoning_parser!r}")

@@ -11,13 +11,20 @@ import hashlib
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-import torch
+if TYPE_CHECKING:  # a compile worker imports this module without torch
+    import torch
 
 
 class GrammarError(ValueError):
-    """An invalid or unsupported spec, or a compile that failed or timed out."""
+    """An invalid or unsupported spec, or a compile that failed or timed out. A backend that
+    raises it for a spec it cannot build lets `auto` try the next backend."""
+
+
+class RefusedError(GrammarError):
+    """A spec refused for soundness: the backend would not enforce it exactly. Final: `auto`
+    never hands it to a backend after it, which would enforce less."""
 
 
 # Size caps: a spec is compiled off the engine thread, but a huge one still ties up a compile
@@ -118,6 +125,18 @@ class CompileCache:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._items: OrderedDict[str, Any] = OrderedDict()
+
+    def peek(self, key: str) -> Any:
+        if key in self._items:
+            self._items.move_to_end(key)
+            return self._items[key]
+        return None
+
+    def put(self, key: str, value: Any) -> None:
+        self._items[key] = value
+        self._items.move_to_end(key)
+        if len(self._items) > self.limit:
+            self._items.popitem(last=False)
 
     def get_or_build(self, key: str, build: Callable[[], Any]) -> Any:
         if key in self._items:

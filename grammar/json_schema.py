@@ -8,9 +8,10 @@ exactly its valid instances.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from loraplex.grammar.backend import GrammarError
+from loraplex.grammar import regex_features
+from loraplex.grammar.backend import GrammarError, RefusedError
 from loraplex.grammar.rewrite import hoist_refs, rewrite
 
 # Keywords whose value is a schema, or a map / list of schemas, to walk into.
@@ -35,8 +36,11 @@ COMBINATORS = ("anyOf", "oneOf", "allOf")
 OLD_DIALECTS = ("draft-03", "draft-04", "draft-06", "draft-07")
 
 
-class UnsupportedKeywordError(GrammarError):
+class UnsupportedKeywordError(RefusedError):
     """A valid schema with a keyword the backend would not enforce: which, and where."""
+
+    def __reduce__(self):  # pickled whole: a compile worker sends it to the server process
+        return type(self), (str(self), self.keyword, self.path)
 
     def __init__(self, message: str, keyword: str, path: str) -> None:
         super().__init__(message)
@@ -49,7 +53,15 @@ class SchemaRules:
 
     backend: str
     unenforced: frozenset[str]  # keywords it accepts and ignores (or approximates)
-    lenient_formats: frozenset[str] = field(default_factory=frozenset)  # formats it loosens
+    formats: frozenset[str]  # the formats it enforces exactly
+    regex_features: frozenset[str] = frozenset()  # grammar/regex_features.py names it enforces exactly
+
+
+# The formats JSON Schema defines; any other is refused by every backend alike (strict), or
+# dropped and listed (strict: false).
+FORMATS = frozenset({"date-time", "date", "time", "duration", "email", "idn-email", "hostname", "idn-hostname",
+                     "ipv4", "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uuid", "uri-template",
+                     "json-pointer", "relative-json-pointer", "regex"})
 
 
 # Found by the oracle: xgrammar 0.2.9 and outlines-core 0.2 ignore these, or enforce them as
@@ -116,9 +128,15 @@ def _kind(keyword: str) -> str | None:
     return next((kind for kind, words in KIND_KEYWORDS.items() if keyword in words), None)
 
 
-def check_schema(schema, rules: SchemaRules, path: str = "#") -> None:
-    """Raise UnsupportedKeywordError for the first keyword (or `format` value) the backend
-    would not enforce exactly."""
+def check_schema(schema, rules: SchemaRules) -> None:
+    """Raise UnsupportedKeywordError for the first keyword, `format` value or regex feature the
+    backend would not enforce exactly."""
+    check_formats(schema, rules.formats, rules.backend)
+    check_patterns(schema, rules.regex_features, rules.backend)
+    _check_keywords(schema, rules)
+
+
+def _check_keywords(schema, rules: SchemaRules, path: str = "#") -> None:
     if isinstance(schema, bool):
         return
     if not isinstance(schema, dict):
@@ -147,8 +165,6 @@ def check_schema(schema, rules: SchemaRules, path: str = "#") -> None:
         raise refuse("minLength/maxLength", "beside a pattern they would be ignored")
     if isinstance(schema.get("prefixItems"), list) and schema.get("minItems", 0) < len(schema["prefixItems"]):
         raise refuse("prefixItems", "shorter arrays would be refused: give minItems >= the number of prefixItems")
-    if schema.get("format") in rules.lenient_formats:
-        raise refuse(f"format: {schema['format']}", "it would accept values the format forbids")
     declared = schema.get("type")
     for key in schema:
         kind = _kind(key)
@@ -156,7 +172,66 @@ def check_schema(schema, rules: SchemaRules, path: str = "#") -> None:
             raise refuse(key, f"it is enforced only with \"type\": \"{kind}\" beside it (a JSON Schema applies "
                               f"it to {kind}s alone and lets other values through)")
     for sub, where in subschemas(schema, path):
-        check_schema(sub, rules, where)
+        _check_keywords(sub, rules, where)
+
+
+def check_formats(schema, enforced: frozenset[str], backend: str) -> None:
+    """Refuse the first `format` that is unknown (the same words from every backend), or that
+    `backend` does not enforce exactly."""
+    for node, path in walk(schema):
+        fmt = node.get("format")
+        if not isinstance(fmt, str) or fmt in enforced:
+            continue
+        if fmt not in FORMATS:
+            raise UnsupportedKeywordError(f"json schema keyword 'format: {fmt}' at {path} is an unknown format (JSON "
+                                          f"Schema defines no such format, so no grammar backend enforces it, and "
+                                          f"the request is refused)", f"format: {fmt}", path)
+        raise _refuse(f"format: {fmt}", path, "it has no exact grammar for this format", backend)
+
+
+def check_patterns(schema, enforced: frozenset[str], backend: str) -> None:
+    """Refuse the first `pattern` (or `patternProperties` name) using a regex feature that
+    `backend` does not enforce exactly (grammar/regex_features.py)."""
+    for node, path in walk(schema):
+        patterns = [("pattern", node["pattern"])] if isinstance(node.get("pattern"), str) else []
+        if isinstance(node.get("patternProperties"), dict):
+            patterns += [("patternProperties", name) for name in node["patternProperties"]]
+        for keyword, pattern in patterns:
+            found = regex_features.unenforced(pattern, enforced)
+            if found is not None:
+                raise _refuse(keyword, path, f"it uses a {found[0]} ({found[1]!r}), which this backend would not "
+                                             f"enforce exactly", backend)
+
+
+def check_regex(pattern: str, enforced: frozenset[str], backend: str) -> None:
+    """The same rule for a `regex` spec."""
+    found = regex_features.unenforced(pattern, enforced)
+    if found is not None:
+        raise RefusedError(f"regex uses a {found[0]} ({found[1]!r}), which the {backend} grammar backend would not "
+                           f"enforce exactly, so the request is refused")
+
+
+def walk(schema, path: str = "#"):
+    """(schema, path) for every schema object in `schema`, itself first, without recursion."""
+    stack = [(schema, path)]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, dict):
+            yield node, where
+            stack.extend(reversed(list(subschemas(node, where))))
+
+
+def check_metaschema(schema, what: str = "json schema") -> None:
+    """GrammarError naming the path of the first keyword whose value the schema's own draft
+    forbids (`minLength: "5"`, `maxLength: -3`, `multipleOf: -1`)."""
+    import jsonschema  # here, not at import: the engine must import where only torch and transformers are
+
+    cls = jsonschema.validators.validator_for(schema)
+    try:
+        cls.check_schema(schema, format_checker=None)  # `format: regex` is not asserted: ECMA syntax is not Python's
+    except jsonschema.exceptions.SchemaError as exc:
+        where = "#" + "".join(f"/{part}" for part in exc.path)
+        raise GrammarError(f"{what} is invalid at {where}: {exc.message}") from None
 
 
 def normalize(schema, deep: bool = True):

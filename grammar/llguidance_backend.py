@@ -16,19 +16,37 @@ import dataclasses
 import json
 import re
 
+from typing import TYPE_CHECKING
+
 import llguidance
 import llguidance.hf
-import llguidance.torch
-import torch
 
-from loraplex.grammar import reasoning, tools
+from loraplex.grammar import regex_features, reasoning, tools
 from loraplex.grammar.backend import CompileCache, GrammarError, StructuredOutputs
-from loraplex.grammar.json_schema import UnsupportedKeywordError, find_keyword
+from loraplex.grammar.json_schema import (UnsupportedKeywordError, check_formats, check_patterns, check_regex,
+                                          find_keyword)
+
+if TYPE_CHECKING:  # a compile worker imports this module without torch
+    import torch
 
 MAX_CACHED = 256
+# the formats llguidance 1.9 has a grammar for (it refuses the others, but lets any string through
+# for "unknown"); of the regex features, anchors inside a pattern (it refuses those it cannot place)
+FORMATS = frozenset({"date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid"})
+REGEX_FEATURES = frozenset({regex_features.INNER_ANCHOR})
 
 
 _EXECUTOR: llguidance.LLExecutor | None = None  # Rust threads that fill many rows at once
+_TORCH = None  # llguidance.torch, imported on first fill: compile workers never import torch
+
+
+def _torch_fill():
+    global _TORCH
+    if _TORCH is None:
+        import llguidance.torch
+
+        _TORCH = llguidance.torch
+    return _TORCH
 
 
 class LLGuidanceGrammar:
@@ -38,7 +56,7 @@ class LLGuidanceGrammar:
         global _EXECUTOR
         if _EXECUTOR is None:
             _EXECUTOR = llguidance.LLExecutor()
-        llguidance.torch.fill_next_token_bitmask_par(_EXECUTOR, [(g.matcher, row) for g, row in rows], bitmask)
+        _torch_fill().fill_next_token_bitmask_par(_EXECUTOR, [(g.matcher, row) for g, row in rows], bitmask)
 
     def __init__(self, matcher: llguidance.LLMatcher, stop_token_ids: frozenset[int]) -> None:
         self.matcher = matcher
@@ -46,7 +64,7 @@ class LLGuidanceGrammar:
         self.terminated = False  # a stop token accepted where the grammar may end
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+        _torch_fill().fill_next_token_bitmask(self.matcher, bitmask, row)
 
     def accept_token(self, token_id: int) -> bool:
         # never consume_token blindly: a refused token would leave the matcher in an error state
@@ -130,10 +148,13 @@ class LLGuidanceBackend:
             if spec.reasoning is not None:
                 return self._after_reasoning(spec)
             if spec.kind == "json":
+                check_formats(spec.json, FORMATS, "llguidance")
+                check_patterns(spec.json, REGEX_FEATURES, "llguidance")
                 return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(spec.json), defaults=options)
             if spec.kind == "json_object":
                 return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=options)
             if spec.kind == "regex":
+                check_regex(spec.regex, REGEX_FEATURES, "llguidance")
                 return llguidance.LLMatcher.grammar_from_regex(spec.regex)
             if spec.kind == "choice":
                 return llguidance.LLMatcher.grammar_from_lark(
@@ -141,6 +162,8 @@ class LLGuidanceBackend:
             if spec.kind == "tools":
                 return _lark(["start: tool_calls", *tools.lark_rules(spec.tools, self.markers)])
             return llguidance.LLMatcher.grammar_from_lark(lark_grammar(spec.grammar))
+        except GrammarError:
+            raise
         except (ValueError, TypeError) as exc:
             raise GrammarError(f"invalid {spec.kind}: {exc}") from None
 
@@ -156,6 +179,14 @@ class LLGuidanceBackend:
         body[0] = {**body[0], "name": "body"}
         outer = _lark([f"start: {before} @body", *rules])
         return json.dumps({"grammars": [{"lark_grammar": outer}, *body]})
+
+    def export(self, compiled: llguidance.LLMatcher) -> None:
+        """What a compile worker sends back: nothing (a matcher does not pickle), since the
+        server's own compile of the same exact spec is cheap (llguidance builds lazily)."""
+        return None
+
+    def restore(self, spec: StructuredOutputs, exported: None) -> llguidance.LLMatcher:
+        return self.compile(spec)
 
     def new_grammar(self, compiled: llguidance.LLMatcher, json_like: bool = False) -> LLGuidanceGrammar:
         return LLGuidanceGrammar(compiled.deep_copy(), self.stop_token_ids)

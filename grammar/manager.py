@@ -1,19 +1,17 @@
 r"""Compiles specs off the engine thread, with a timeout, and builds the step's bitmask.
 
-`compile` waits in the caller's thread for a compile running on a thread of its own (so the
-engine never waits for a grammar, and a slow compile fails only its own request). A compile
-past its timeout is abandoned, not joined: it finishes in the background without holding up
-the next spec (a shared pool would stay wedged by it), and at most `max_compiles` may run at
-once, abandoned ones included, so slow specs cannot pile up threads. Each backend keeps
-compiled grammars in a bounded cache keyed by the spec.
+`submit` returns a future at once and `compile` waits for it; the engine never waits for a
+grammar, and a slow compile fails only its own request. With `workers` > 0 (the engine's
+setting) compiles run in a pool of worker processes at a lower CPU priority
+(grammar/compile_pool.py): one past its timeout is killed, not abandoned, so it neither keeps
+burning CPU nor holds a slot. With `workers=0` (tests, offline tools) they run on a thread of
+this process and one past its timeout is abandoned. Either way a spec already compiling is
+not compiled again: its requests share the one compile (keyed by the spec), and finished
+compiles are kept in a bounded cache; at most `max_compiles` distinct specs may be compiling
+or waiting for a worker at once.
 
-Backends: "llguidance", "xgrammar", "outlines", or "auto" (the default): per spec, the first
-of llguidance, xgrammar, outlines that compiles it, a refusal included (each backend refuses by
-name what it would not enforce exactly, checked by the oracle in tests/grammar/test_oracle.py,
-so passing a refused spec on is sound). All write the same packed bitmask. Before any backend,
-a JSON Schema is rewritten exactly (grammar/json_schema.py `normalize`); with `strict: false`
-a keyword the first backend refuses is dropped and listed (`Compiled.unenforced`), one at a
-time. Every finished JSON output is checked against the schema as given (`Compiled.violation`).
+The chain itself (backends, `auto`, refusals that are final, `strict: false` relaxing,
+`Compiled.violation`) is grammar/compiler.py. All backends write the same packed bitmask.
 
 Tool calls and specs after a reasoning prefix (grammar/reasoning.py) are llguidance Lark; the
 latter's matchers are wrapped in a `ReasoningGate` (the reasoning budget, and no closing steer
@@ -22,287 +20,143 @@ while the model thinks).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
-import dataclasses
-import json
+import logging
 import threading
-from dataclasses import dataclass, field
+import weakref
 
 import torch
 
-from loraplex.grammar.backend import Grammar, GrammarBackend, GrammarError, StructuredOutputs
-from loraplex.grammar.json_schema import UnsupportedKeywordError, normalize, relaxed
+from loraplex.grammar.backend import CompileCache, Grammar, GrammarError, StructuredOutputs
+from loraplex.grammar.compile_pool import CompilePool, Job
+from loraplex.grammar.compiler import (AUTO_ORDER, BACKENDS, KINDS, MAX_RELAXED, Compiled,  # noqa: F401 (re-exported)
+                                       SpecCompiler, json_validator, schema_error)
 from loraplex.grammar.reasoning import CLOSE, ReasoningGate
-from loraplex.grammar.tool_formats import tool_format
-from loraplex.grammar.tools import ToolCallError, ToolCalls, parse_tool_calls
 
-BACKENDS = ("xgrammar", "llguidance", "outlines", "auto")
-AUTO_ORDER = ("llguidance", "xgrammar", "outlines")
-KINDS = {"llguidance": {"json", "json_object", "regex", "choice", "grammar", "tools"},
-         "xgrammar": {"json", "json_object", "regex", "choice", "grammar"},
-         "outlines": {"json", "regex", "choice"}}
-MAX_RELAXED = 64  # keywords a non-strict schema may drop
+log = logging.getLogger(__name__)
 
-
-def _normalized(spec: StructuredOutputs, deep: bool) -> StructuredOutputs:
-    """A JSON Schema after the exact rewrites (the deep ones put `allOf` beside other keywords,
-    which only llguidance enforces everywhere)."""
-    if spec.kind != "json":
-        return spec
-    try:
-        return dataclasses.replace(spec, json=normalize(spec.json, deep=deep))
-    except GrammarError:  # the rewrite outgrew the size or depth caps: the request's own form
-        return dataclasses.replace(spec, json=normalize(spec.json, deep=False))
-
-
-@dataclass
-class Compiled:
-    """A spec as compiled by one backend; `unenforced` lists what a non-strict schema dropped."""
-
-    spec: StructuredOutputs  # after exact rewrites and what was dropped
-    backend: str
-    grammar: object
-    unenforced: tuple[str, ...] = ()
-    original: object = None  # the schema as the request gave it, for the output check
-    _validator: object = field(default=None, repr=False)
-    _tool_validators: dict = field(default_factory=dict, repr=False)  # by function name
-
-    @property
-    def ends_in_json(self) -> bool:
-        """Whether the output is JSON all the way to its end (a JSON spec, or calls only), so
-        steering it toward closing tokens near max_tokens never bends free text."""
-        return self.spec.kind in ("json", "json_object") or (self.spec.kind == "tools" and self.spec.tools.required)
-
-    def violation(self, text: str) -> str | None:
-        """Why a finished JSON output breaks the request's schema, or None: the backstop run
-        on every structured output before it is returned."""
-        if self.spec.kind == "tools":
-            return self._tools_violation(text)
-        if self.spec.kind not in ("json", "json_object"):
-            return None
-        try:
-            value = json.loads(text)
-        except ValueError as exc:
-            return f"not JSON: {exc}"
-        if self.spec.kind == "json_object":
-            return None if isinstance(value, dict) else f"not a JSON object: {type(value).__name__}"
-        try:
-            if self._validator is None:
-                self._validator = json_validator(self.original if self.original is not None else self.spec.json)
-            return schema_error(self._validator, value)
-        except Exception:  # a schema the validator itself cannot run (a regex it cannot read): unchecked
-            return None
-
-
-    def _tools_violation(self, text: str) -> str | None:
-        """Each call's arguments against its function's parameters as the request gave them."""
-        calls: ToolCalls = self.original
-        try:
-            _, parsed = parse_tool_calls(text, calls.format)
-        except ToolCallError as exc:
-            return str(exc)
-        if calls.required and not parsed:
-            return "no complete tool call"
-        if not calls.parallel and len(parsed) > 1:
-            return f"{len(parsed)} tool calls where one was allowed"
-        by_name = {f.name: f for f in calls.functions}
-        for call in parsed:
-            if call.name not in by_name:
-                return f"a call to {call.name!r}, which is not an allowed tool"
-            try:
-                if call.name not in self._tool_validators:
-                    self._tool_validators[call.name] = json_validator(by_name[call.name].object_schema())
-                error = schema_error(self._tool_validators[call.name], json.loads(call.arguments))
-            except Exception:  # a schema the validator itself cannot run: unchecked
-                continue
-            if error is not None:
-                return f"tool {call.name} arguments: {error}"
-        return None
-
-
-def json_validator(schema):
-    """A `jsonschema` validator for the schema's own draft, with `format` asserted (as the
-    grammars enforce it)."""
-    import jsonschema  # here, not at import: the engine must import where only torch and transformers are
-
-    cls = jsonschema.validators.validator_for(schema)
-    return cls(schema, format_checker=cls.FORMAT_CHECKER)
-
-
-def schema_error(validator, value) -> str | None:
-    """The most relevant way `value` breaks the validator's schema, or None."""
-    import jsonschema
-
-    error = jsonschema.exceptions.best_match(validator.iter_errors(value))
-    return None if error is None else f"{error.message} at {error.json_path}"
+MAX_CACHED = 256  # finished compiles kept, by spec
 
 
 class GrammarManager:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], backend: str = "xgrammar",
-                 timeout_s: float = 10.0, max_compiles: int = 8) -> None:
-        if backend not in BACKENDS:
-            raise ValueError(f"grammar_backend must be one of {BACKENDS}, got {backend!r}")
+                 timeout_s: float = 10.0, max_compiles: int = 32, workers: int = 0) -> None:
+        self.compiler = SpecCompiler(tokenizer, vocab_size, stop_token_ids, backend)
         self._args = (tokenizer, vocab_size, stop_token_ids)
         self.backend_name = backend
-        self.timeout_s = timeout_s
-        self._backends: dict[str, GrammarBackend] = {}
-        self._unavailable: dict[str, str] = {}  # backends that failed to build, and why (not retried)
-        self._lock = threading.Lock()
         self.max_compiles = max_compiles
-        self._running = threading.BoundedSemaphore(max_compiles)
+        self.pool = CompilePool((tokenizer, vocab_size, list(stop_token_ids), backend), workers, timeout_s) \
+            if workers > 0 else None
+        self.timeout_s = timeout_s
+        if self.pool is not None:  # an engine dropped without close() (tests) leaves no processes
+            weakref.finalize(self, self.pool.close)
+        self._lock = threading.Lock()
+        self._inflight: dict[str, cf.Future] = {}  # by spec key: one compile however many requests wait
+        self._done = CompileCache(MAX_CACHED)
         self.token_texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
         self.closing_tokens = _closing_tokens(self.token_texts, stop_token_ids, vocab_size)
         self._closers: dict[torch.device, torch.Tensor] = {}
         self.close_ids = tokenizer.encode(CLOSE, add_special_tokens=False)  # what a reasoning budget forces
 
+    @property
+    def timeout_s(self) -> float:
+        return self._timeout_s
 
-    def _get(self, name: str) -> GrammarBackend:
-        with self._lock:  # built on first use: the tokenizer scan costs a moment
-            if name in self._unavailable:
-                raise GrammarError(self._unavailable[name])
-            if name not in self._backends:
-                if name == "xgrammar":
-                    from loraplex.grammar.xgrammar_backend import XGrammarBackend as cls
-                elif name == "llguidance":
-                    from loraplex.grammar.llguidance_backend import LLGuidanceBackend as cls
-                else:
-                    from loraplex.grammar.outlines_backend import OutlinesBackend as cls
-                try:
-                    self._backends[name] = cls(*self._args)
-                except Exception as exc:  # e.g. llguidance takes fast tokenizers only: auto goes on to the next
-                    self._unavailable[name] = f"the {name} grammar backend cannot serve this model's tokenizer: {exc}"
-                    raise GrammarError(self._unavailable[name]) from None
-            return self._backends[name]
+    @timeout_s.setter
+    def timeout_s(self, seconds: float) -> None:  # the pool's jobs from now on too
+        self._timeout_s = seconds
+        if self.pool is not None:
+            self.pool.timeout_s = seconds
+
+    def _get(self, name: str):
+        return self.compiler.get(name)
+
+    def order(self, spec: StructuredOutputs) -> tuple[str, ...]:
+        return self.compiler.order(spec)
+
+    def _compile(self, spec: StructuredOutputs, order: tuple[str, ...] | None = None) -> Compiled:
+        return self.compiler.compile(spec, order)
 
     def compile(self, spec: StructuredOutputs) -> Compiled:
         """The compiled spec; GrammarError naming the problem otherwise."""
-        if not self._running.acquire(blocking=False):
-            raise GrammarError(f"{self.max_compiles} grammar compiles are already running (slow specs); retry later")
-        future: cf.Future = cf.Future()
-
-        def work() -> None:
-            try:
-                future.set_result(self._compile(spec))
-            except BaseException as exc:  # handed to the waiting caller
-                future.set_exception(exc)
-            finally:
-                self._running.release()
-
-        threading.Thread(target=work, name="loraplex-grammar", daemon=True).start()
+        future = self.submit(spec)
+        if self.pool is not None:  # the pool ends every job: by its answer, its timeout or its death
+            return future.result()
         try:
             return future.result(timeout=self.timeout_s)
         except cf.TimeoutError:
             raise GrammarError(f"{spec.kind} took longer than {self.timeout_s:g}s to compile") from None
 
-    def order(self, spec: StructuredOutputs) -> tuple[str, ...]:
-        """The backends tried for `spec`, in turn: one, or under auto every backend that may
-        take its kind, best first."""
-        if self.backend_name != "auto":
-            return (self.backend_name,)
-        return tuple(name for name in AUTO_ORDER if spec.kind in KINDS[name])
-
-    def _llguidance_only(self, what: str) -> None:
-        if self.backend_name not in ("auto", "llguidance"):
-            raise GrammarError(f"{what} need the llguidance grammar backend (this server runs {self.backend_name})")
-
-    def _compile(self, spec: StructuredOutputs, order: tuple[str, ...] | None = None) -> Compiled:
-        if spec.reasoning is not None:
-            return self._compile_reasoning(spec)
-        if spec.kind == "tools":
-            return self._compile_tools(spec)
-        order = order or self.order(spec)
+    async def compiled(self, spec: StructuredOutputs) -> Compiled:
+        """`compile` awaited on the caller's event loop: a slow compile holds no thread of the loop's pool
+        (a caller that leaves cancels only its own wait)."""
+        waiter = asyncio.wrap_future(self.submit(spec))
+        if self.pool is not None:
+            return await waiter
         try:
-            compiled = self._first_that_compiles(spec, order)
-        except UnsupportedKeywordError as refused:
-            if spec.strict:
-                raise
-            compiled = self._relax(spec, order[0], refused)
-        compiled.original = spec.json
-        return compiled
+            return await asyncio.wait_for(waiter, self.timeout_s)
+        except TimeoutError:
+            raise GrammarError(f"{spec.kind} took longer than {self.timeout_s:g}s to compile") from None
 
-    def _compile_tools(self, spec: StructuredOutputs) -> Compiled:
-        """Tool calls: llguidance only (the grammar is Lark with inline schemas). Each function's
-        parameters go through the format's own refusals, then the same rewrites, refusals and
-        `strict: false` relaxing as a response_format schema; then the whole grammar compiles."""
-        self._llguidance_only("tool calls")
-        functions, unenforced = [], []
-        for function in spec.tools.functions:
+    def submit(self, spec: StructuredOutputs) -> cf.Future:
+        """A future of the compiled spec, at once: a finished one from the cache, the one of the
+        same spec's compile in flight, or a new compile's."""
+        key, mine = spec.key, cf.Future()  # the caller's own: cancelling it leaves the others waiting
+        with self._lock:
+            cached = self._done.peek(key)
+            if cached is not None:
+                mine.set_result(cached)
+                return mine
+            future = self._inflight.get(key)
+            new = future is None
+            if new:
+                if len(self._inflight) >= self.max_compiles:
+                    raise GrammarError(f"{self.max_compiles} grammar compiles are already running or waiting "
+                                       f"(slow specs); retry later")
+                future = self._inflight[key] = cf.Future()
+        future.add_done_callback(lambda shared: _copy(shared, mine))
+        if not new:
+            return mine
+        done = lambda result, error: self._finish(key, future, result, error)  # noqa: E731
+        if self.pool is not None:
             try:
-                schema, dropped = self._format_schema(spec.tools.format, function)
-                alone = StructuredOutputs(json=schema, strict=function.strict)
-                try:
-                    compiled = self._first_that_compiles(alone, ("llguidance",), dropped)
-                except UnsupportedKeywordError as refused:
-                    if function.strict:
-                        raise
-                    compiled = self._relax(alone, "llguidance", refused, dropped)
+                self.pool.submit(Job(spec, done))
             except GrammarError as exc:
-                raise GrammarError(f"tool {function.name} parameters: {exc}") from None
-            functions.append(dataclasses.replace(function, parameters=compiled.spec.json))
-            unenforced += [f"{dropped} in tool {function.name}" for dropped in compiled.unenforced]
-        exact = dataclasses.replace(spec, tools=dataclasses.replace(spec.tools, functions=tuple(functions)))
-        compiled = Compiled(exact, "llguidance", self._get("llguidance").compile(exact), tuple(unenforced))
-        compiled.original = spec.tools
-        return compiled
+                done(None, exc)
+        else:
+            threading.Thread(target=self._compile_here, args=(spec, done), name="loraplex-grammar",
+                             daemon=True).start()
+        return mine
 
-    def _format_schema(self, format: str, function) -> tuple[dict, list[str]]:
-        """The function's arguments schema as its format can write it: what the format refuses
-        raises, or under `strict: false` is dropped and listed."""
-        fmt, dropped = tool_format(format), []
-        schema = fmt.arguments_schema(function)
-        for _ in range(MAX_RELAXED):
-            refused = fmt.refusal(schema)
-            if refused is None:
-                return schema, dropped
-            lighter = relaxed(schema, refused.keyword, refused.path) \
-                if isinstance(refused, UnsupportedKeywordError) and not function.strict else None
-            if lighter is None:
-                raise refused
-            dropped.append(f"{refused.keyword} at {refused.path}")
-            schema = lighter
-        raise GrammarError(f"more than {MAX_RELAXED} keywords to drop")
+    def _compile_here(self, spec: StructuredOutputs, done) -> None:
+        try:
+            result, error = self.compiler.compile(spec), None
+        except BaseException as exc:  # handed to the waiters
+            result, error = None, exc
+        done(result, error)
 
-    def _compile_reasoning(self, spec: StructuredOutputs) -> Compiled:
-        """A spec after reasoning: the spec compiled alone by llguidance (its refusals, its
-        relaxing), then the whole as one Lark grammar (grammar/reasoning.py)."""
-        self._llguidance_only("structured outputs after reasoning (--reasoning-parser)")
-        alone = None if spec.kind == "text" else self._compile(dataclasses.replace(spec, reasoning=None),
-                                                               ("llguidance",))
-        exact = dataclasses.replace(alone.spec if alone is not None else spec, reasoning=spec.reasoning)
-        compiled = Compiled(exact, "llguidance", self._get("llguidance").compile(exact),
-                            alone.unenforced if alone is not None else ())
-        compiled.original = alone.original if alone is not None else None
-        return compiled
-
-    def _first_that_compiles(self, spec: StructuredOutputs, order: tuple[str, ...], unenforced=()) -> Compiled:
-        first: GrammarError | None = None
-        for name in order:
-            error = None
-            for deep in (True, False) if spec.kind == "json" and name != "llguidance" else (True,):
-                try:
-                    exact = _normalized(spec, deep)
-                    return Compiled(exact, name, self._get(name).compile(exact), tuple(unenforced))
-                except GrammarError as exc:  # refused or failed: the next backend may enforce it exactly
-                    error = exc  # the light rewrite's refusal names the request's own keyword
-            first = first or error
-        raise first
-
-    def _relax(self, spec: StructuredOutputs, backend: str, refused: UnsupportedKeywordError,
-               unenforced: list[str] | None = None) -> Compiled:
-        """strict: false: drop what `backend` refuses, one keyword at a time, and list it."""
-        spec = _normalized(spec, deep=backend == "llguidance")
-        unenforced = list(unenforced or [])
-        for _ in range(MAX_RELAXED):
-            schema = relaxed(spec.json, refused.keyword, refused.path)
-            if schema is None:
-                break
-            unenforced.append(f"{refused.keyword} at {refused.path}")
-            spec = dataclasses.replace(spec, json=schema)
+    def _finish(self, key: str, future: cf.Future, result: Compiled | None, error: BaseException | None) -> None:
+        """A worker's `Compiled` gets its grammar back (grammar/compile_pool.py), is cached, and
+        completes the future every waiting request holds."""
+        if error is None and self.pool is not None:
             try:
-                return self._first_that_compiles(spec, (backend,), unenforced)
-            except UnsupportedKeywordError as exc:
-                refused = exc
-        raise refused
+                result.grammar = self.compiler.get(result.backend).restore(result.spec, result.grammar)
+            except BaseException as exc:
+                error = exc
+        with self._lock:
+            self._inflight.pop(key, None)
+            if error is None:
+                self._done.put(key, result)
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+    def close(self) -> None:
+        """Stop the compile workers (the server's shutdown; also run at exit)."""
+        if self.pool is not None:
+            self.pool.close()
 
     def new_grammar(self, compiled: Compiled) -> Grammar:
         spec = compiled.spec
@@ -353,6 +207,14 @@ class GrammarManager:
         steered = torch.full_like(masked, float("-inf"))
         steered[:, closers] = kept
         logits[index] = torch.where(torch.isfinite(kept).any(dim=1, keepdim=True), steered, masked)
+
+
+def _copy(shared: cf.Future, mine: cf.Future) -> None:
+    if mine.set_running_or_notify_cancel():  # False: its caller stopped waiting
+        if shared.exception() is None:
+            mine.set_result(shared.result())
+        else:
+            mine.set_exception(shared.exception())
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:

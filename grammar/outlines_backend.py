@@ -15,15 +15,16 @@ import json
 import re
 
 import outlines_core as oc
-import torch
 
 from loraplex.grammar.backend import CompileCache, GrammarError, StructuredOutputs
-from loraplex.grammar.json_schema import BASE_UNENFORCED, SchemaRules, UnsupportedKeywordError, check_schema, subschemas
+from loraplex.grammar.json_schema import (BASE_UNENFORCED, SchemaRules, UnsupportedKeywordError, check_regex,
+                                          check_schema, subschemas)
 from loraplex.grammar.rewrite import resolve_pointer
 
 # what outlines-core 0.2 accepts in a schema but does not enforce (checked against its regexes)
+# and the formats it has a regex for, less date-time and time (its regexes make the UTC offset optional)
 RULES = SchemaRules("outlines", BASE_UNENFORCED | {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
-                    lenient_formats=frozenset({"date-time", "time"}))  # its regexes make the UTC offset optional
+                    formats=frozenset({"date", "email", "uri", "uuid"}))
 WHITESPACE = r"[ ]?"  # bounded: at most one space between JSON tokens
 MAX_CACHED = 64
 
@@ -34,7 +35,7 @@ class OutlinesGrammar:
         self.eos_token_id = eos_token_id
         self.terminated = False  # EOS accepted in a final state; the guide itself never sees EOS
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+    def fill_bitmask(self, bitmask, row: int) -> None:
         target = bitmask[row]
         target.zero_()  # tokens past the tokenizer's vocabulary stay forbidden
         self.guide.write_mask_into(target.data_ptr(), target.numel(), 4)
@@ -95,6 +96,7 @@ class OutlinesBackend:
         if spec.kind == "choice":
             return "|".join(re.escape(c) for c in spec.choice)
         if spec.kind == "regex":
+            check_regex(spec.regex, RULES.regex_features, "outlines")
             return spec.regex
         check_schema(spec.json, RULES)
         fraction = _first(spec.json, _admits_fraction)
@@ -119,6 +121,13 @@ class OutlinesBackend:
                 json.dumps(spec.json), whitespace_pattern=r"[\n\t ]*" if spec.any_whitespace else WHITESPACE)
         except Exception as exc:
             raise GrammarError(f"invalid json: {str(exc).strip().splitlines()[0]}") from None
+
+    def export(self, compiled: oc.Index) -> oc.Index:
+        """What a compile worker sends back: the index itself, which pickles."""
+        return compiled
+
+    def restore(self, spec: StructuredOutputs, exported: oc.Index) -> oc.Index:
+        return exported
 
     def new_grammar(self, compiled: oc.Index, json_like: bool = False) -> OutlinesGrammar:
         return OutlinesGrammar(compiled, self.eos_token_id)

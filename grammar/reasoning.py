@@ -19,10 +19,12 @@ after the reasoning), `ReasoningGate` (which counts the reasoning's tokens and, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from loraplex.grammar.tool_parsing import held
+
+if TYPE_CHECKING:  # a compile worker imports this module without torch
+    import torch
 
 PARSERS = ("qwen3", "deepseek_r1")
 OPEN, CLOSE = "<think>", "</think>"

@@ -10,10 +10,14 @@ import torch
 import xgrammar as xgr
 
 from loraplex.grammar.backend import GrammarError, StructuredOutputs
-from loraplex.grammar.json_schema import BASE_UNENFORCED, SchemaRules, check_schema
+from loraplex.grammar.json_schema import BASE_UNENFORCED, SchemaRules, check_regex, check_schema
 
 MAX_WHITESPACE = 2  # JSON separators without any_whitespace: no runaway spaces or newlines
-RULES = SchemaRules("xgrammar", BASE_UNENFORCED)
+# formats xgrammar 0.2.9 has a grammar for (it lets any string through for the others); no regex
+# feature of grammar/regex_features.py: inside a schema it drops a lookahead, reads `\A` as "A"
+RULES = SchemaRules("xgrammar", BASE_UNENFORCED, formats=frozenset({
+    "date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uri-reference", "uuid",
+    "uri-template", "json-pointer", "relative-json-pointer"}))
 
 
 class XGrammarGrammar:
@@ -47,6 +51,7 @@ class XGrammarBackend:
         # the model's vocab size: its logits can be wider than the tokenizer's vocabulary
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self.vocab_size = vocab_size
+        self.info = info
         self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True, cache_limit_bytes=cache_bytes)
         self.json_allowed = self._without_control_characters(info)
 
@@ -74,6 +79,7 @@ class XGrammarBackend:
                     '{"type": "object"}', any_whitespace=spec.any_whitespace, strict_mode=False,
                     max_whitespace_cnt=None if spec.any_whitespace else MAX_WHITESPACE)
             if spec.kind == "regex":
+                check_regex(spec.regex, RULES.regex_features, "xgrammar")
                 return self.compiler.compile_regex(spec.regex)
             if spec.kind == "choice":
                 # literal UTF-8: json.dumps' default \ud83d\ude00 for an emoji would be read by
@@ -85,6 +91,14 @@ class XGrammarBackend:
             raise
         except Exception as exc:  # xgrammar reports bad specs as RuntimeError / ValueError
             raise GrammarError(f"invalid {spec.kind}: {_clean(str(exc))}") from None
+
+    def export(self, compiled: xgr.CompiledGrammar) -> str:
+        """What a compile worker sends back: the compiled grammar as JSON (restoring it does not
+        compile again)."""
+        return compiled.serialize_json()
+
+    def restore(self, spec: StructuredOutputs, exported: str) -> xgr.CompiledGrammar:
+        return xgr.CompiledGrammar.deserialize_json(exported, self.info)
 
     def new_grammar(self, compiled: xgr.CompiledGrammar, json_like: bool = False) -> XGrammarGrammar:
         return XGrammarGrammar(compiled, self.json_allowed if json_like else None)

@@ -8,7 +8,7 @@ here without merging: each adapter keeps its own slot, and the mix's weights sca
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field as dataclass_field
 from functools import cached_property
 
 MAX_MIX_WEIGHT = 4.0  # |w| bound: beyond it a mix is far outside what any adapter was trained for
@@ -19,6 +19,12 @@ class AdapterMix:
     """(adapter name, weight) pairs in the caller's order, validated by `parse`."""
 
     entries: tuple[tuple[str, float], ...]
+    field: str = dataclass_field(default="adapter", compare=False)  # what the caller named it, for errors
+
+    @property
+    def heaviest(self) -> str:
+        """The adapter of the largest |weight| (the first of equals): where a router sends the mix."""
+        return max(self.entries, key=lambda entry: abs(entry[1]))[0]
 
     @cached_property  # the scheduler asks for each waiting and running request every step
     def names(self) -> tuple[str, ...]:
@@ -36,7 +42,10 @@ def parse_mix(spec, max_adapters: int, field: str = "adapter") -> AdapterMix:
     """An `AdapterMix` from a list of (name, weight) pairs, a dict name -> weight or an `AdapterMix`;
     ValueError naming `field` for an empty mix, a name twice, too many adapters, a weight that is not a
     finite number in [-MAX_MIX_WEIGHT, MAX_MIX_WEIGHT]."""
-    pairs = spec.entries if isinstance(spec, AdapterMix) else list(spec.items()) if isinstance(spec, dict) else spec
+    if isinstance(spec, AdapterMix):  # checked again where it is used: under the name its caller gave it
+        pairs, field = spec.entries, spec.field
+    else:
+        pairs = list(spec.items()) if isinstance(spec, dict) else spec
     try:
         entries = tuple((name, weight) for name, weight in pairs)
     except (TypeError, ValueError):
@@ -46,7 +55,7 @@ def parse_mix(spec, max_adapters: int, field: str = "adapter") -> AdapterMix:
     if len(entries) > max_adapters:
         raise ValueError(f"{field}: {len(entries)} adapters in one mix, at most {max_adapters} "
                          f"(max_adapters_per_request)")
-    mix = AdapterMix(tuple(_entry(name, weight, i, field) for i, (name, weight) in enumerate(entries)))
+    mix = AdapterMix(tuple(_entry(name, weight, i, field) for i, (name, weight) in enumerate(entries)), field)
     twice = next((name for name in mix.names if mix.names.count(name) > 1), None)
     if twice is not None:
         raise ValueError(f"{field}: adapter {twice!r} appears more than once in the mix")

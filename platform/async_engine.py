@@ -18,7 +18,9 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Iterator
 
+from loraplex.platform.adapter_mix import AdapterMix
 from loraplex.platform.device import select_device
+from loraplex.platform.fair_share import TenantShare
 from loraplex.platform.engine import Engine, EngineStats
 from loraplex.platform.engine_client import (AdapterInfo, AdapterStatus, ClientTooSlowError, EngineDeadError,
                                              Health, QueueFullError, StepFailedError, StructuredCheck,
@@ -63,16 +65,28 @@ class _Stream:
             asyncio.Queue() if loop else queue.Queue()
         self.tag = tag
 
-    def put(self, item) -> None:
+    def put(self, item, pending: dict | None = None) -> None:
+        """`pending`: a step's deliveries, gathered per event loop (one wake-up per loop and step)."""
         if self.tag is not None:
             item = (self.tag, item)
         if self.loop is None:
             self.items.put(item)
-            return
-        try:
-            self.loop.call_soon_threadsafe(self.items.put_nowait, item)
-        except RuntimeError:  # the reader's loop is closed: nobody is listening any more
-            pass
+        elif pending is not None:
+            pending.setdefault(self.loop, []).append((self.items, item))
+        else:
+            _deliver(self.loop, [(self.items, item)])
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, object]]) -> None:
+    try:
+        loop.call_soon_threadsafe(_put_all, items)
+    except RuntimeError:  # the reader's loop is closed: nobody is listening any more
+        pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue_, item in items:
+        queue_.put_nowait(item)
 
 
 class AsyncEngine:
@@ -101,6 +115,10 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.inputs.limits.max_model_len
 
+    @property
+    def max_adapters_per_request(self) -> int:
+        return self.engine.inputs.limits.max_adapters_per_request
+
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await asyncio.to_thread(self.engine.inputs.token_ids, text, add_special_tokens)
 
@@ -116,7 +134,7 @@ class AsyncEngine:
         return self.engine.inputs.default_max_tokens(prompt_ids)
 
     async def validate_structured(self, spec: StructuredOutputs) -> StructuredCheck:
-        compiled = await asyncio.to_thread(self.engine.grammars.compile, spec)
+        compiled = await self.engine.grammars.compiled(spec)
         return StructuredCheck(compiled.backend, tuple(compiled.unenforced))
 
     async def load_adapter(self, name: str, path: str, confined: bool = False) -> AdapterInfo:
@@ -147,7 +165,7 @@ class AsyncEngine:
         return len(self._streams)
 
     def submit(self, prompt, params: SamplingParams, request_id: str | None = None,
-               adapter: str | None = None) -> str:
+               adapter: str | AdapterMix | None = None) -> str:
         """Validate (raising ValueError here, in the caller's thread) and queue a request."""
         self._check_accepting(params.n if isinstance(params, SamplingParams) else 1)
         request = self.engine.inputs.process(request_id or f"req-{next(self._ids)}", prompt, params, adapter)
@@ -172,7 +190,7 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
 
     async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
-                       adapter: str | None = None) -> AsyncIterator[RequestOutput]:
+                       adapter: str | AdapterMix | None = None) -> AsyncIterator[RequestOutput]:
         """Async iterator over one request's delta outputs; leaving it early (client gone, task
         cancelled) aborts the request."""
         async with contextlib.aclosing(self.generate_many([prompt], [params], [request_id], adapter)) as outputs:
@@ -180,7 +198,8 @@ class AsyncEngine:
                 yield out
 
     async def generate_many(self, prompts: list, params: list[SamplingParams], request_ids: list[str | None],
-                            adapter: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+                            adapter: str | AdapterMix | None = None,
+                            tenant: TenantShare | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, delta output) for several requests (one API call) through one queue,
         until all finish. Tokenizing, the adapter's disk read and the grammar compiles run in a
         worker thread, all before anything is queued (a bad prompt queues none). Leaving early
@@ -188,7 +207,12 @@ class AsyncEngine:
         self._check_accepting(sum(sp.n for sp in params))
         ids = [rid or f"req-{next(self._ids)}" for rid in request_ids]
         requests = await asyncio.to_thread(
-            lambda: [self.engine.inputs.process(rid, p, sp, adapter) for rid, p, sp in zip(ids, prompts, params)])
+            lambda: [self.engine.inputs.process(rid, p, sp, adapter, tenant, compile=False)
+                     for rid, p, sp in zip(ids, prompts, params)])
+        for request in requests:  # awaited here: a slow compile holds none of the loop's worker threads
+            spec = self.engine.inputs.grammar_spec(request)
+            if spec is not None:
+                request.compiled_grammar = await self.engine.grammars.compiled(spec)
         items: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         remaining: set[int] = set()
@@ -271,8 +295,11 @@ class AsyncEngine:
             for request_id in self.engine.abort_running():
                 self._fail(request_id, StepFailedError("generation failed with an internal error; see the server log"))
             return failures + 1
+        pending: dict = {}  # a loop wakes once a step for all its streams' outputs, not once per output
         for out in outputs:
-            self._publish(out)
+            self._publish(out, pending)
+        for loop, items in pending.items():
+            _deliver(loop, items)
         return 0
 
     def _drain_commands(self, block: bool) -> None:
@@ -314,7 +341,7 @@ class AsyncEngine:
         if stream is not None:
             stream.put(exc)
 
-    def _publish(self, out: RequestOutput) -> None:
+    def _publish(self, out: RequestOutput, pending: dict | None = None) -> None:
         stream = self._streams.get(out.request_id)
         if stream is None:
             return
@@ -322,8 +349,8 @@ class AsyncEngine:
             # a client that stopped reading (but did not disconnect) must not grow memory forever
             self.engine.abort(out.request_id)
             stream.put(ClientTooSlowError(f"more than {self.max_unread_outputs} outputs were left unread; "
-                                          f"the request was aborted"))
+                                          f"the request was aborted"), pending)
             return
-        stream.put(out)
+        stream.put(out, pending)
         if out.finished:
-            stream.put(_DONE)
+            stream.put(_DONE, pending)

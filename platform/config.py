@@ -218,6 +218,9 @@ class EngineConfig:
                                     choices=["auto", "llguidance", "xgrammar", "outlines"])
     grammar_compile_timeout_s: float = _setting(10.0, "seconds a grammar may take to compile (then: 400)",
                                                 flag="--grammar-compile-timeout")
+    grammar_compile_workers: int = _setting(4, "processes that compile grammars, at a lower CPU priority (a compile "
+                                               "past its timeout is killed with its process; 0: threads of the "
+                                               "server, abandoned at the timeout)")
     jump_forward: bool = _setting(True, "append grammar-forced tokens without a forward pass each")
     json_close_window: int = _setting(64, "JSON outputs: in the last max(N, max_tokens/4) tokens of max_tokens (at most half), "
                                           "pick a closing token (quote, bracket, brace, end) whenever the grammar "

@@ -8,7 +8,9 @@ pass reads lives in those buffers: token ids, positions, slot mapping and sequen
 of one tensor, filled from one persistent pinned staging buffer in one copy), the int32 block
 tables (max_model_len wide, copied from the runner's `BlockTable`), and each token's adapter slot
 (tokens grouped by adapter slot on the device inside the graph, the null slot for tokens without one:
-`LoRABatch.grouped`).
+`LoRABatch.grouped`). Steps with adapter mixes of up to `mix_passes` adapters replay graphs of their own,
+one grouped pass per adapter of a mix with each token's weight (a gather on the device), unused passes
+on the null slot; larger mixes run eagerly.
 Padding rows write no KV (slot -1) and attend to one cached position (their table rows hold
 whatever valid block ids an earlier step left). The staging buffers are reused: each step reads
 its sampled tokens back before the next one is built, so the last copy has landed by then.
@@ -31,6 +33,8 @@ from loraplex.platform.block_table import BlockTable
 from loraplex.platform.device import NoHostSync
 
 Capture = Callable[[Callable[[], None]], Callable[[], None]]  # forward -> replay
+# the largest mix with graphs: every pass costs each projection its launches, used or not
+MIX_GRAPH_PASSES = 2
 
 
 def capture_sizes(max_num_seqs: int, largest: int = 512) -> list[int]:
@@ -90,12 +94,15 @@ class DecodeInputs:
     table_rows: list[int]  # each request's row in it
     seq_lens: list[int]
     lora_slots: list[int] | None  # each token's adapter slot (-1: none); None: no adapter in the step
+    mix_passes: list[tuple[list[int], list[float]]] | None = None  # a step with mixes: (slots, weights) per pass
 
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: list, sizes: list[int], max_blocks: int,
-                 block_size: int, max_model_len: int, null_slot: int | None, capture: Capture) -> None:
-        """`null_slot`: the adapter slot of tokens without one (None: no LoRA graphs)."""
+                 block_size: int, max_model_len: int, null_slot: int | None, capture: Capture,
+                 mix_passes: int = 0) -> None:
+        """`null_slot`: the adapter slot of tokens without one (None: no LoRA graphs); `mix_passes`: the
+        largest adapter mix with graphs of its own (0: steps with mixes run eagerly)."""
         device = model.embed_tokens.weight.device
         largest = sizes[-1]
         self.sizes, self.null_slot, self.block_size = sizes, null_slot, block_size
@@ -112,14 +119,20 @@ class DecodeGraphs:
                                      device=device)
         self.hidden = torch.zeros(largest, model.config.hidden_size, dtype=model.embed_tokens.weight.dtype,
                                   device=device)
-        self.num_replays: Counter[tuple[int, bool]] = Counter()
-        self._graphs: dict[tuple[int, bool], Callable[[], None]] = {}
+        self.mix_passes = mix_passes if null_slot is not None else 0
+        self.pass_slots = torch.full((self.mix_passes, largest), -1 if null_slot is None else null_slot,
+                                     dtype=torch.int32, device=device)
+        self.pass_weights = torch.zeros(self.mix_passes, largest, dtype=torch.float32, device=device)
+        self._pass_staging = torch.zeros(2, self.mix_passes, largest, dtype=torch.float32, device="cpu",
+                                         pin_memory=pin)
+        self.num_replays: Counter[tuple[int, bool | str]] = Counter()
+        self._graphs: dict[tuple[int, bool | str], Callable[[], None]] = {}
+        modes = (False, True, "mix") if self.mix_passes else (False, True) if null_slot is not None else (False,)
         for size in reversed(sizes):  # largest first: smaller graphs reuse its memory
-            for with_lora in (False, True) if null_slot is not None else (False,):
-                self._graphs[size, with_lora] = capture(self._forward(model, kv_caches, size, with_lora,
-                                                                      max_model_len))
+            for mode in modes:
+                self._graphs[size, mode] = capture(self._forward(model, kv_caches, size, mode, max_model_len))
 
-    def _forward(self, model, kv_caches, size: int, with_lora: bool, max_model_len: int) -> Callable[[], None]:
+    def _forward(self, model, kv_caches, size: int, mode: bool | str, max_model_len: int) -> Callable[[], None]:
         meta = PagedAttentionMetadata(self.slot_mapping[:size], self.block_tables[:size], self.seq_lens[:size],
                                       self.query_start_loc[:size + 1], max_query_len=1, max_seq_len=max_model_len,
                                       block_size=self.block_size)
@@ -128,14 +141,28 @@ class DecodeGraphs:
             meta._reference = meta._cpu_parts = None  # derived views are recomputed, as a graph would
             # tokens grouped by slot inside the graph (a sort on the device each replay): one read of an
             # adapter's A and B per segment, not per token
-            lora = LoRABatch.grouped(self.lora_slots[:size], self.null_slot) if with_lora else None
+            lora = self._mix_batch(size) if mode == "mix" else \
+                LoRABatch.grouped(self.lora_slots[:size], self.null_slot) if mode else None
             self.hidden[:size] = model(self.input_ids[:size], self.positions[:size], kv_caches, meta, lora)
 
         return forward
 
-    def fits(self, num_tokens: int, with_lora: bool) -> bool:
-        """Whether a decode step of `num_tokens` (using adapters or not) has a graph."""
-        return num_tokens <= self.sizes[-1] and (not with_lora or self.null_slot is not None)
+    def _mix_batch(self, size: int) -> LoRABatch:
+        """One grouped pass per adapter of the mixes, each token's weight gathered into the pass's order."""
+        batches = []
+        for k in range(self.mix_passes):
+            batch = LoRABatch.grouped(self.pass_slots[k, :size], self.null_slot)
+            batch.order_weights = self.pass_weights[k, :size].index_select(0, batch.token_order)
+            batches.append(batch)
+        batches[0].passes = tuple(batches[1:])
+        return batches[0]
+
+    def fits(self, num_tokens: int, with_lora: bool, mix_passes: int = 0) -> bool:
+        """Whether a decode step of `num_tokens` (using adapters or not, with mixes of `mix_passes` adapters
+        at most) has a graph."""
+        if num_tokens > self.sizes[-1] or mix_passes > self.mix_passes:
+            return False
+        return not with_lora or self.null_slot is not None
 
     def run(self, step: DecodeInputs) -> torch.Tensor:
         """The hidden states [n, hidden] of a decode step of n <= the largest size."""
@@ -147,14 +174,28 @@ class DecodeGraphs:
         staged[:, n:size] = PADDING
         self.inputs.copy_(self._staging, non_blocking=True)
         step.table.commit(step.table_rows, self.block_tables)
-        if with_lora:
+        mode = "mix" if step.mix_passes is not None else with_lora
+        if mode == "mix":
+            self._stage_passes(step.mix_passes, n)
+        elif with_lora:
             slots = self._lora_staging.numpy()
             slots[:n] = [self.null_slot if s < 0 else s for s in step.lora_slots]
             slots[n:size] = self.null_slot
             self.lora_slots.copy_(self._lora_staging, non_blocking=True)
-        self._graphs[size, with_lora]()
-        self.num_replays[size, with_lora] += 1
+        self._graphs[size, mode]()
+        self.num_replays[size, mode] += 1
         return self.hidden[:n]
+
+    def _stage_passes(self, passes: list[tuple[list[int], list[float]]], n: int) -> None:
+        """Each pass's slots and weights into the mix graphs' buffers (passes beyond the step's: null slot,
+        weight 0), in one copy each."""
+        staged = self._pass_staging.numpy()
+        staged[0], staged[1] = self.null_slot, 0.0
+        for k, (slots, weights) in enumerate(passes):
+            staged[0, k, :n] = [self.null_slot if s < 0 else s for s in slots]
+            staged[1, k, :n] = weights
+        self.pass_slots.copy_(self._pass_staging[0], non_blocking=True)  # float32 holds slot ids exactly
+        self.pass_weights.copy_(self._pass_staging[1], non_blocking=True)
 
 
 # A padding row of (token id, position, KV slot, sequence length): no KV written, one cached position read

@@ -18,7 +18,7 @@ from loraplex.adapters.registry import AdapterRegistry
 from loraplex.grammar.manager import GrammarManager
 from loraplex.kernels.dispatch import to_device
 from loraplex.platform.config import EngineConfig
-from loraplex.platform.cuda_graphs import CudaCapture, capture_sizes
+from loraplex.platform.cuda_graphs import MIX_GRAPH_PASSES, CudaCapture, capture_sizes
 from loraplex.platform.device import (MemorySnapshot, kv_blocks_for, profile_kv_blocks, profiled_memory,
                                       select_device)
 from loraplex.platform.input_processor import InputProcessor, Limits
@@ -79,14 +79,16 @@ class Engine:
                                  reclaim_window(model.layer_windows))  # all layers sliding: old blocks freed
         self.eos_token_ids = self._eos_token_ids()
         self.grammars = GrammarManager(self.tokenizer, model.vocab_size, list(self.eos_token_ids),
-                                       config.grammar_backend, config.grammar_compile_timeout_s)
+                                       config.grammar_backend, config.grammar_compile_timeout_s,
+                                       workers=config.grammar_compile_workers)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    self.max_loras, config.lora_cycle_steps, self.eos_token_ids,
                                    self.grammars.new_grammar)
         self.runner = ModelRunner(self.model, model, self.kv, config.torch_kv_dtype, device)
         if device.type == "cuda" and not config.enforce_eager:
             self.runner.enable_graphs(CudaCapture(), config.max_num_seqs, self.max_model_len,
-                                      self.adapters.slots.null_slot)
+                                      self.adapters.slots.null_slot,
+                                      min(MIX_GRAPH_PASSES, config.max_adapters_per_request))
         self.sampler = Sampler(model.vocab_size, self.eos_token_ids, config.seed, self.grammars,
                                config.json_close_window, device)
         self.inputs = InputProcessor(self.tokenizer, Limits(model.vocab_size, self.max_model_len,

@@ -16,15 +16,17 @@ from typing import AsyncIterator, Protocol, runtime_checkable
 from loraplex.adapters.peft_format import AdapterError
 from loraplex.adapters.registry import AdapterInfo, AdapterInUseError, AdapterStatus, UnknownAdapterError
 from loraplex.grammar.backend import GrammarError, StructuredOutputs
+from loraplex.platform.adapter_mix import AdapterMix, parse_mix
 from loraplex.platform.config import EngineConfig
+from loraplex.platform.fair_share import TenantShare
 from loraplex.platform.engine import EngineStats
 from loraplex.platform.output_processor import accumulate
 from loraplex.platform.request import RequestOutput, SamplingParams
 
-__all__ = ["AdapterError", "AdapterInfo", "AdapterInUseError", "AdapterStatus", "ClientTooSlowError",
+__all__ = ["AdapterError", "AdapterInfo", "AdapterMix", "AdapterInUseError", "AdapterStatus", "ClientTooSlowError",
            "EngineClient", "EngineDeadError", "EngineStats", "GrammarError", "Health", "QueueFullError",
-           "StepFailedError", "StructuredCheck", "UnknownAdapterError", "accumulate", "build_engine_client",
-           "read_adapter_info"]
+           "StepFailedError", "StructuredCheck", "TenantShare", "UnknownAdapterError", "accumulate",
+           "build_engine_client", "parse_mix", "read_adapter_info"]
 
 
 class EngineDeadError(RuntimeError):
@@ -73,10 +75,16 @@ class EngineClient(Protocol):
     @property
     def max_model_len(self) -> int: ...
 
+    @property
+    def max_adapters_per_request(self) -> int: ...
+
     def generate_many(self, prompts: list, params: list[SamplingParams], request_ids: list[str | None],
-                      adapter: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+                      adapter: str | AdapterMix | None = None,
+                      tenant: TenantShare | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, delta output) for the prompts of one call until all finish; leaving
-        early aborts what still runs. Validation (ValueError) happens before anything is queued."""
+        early aborts what still runs. Validation (ValueError) happens before anything is queued.
+        `adapter`: None (the base model), a name, or a mix of adapters with weights; `tenant`: whose
+        requests they are, for the batch's fair share."""
 
     def abort(self, request_id: str) -> None: ...
 

@@ -20,6 +20,7 @@ from loraplex.grammar.manager import GrammarManager
 from loraplex.grammar.reasoning import prompt_start
 from loraplex.grammar.tools import plain_messages, resolve, template_takes_tools
 from loraplex.platform.adapter_mix import AdapterMix, parse_mix
+from loraplex.platform.fair_share import TenantShare
 from loraplex.platform.kv_cache_manager import cdiv
 from loraplex.platform.request import Request, SamplingParams
 
@@ -96,14 +97,16 @@ class InputProcessor:
     # ---- requests -------------------------------------------------------------------------------
 
     def process(self, request_id: str, prompt: str | dict | list[int], params: SamplingParams,
-                adapter: str | AdapterMix | dict | list | None = None) -> Request:
+                adapter: str | AdapterMix | dict | list | None = None, tenant: TenantShare | None = None,
+                compile: bool = True) -> Request:
         """Tokenize and validate; raises ValueError naming the field and the limit (an unknown
         adapter too). `adapter`: a name, None (the base model) or a mix (`AdapterMix`, a dict name ->
         weight or a list of (name, weight) pairs). The adapters' weights are read here if the LRU
-        dropped them, and the grammar compiled here, never on the engine thread."""
+        dropped them, and the grammar compiled here, never on the engine thread (`compile=False`:
+        the caller compiles `grammar_spec` itself, awaiting it without holding a thread)."""
         adapter, mix = self._adapter_or_mix(adapter)
         if mix is not None:
-            weights = tuple(self._mixable(name) for name in mix.names)
+            weights = tuple(self._mixable(name, mix.field) for name in mix.names)
         else:
             weights = self.adapters.prefetch(adapter) if adapter is not None else None
         text = None
@@ -120,9 +123,13 @@ class InputProcessor:
         self._check(ids, params)
         params = self._for_this_model(params, ids)
         spec = self._grammar_spec(params)
-        compiled = self.grammars.compile(spec) if spec is not None else None
+        compiled = self.grammars.compile(spec) if spec is not None and compile else None
         return Request(request_id, ids, params, prompt=text, adapter=adapter, adapter_weights=weights,
-                       compiled_grammar=compiled, mix=mix)
+                       compiled_grammar=compiled, mix=mix, tenant=tenant)
+
+    def grammar_spec(self, request: Request) -> StructuredOutputs | None:
+        """The spec the request's grammar compiles (after its reasoning, if any); None without one."""
+        return self._grammar_spec(request.params)
 
     def _adapter_or_mix(self, spec) -> tuple[str | None, AdapterMix | None]:
         """(name, None) for one adapter at weight 1 (the plain path), (None, mix) for a mix; the mix
@@ -131,18 +138,18 @@ class InputProcessor:
             return spec, None
         mix = parse_mix(spec, self.limits.max_adapters_per_request)
         if len(mix.entries) > self.limits.max_loras:
-            raise ValueError(f"adapter: a mix of {len(mix.entries)} adapters needs as many slots, "
+            raise ValueError(f"{mix.field}: a mix of {len(mix.entries)} adapters needs as many slots, "
                              f"max_loras is {self.limits.max_loras}")
         if mix.plain is not None:
             return mix.plain, None
         return None, mix
 
-    def _mixable(self, name: str):
+    def _mixable(self, name: str, field: str):
         """An adapter of a mix, prefetched; one that changes the embedding or the head is refused (those
         layers take one adapter per token)."""
         weights = self.adapters.prefetch(name)
         if weights.embedding is not None or weights.head is not None or weights.replacements:
-            raise ValueError(f"adapter: {name!r} adapts embed_tokens / lm_head, which a mix cannot combine")
+            raise ValueError(f"{field}: {name!r} adapts embed_tokens / lm_head, which a mix cannot combine")
         return weights
 
     def _for_this_model(self, params: SamplingParams, ids: list[int]) -> SamplingParams:

@@ -93,15 +93,17 @@ class ModelRunner:
         if device.type == "cpu":
             cpu_kernels.library()  # build (~1 s, once per machine) now rather than in the first step
 
-    def enable_graphs(self, capture: Capture, max_num_seqs: int, max_model_len: int, null_slot: int | None) -> None:
+    def enable_graphs(self, capture: Capture, max_num_seqs: int, max_model_len: int, null_slot: int | None,
+                      mix_passes: int = 0) -> None:
         """Capture the decode graphs (every padded size, with and without LoRA when `null_slot`
-        is given); from then on decode steps that fit replay them."""
+        is given, and for adapter mixes of up to `mix_passes` adapters); from then on decode steps that
+        fit replay them."""
         max_blocks = -(-max_model_len // self.block_size)
         # a graph's table is as wide as max_model_len; the runner's rows are copied into it as they are
         self.block_table = BlockTable(max_num_seqs, max_blocks, self.block_size, self.device, max_width=max_blocks)
         with torch.inference_mode():  # as the steps that replay them run
             self.graphs = DecodeGraphs(self.model, self.kv_caches, capture_sizes(max_num_seqs), max_blocks,
-                                       self.block_size, max_model_len, null_slot, capture)
+                                       self.block_size, max_model_len, null_slot, capture, mix_passes)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, adapter_slots: dict[str, int] | None = None
@@ -115,12 +117,11 @@ class ModelRunner:
         mix_passes = self._mix_passes(sched, adapter_slots or {})
         step = self._prepare(sched)
         graphs = self.graphs
-        # a step with adapter mixes runs eagerly: the graphs hold one (slot) pass per token
-        if graphs is not None and mix_passes is None and step.decode_only \
-                and graphs.fits(len(step.sampled), lora_slots is not None) \
+        if graphs is not None and step.decode_only \
+                and graphs.fits(len(step.sampled), lora_slots is not None, len(mix_passes or ())) \
                 and not self._embedding_adapted(lora_slots):
             hidden = graphs.run(DecodeInputs(step.token_ids, step.positions, step.slots, self.block_table,
-                                             step.table_rows, step.seq_lens, lora_slots))
+                                             step.table_rows, step.seq_lens, lora_slots, mix_passes))
             return self.model.logits(hidden, lora_slots), step.sampled, []  # one token per request: rows = tokens
         hidden = self._forward(step, lora_slots, mix_passes)
         prompt_hidden = [PromptRows(req, hidden[rows], first, lora_slots[rows.start] if lora_slots else -1,

@@ -170,7 +170,8 @@ class OutputProcessor:
         if req.prompt_logprobs is not None and not group.sent_prompt_logprobs:  # complete by the first output
             prompt_logprobs, group.sent_prompt_logprobs = self._decoded(req.prompt_logprobs), True
         return RequestOutput(request_id, req.prompt, req.prompt_token_ids, sorted(outs, key=lambda o: o.index),
-                             finished, group.num_cached_tokens, unenforced, prompt_logprobs, _tool_call_format(req))
+                             finished, group.num_cached_tokens, unenforced, prompt_logprobs, _tool_call_format(req),
+                             req.queue_time_s)
 
     def _decoded(self, entries: list[dict[int, Logprob] | None]) -> list[dict[int, Logprob] | None]:
         """Each entry's tokens decoded (prompt entries may be None: the first prompt token)."""
@@ -211,4 +212,5 @@ def accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutp
     total.outputs = [by_index[i] for i in sorted(by_index)]
     total.finished = delta.finished
     total.num_cached_tokens = max(total.num_cached_tokens, delta.num_cached_tokens)
+    total.queue_time_s = total.queue_time_s if total.queue_time_s is not None else delta.queue_time_s
     return total

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -151,6 +152,7 @@ class RequestOutput:
     # request's first output only
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     tool_call_format: str | None = None  # the format tool calls are read in (the chat template's, under auto)
+    queue_time_s: float | None = None  # arrival to first admission into the batch (once admitted)
 
 
 class Request:
@@ -159,7 +161,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  prompt: str | None = None, index: int = 0, extra_keys: tuple = (),
-                 adapter: str | None = None, adapter_weights=None, compiled_grammar=None, mix=None) -> None:
+                 adapter: str | None = None, adapter_weights=None, compiled_grammar=None, mix=None,
+                 tenant=None) -> None:
         self.request_id = request_id  # the group's id, shared by its n sequences
         self.index = index
         self.prompt = prompt
@@ -168,6 +171,7 @@ class Request:
         self.extra_keys = extra_keys  # salt for prefix-cache hashes (adapter content hash, grammar)
         self.adapter = adapter  # LoRA adapter name; None: the base model (or a mix)
         self.mix = mix  # an `AdapterMix` of two or more adapters (or one not at weight 1); None: `adapter` alone
+        self.tenant = tenant  # a `TenantShare` (its name and weight in the batch's fair share); None: nobody's
         # prefetched by the input processor, handed to the registry's pin (a mix: one per adapter, in order)
         self.adapter_weights = adapter_weights
         self.compiled_grammar = compiled_grammar  # compiled spec, shared by the n sequences
@@ -180,6 +184,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hit on first admission
+        self.arrival_time = time.monotonic()
+        self.queue_time_s: float | None = None  # set on first admission
         self.pending_forks = params.n - 1 if index == 0 else 0
         self.stop_reason: str | int | None = None
         self.generator: torch.Generator | None = None

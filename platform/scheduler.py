@@ -12,14 +12,20 @@ behind it go on (vLLM V1 does the same). So that no adapter starves, a resident 
 has held its slot `lora_cycle_steps` steps while others wait stops admitting new requests; its
 slot frees when its running requests finish and goes to the oldest waiting adapter (LoRAX's
 adapter cycling). Within one adapter, and for KV blocks, admission stays FCFS.
+
+Requests of several tenants share the batch by weight (`fair_share.py`): admission takes the next
+request from the tenant with the fewest seats per weight, and a tenant waiting below its share gets
+seats preempted from the one furthest above its own.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from loraplex.platform import fair_share
 from loraplex.platform.kv_cache_manager import KVCacheManager
 from loraplex.platform.request import Logprob, Request, RequestStatus
 
@@ -67,12 +73,14 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.tenanted = False  # a request named its tenant: the fair share applies while several are in flight
 
     def add(self, request: Request) -> None:
         if request.request_id in self.groups:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.groups[request.request_id] = [request]
         self.waiting.append(request)
+        self.tenanted = self.tenanted or request.tenant is not None
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -82,6 +90,10 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled_ids: set[str] = set()
+        fair = self.tenanted and fair_share.several_tenants(self.waiting, self.running)
+        if fair:
+            self._make_room_for_tenants(out)
+        made_room = len(out.preempted)
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < self.max_num_seqs:
             req = self.running[i]
@@ -99,19 +111,35 @@ class Scheduler:
                 i += 1
                 continue
             break  # req itself was preempted: nothing newer is left to schedule
-        if not out.preempted:
-            budget = self._admit_waiting(out, budget)
+        if len(out.preempted) == made_room:  # else blocks ran short above: nothing new this step
+            budget = self._admit_waiting(out, budget, fair)
         out.block_copies = self.kv.take_copies()
         return out
 
     def running_adapters(self) -> set[str]:
         return {name for r in self.running for name in r.adapter_names}
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+    def _make_room_for_tenants(self, out: SchedulerOutput) -> None:
+        """Preempt the seats that tenants waiting below their share can take (before anything runs)."""
         adapters = self.running_adapters()
         yielding = self._yielding_adapters(adapters)
+        admissible = lambda r: not r.adapter_names or self._slots_for(r.adapter_names, adapters, yielding)  # noqa: E731
+        for victim in fair_share.preemption_victims(list(self.waiting), self.running, self.max_num_seqs, admissible):
+            self.running.remove(victim)
+            self._preempt(victim)
+            out.preempted.append(victim)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, fair: bool = False) -> int:
+        adapters = self.running_adapters()
+        yielding = self._yielding_adapters(adapters)
+        held = fair_share.seats(self.running) if fair else None
         i = 0
         while i < len(self.waiting) and budget > 0:
+            if fair:  # the next from the tenant with the fewest seats per weight
+                i = fair_share.next_to_admit(self.waiting, held, lambda r: not r.adapter_names or self._slots_for(
+                    r.adapter_names, adapters, yielding))
+                if i is None:
+                    break
             req = self.waiting[i]
             group = req.pending_forks + 1
             if self.running and len(self.running) + group > self.max_num_seqs:
@@ -129,12 +157,15 @@ class Scheduler:
             self.kv.record_prefix_lookup(req.num_tokens, num_hit)
             if req.status == RequestStatus.WAITING:
                 req.num_cached_tokens = num_hit
+                req.queue_time_s = time.monotonic() - req.arrival_time
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             adapters.update(req.adapter_names)
             out.scheduled.append((req, num_new))
             budget -= num_new
+            if held is not None:
+                held[fair_share.tenant_of(req).name] += 1
         return budget
 
     def _slots_for(self, names: tuple[str, ...], resident: set[str], yielding: set[str]) -> bool:
@@ -190,7 +221,7 @@ class Scheduler:
         for index in range(1, parent.params.n):
             child = Request(parent.request_id, parent.prompt_token_ids, parent.params, parent.prompt, index=index,
                             extra_keys=parent.extra_keys, adapter=parent.adapter,
-                            compiled_grammar=parent.compiled_grammar, mix=parent.mix)
+                            compiled_grammar=parent.compiled_grammar, mix=parent.mix, tenant=parent.tenant)
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
             if parent.compiled_grammar is not None:  # forks happen before any token: a fresh matcher

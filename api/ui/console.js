@@ -53,8 +53,12 @@ const yes = (b) => `<span class="${b ? "yes" : "no"}">${b ? "yes" : "no"}</span>
 const esc = (s) => String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
 
 async function refreshAdapters() {
-  const [models, table] = await Promise.all([call("/v1/models"), call("/v1/adapters")]);
-  state.base = models.data.find((m) => m.parent === null).id;
+  // with the admin key the table shows each adapter's folder too (folders are the admin's only)
+  const admin = $("admin-key").value.trim() !== "";
+  const [models, table] = await Promise.all([call("/v1/models"), call("/v1/adapters", undefined, admin)]);
+  const baseCard = models.data.find((m) => m.parent === null);  // absent for a tenant without the base model
+  state.base = baseCard ? baseCard.id : (models.data.length ? models.data[0].parent : "");
+  state.baseUsable = Boolean(baseCard);
   state.adapters = table.data;
   $("model-name").textContent = "on " + state.base;
   const rows = [`<tr class="base"><td><b>${esc(state.base)}</b> (base)</td><td>-</td><td>-</td><td>-</td>
@@ -62,7 +66,7 @@ async function refreshAdapters() {
     <td class="admin-only"></td></tr>`];
   for (const a of table.data) {
     rows.push(`<tr data-name="${esc(a.id)}"><td>${esc(a.id)}</td><td>${a.rank}</td>
-      <td class="targets">${esc(a.target_modules.join(", "))}</td><td class="folder" title="${esc(a.path)}">${esc(a.path)}</td>
+      <td class="targets">${esc(a.target_modules.join(", "))}</td><td class="folder" title="${esc(a.path || "")}">${a.path ? esc(a.path) : '<span class="muted">(admin only)</span>'}</td>
       <td>${yes(a.resident)}</td><td>${yes(a.in_memory)}</td><td>${a.pinned}</td><td>${a.requests}</td>
       <td>${a.generation_tokens}</td><td class="admin-only"><button class="unload" data-name="${esc(a.id)}">Unload</button></td></tr>`);
   }
@@ -151,13 +155,42 @@ function drawChart() {
 function refreshTargets() {
   const box = $("targets");
   const checked = new Set([...box.querySelectorAll("input:checked")].map((i) => i.value));
-  const names = [state.base, ...state.adapters.map((a) => a.id)];
+  const names = [...(state.baseUsable ? [state.base] : []), ...state.adapters.map((a) => a.id)];
   if (box.dataset.names === names.join("\n")) return;  // unchanged: keep the boxes being clicked
   box.dataset.names = names.join("\n");
-  if (!box.dataset.ready) checked.add(state.base);
+  if (!box.dataset.ready && state.baseUsable) checked.add(state.base);
   box.dataset.ready = "1";
   box.innerHTML = "<legend>Targets (side by side)</legend>" + names.map((n) =>
     `<label><input type="checkbox" value="${esc(n)}" ${checked.has(n) ? "checked" : ""}> ${esc(n)}</label>`).join("");
+  for (const select of $("mix-rows").querySelectorAll("select")) fillAdapterSelect(select);
+}
+
+// The mix composer: rows of (adapter, weight), sent as `adapters` with the base model as `model`.
+function fillAdapterSelect(select) {
+  const chosen = select.value;
+  select.innerHTML = state.adapters.map((a) => `<option value="${esc(a.id)}">${esc(a.id)}</option>`).join("");
+  if (state.adapters.some((a) => a.id === chosen)) select.value = chosen;
+}
+
+$("mix-add").addEventListener("click", () => {
+  const row = document.createElement("div");
+  row.className = "mix-row";
+  row.innerHTML = `<label>adapter <select class="mix-adapter"></select></label>
+    <label>weight <input class="mix-weight" type="number" value="1" min="-4" max="4" step="0.1"></label>
+    <button type="button" class="mix-remove">Remove</button>`;
+  fillAdapterSelect(row.querySelector("select"));
+  row.querySelector(".mix-remove").addEventListener("click", () => row.remove());
+  $("mix-rows").appendChild(row);
+});
+
+function mixValue() {
+  return [...$("mix-rows").querySelectorAll(".mix-row")].map((row) => ({
+    name: row.querySelector(".mix-adapter").value, weight: Number(row.querySelector(".mix-weight").value) }));
+}
+
+// A target: a model name, or a mix of adapters on the base model.
+function targetLabel(target) {
+  return target.adapters ? "mix: " + target.adapters.map((a) => `${a.name} × ${a.weight}`).join(" + ") : target.model;
 }
 
 function schemaValue() {
@@ -189,9 +222,10 @@ async function checkSchema() {
   }
 }
 
-function requestBody(model, schema) {
-  const body = { model, messages: [{ role: "user", content: $("prompt").value }],
+function requestBody(target, schema) {
+  const body = { model: target.model, messages: [{ role: "user", content: $("prompt").value }],
                  max_tokens: Number($("max-tokens").value), temperature: Number($("temperature").value), stream: true };
+  if (target.adapters) body.adapters = target.adapters;
   if (schema) body.response_format = { type: "json_schema", json_schema: { name: "playground", schema } };
   return body;
 }
@@ -206,12 +240,12 @@ function showSnippets(body) {
     `api_key="...")\nreply = client.chat.completions.create(\n${args}\n)\nprint(reply.choices[0].message.content)`;
 }
 
-async function stream(model, schema, column, run) {
+async function stream(target, schema, column, run) {
   const text = column.querySelector(".text"), meta = column.querySelector(".meta");
   const started = performance.now();
   let chunks = 0, finish = null;
   const resp = await fetch("/v1/chat/completions", { method: "POST", headers: headers(false),
-                                                     body: JSON.stringify(requestBody(model, schema)) });
+                                                     body: JSON.stringify(requestBody(target, schema)) });
   if (!resp.ok) {
     const body = await resp.json().catch(() => ({}));
     throw new Error(body.error ? body.error.message : resp.statusText);
@@ -252,13 +286,16 @@ $("run").addEventListener("click", async () => {
   showError(null);
   if (!(await checkSchema())) return;
   const schema = schemaValue();
-  const models = [...$("targets").querySelectorAll("input:checked")].map((i) => i.value);
+  const targets = [...$("targets").querySelectorAll("input:checked")].map((i) => ({ model: i.value }));
+  const mix = mixValue();
+  if (mix.length) targets.push({ model: state.base, adapters: mix });
   const run = ++state.runs;
   $("outputs").dataset.run = run;  // which run the columns belong to (scripts and tests wait on it)
-  $("outputs").innerHTML = models.map((m) => `<div class="column" data-model="${esc(m)}"><h3>${esc(m)}</h3>
-    <pre class="text"></pre>${schema ? '<pre class="parsed"></pre>' : ""}<div class="meta">streaming...</div></div>`).join("");
-  if (models.length) showSnippets({ ...requestBody(models[0], schema) });
-  await Promise.all(models.map((m, i) => stream(m, schema, $("outputs").children[i], run).catch((err) => {
+  $("outputs").innerHTML = targets.map((t) => `<div class="column" data-model="${esc(targetLabel(t))}">
+    <h3>${esc(targetLabel(t))}</h3><pre class="text"></pre>${schema ? '<pre class="parsed"></pre>' : ""}
+    <div class="meta">streaming...</div></div>`).join("");
+  if (targets.length) showSnippets({ ...requestBody(targets[targets.length - 1], schema) });
+  await Promise.all(targets.map((t, i) => stream(t, schema, $("outputs").children[i], run).catch((err) => {
     const column = $("outputs").children[i];
     column.querySelector(".meta").textContent = "error: " + err.message;
     column.classList.add("done", "failed");

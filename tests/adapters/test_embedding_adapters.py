@@ -217,8 +217,8 @@ class EagerGraphs:
     def __init__(self, runner) -> None:
         self.runner, self.replays = runner, 0
 
-    def fits(self, num_tokens: int, with_lora: bool) -> bool:
-        return True
+    def fits(self, num_tokens: int, with_lora: bool, mix_passes: int = 0) -> bool:
+        return mix_passes == 0
 
     def run(self, step):
         from loraplex.platform.model_runner import StepInputs

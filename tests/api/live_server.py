@@ -42,7 +42,10 @@ class LiveServer:
 
 
 def start_server(model_dir: Path, config, lora_modules: dict[str, Path] | None = None,
-                 max_waiting_requests: int | None = None, shared=None, **engine_args) -> LiveServer:
+                 max_waiting_requests: int | None = None, shared=None, guarded: bool = False,
+                 **engine_args) -> LiveServer:
+    """`guarded`: uvicorn configured as `loraplex serve` configures it (api/serve.py: the connection
+    guard's read timeout, idle cap and stall limit from `config`)."""
     import uvicorn
 
     from loraplex.api.server import build_app
@@ -58,7 +61,13 @@ def start_server(model_dir: Path, config, lora_modules: dict[str, Path] | None =
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(build_app(front, config, shared), log_level="warning", timeout_graceful_shutdown=5))
+    app = build_app(front, config, shared)
+    if guarded:
+        from loraplex.api.serve import uvicorn_config
+
+        server = uvicorn.Server(uvicorn_config(app, config, log_level="warning", timeout_graceful_shutdown=5))
+    else:
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     for _ in range(200):

@@ -46,7 +46,8 @@ def test_every_engine_setting_is_a_serve_flag():
              "block_size": 32, "num_kv_blocks": 11, "kv_cache_memory": 3 << 20, "enable_prefix_caching": False,
              "seed": 5, "max_loras": 3, "max_lora_rank": 8, "max_cpu_loras": 9, "lora_memory": 5 << 20,
              "lora_cycle_steps": 4, "grammar_backend": "outlines", "grammar_compile_timeout_s": 2.5,
-             "jump_forward": False, "json_close_window": 8, "pack_weights": False, "kv_cache_dtype": "float16",
+             "grammar_compile_workers": 2, "jump_forward": False, "json_close_window": 8, "pack_weights": False,
+             "kv_cache_dtype": "float16",
              "quantization": "int8", "device": "cuda:1", "gpu_memory_utilization": 0.5, "enforce_eager": True,
              "lora_dtype": "bfloat16", "prefill_attention": "sdpa", "max_adapters_per_request": 3}
     settable = {f.name for f in fields(EngineConfig)} - {"model"}
@@ -55,7 +56,8 @@ def test_every_engine_setting_is_a_serve_flag():
             "--max-num-batched-tokens", "99", "--block-size", "32", "--num-kv-blocks", "11",
             "--kv-cache-memory", "3MiB", "--no-enable-prefix-caching", "--seed", "5", "--max-loras", "3",
             "--max-lora-rank", "8", "--max-cpu-loras", "9", "--lora-memory", "5MiB", "--lora-cycle-steps", "4",
-            "--grammar-backend", "outlines", "--grammar-compile-timeout", "2.5", "--no-jump-forward",
+            "--grammar-backend", "outlines", "--grammar-compile-timeout", "2.5", "--grammar-compile-workers", "2",
+            "--no-jump-forward",
             "--json-close-window", "8",
             "--no-pack-weights", "--kv-cache-dtype", "float16", "--quantization", "int8", "--lora-dtype", "bfloat16",
             "--device", "cuda:1",

@@ -3,7 +3,7 @@ snapshot; schemas checked without generating. Also what any client may use."""
 
 from __future__ import annotations
 
-from live_server import SCHEMA, assert_error, client, http, live, wait_idle  # noqa: F401
+from live_server import ADMIN_KEY, SCHEMA, assert_error, client, http, live, wait_idle  # noqa: F401
 
 MSG = [{"role": "user", "content": "Hello world"}]
 
@@ -15,7 +15,9 @@ def test_adapters_show_shape_residency_and_traffic(client, live):
     cards = {c["id"]: c for c in http(live, "/v1/models")[1]["data"]}
     assert a0["rank"] > 0 and set(a0["target_modules"]) <= {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                            "up_proj", "down_proj"} and a0["target_modules"]
-    assert a0["path"] == cards["a0"]["root"]
+    assert a0["path"] is None  # a user key sees no folder; the admin key sees the one of the model card
+    admin_a0 = next(a for a in http(live, "/v1/adapters", key=ADMIN_KEY)[1]["data"] if a["id"] == "a0")
+    assert admin_a0["path"] == http(live, "/v1/models/a0", key=ADMIN_KEY)[1]["root"] and admin_a0["path"]
     reply = client.chat.completions.create(model="a0", messages=MSG, max_tokens=5, temperature=0,
                                            extra_body={"ignore_eos": True})
     wait_idle(live.engine)

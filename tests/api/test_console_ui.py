@@ -107,6 +107,31 @@ def run_outputs(run: int):
     return lambda driver: driver.execute_script(script, run)
 
 
+def served_url(driver) -> str:
+    return driver.current_url.split("/ui")[0]
+
+
+def _answer(url: str, prompt: str, **fields) -> str:
+    """The same chat request as the playground's, unstreamed, through the API."""
+    import urllib.request
+
+    base = next(m["id"] for m in json.loads(_get(url, "/v1/models"))["data"] if m["parent"] is None)
+    body = {"model": base, "max_tokens": 24, "temperature": 0,
+            "messages": [{"role": "user", "content": prompt}], **fields}
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Authorization": f"Bearer {USER}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())["choices"][0]["message"]["content"]
+
+
+def _get(url: str, path: str) -> str:
+    import urllib.request
+
+    req = urllib.request.Request(url + path, headers={"Authorization": f"Bearer {USER}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return resp.read().decode()
+
+
 def test_the_console_end_to_end(page):
     driver = page
     type_into(driver, "api-key", USER)
@@ -135,14 +160,22 @@ def test_the_console_end_to_end(page):
     by_id(driver, "tab-playground").click()
     wait_for(driver, lambda d: d.find_elements("css selector", '#targets input[value="ex"]'), what="targets")
     driver.find_element("css selector", '#targets input[value="ex"]').click()
+    by_id(driver, "mix-add").click()  # a third target: the adapter at weight -0.8 on the base model
+    weight = driver.find_element("css selector", "#mix-rows .mix-weight")
+    weight.clear()
+    weight.send_keys("-0.8")
     type_into(driver, "prompt", "Name three colors of the rainbow.")
     type_into(driver, "max-tokens", "24")
     by_id(driver, "run").click()
-    cols = wait_for(driver, run_outputs(1), what="two streamed answers")
-    texts = {c["model"]: c["text"].strip() for c in cols}
-    assert len(texts) == 2 and all(texts.values()) and len(set(texts.values())) == 2, texts
-    assert "/v1/chat/completions" in by_id(driver, "snippet-curl").get_attribute("textContent")
+    cols = wait_for(driver, run_outputs(1), what="three streamed answers")
+    texts = {c["model"]: c["text"] for c in cols}
+    assert list(texts)[2] == "mix: ex × -0.8" and len(texts) == 3, texts
+    assert all(t.strip() for t in texts.values()) and len({t.strip() for t in texts.values()}) == 3, texts
+    assert texts["mix: ex × -0.8"] == _answer(served_url(driver), "Name three colors of the rainbow.",
+                                             adapters=[{"name": "ex", "weight": -0.8}])
+    assert '"adapters"' in by_id(driver, "snippet-curl").get_attribute("textContent")
     assert "client.chat.completions.create" in by_id(driver, "snippet-python").get_attribute("textContent")
+    driver.find_element("css selector", "#mix-rows .mix-remove").click()
 
     type_into(driver, "schema", '{"type": "object", "properties": {"x": {"type": "array", "contains": {}}}}')
     wait_for(driver, lambda d: "'contains'" in by_id(d, "schema-status").text, what="the server's refusal")

@@ -191,8 +191,8 @@ def test_invalid_unicode_and_oversized_lists_are_4xx(tiny_model_dir, adapter_roo
     strings or stop token ids: 4xx naming the problem; the server and /v1/models stay fine."""
     import urllib.request
 
-    server = start_server(tiny_model_dir, config(adapter_root, api_key="k3y"), max_waiting_requests=4,
-                          num_kv_blocks=64)
+    server = start_server(tiny_model_dir, config(adapter_root, api_key="k3y", admin_api_key="adm1n"),
+                          max_waiting_requests=4, num_kv_blocks=64)
     chat, completions = "/v1/chat/completions", "/v1/completions"
     lone = b'"\\ud800"'  # the JSON escape of a lone surrogate
     try:
@@ -203,7 +203,8 @@ def test_invalid_unicode_and_oversized_lists_are_4xx(tiny_model_dir, adapter_roo
             ("/v1/load_lora_adapter", b'{"lora_name": ' + lone + b', "lora_path": "a0"}', "lora_name"),
             ("/tokenize", b'{"prompt": ' + lone + b"}", "prompt"),
         ]:
-            assert_error(http(server, path, raw=raw, key="k3y"), 400, fragment)
+            key = "adm1n" if path == "/v1/load_lora_adapter" else "k3y"
+            assert_error(http(server, path, raw=raw, key=key), 400, fragment)
         req = urllib.request.Request(server.url + "/v1/models", headers={"Authorization": "Bearer caf\xe9"})
         try:
             urllib.request.urlopen(req, timeout=10)

@@ -23,11 +23,14 @@ def test_given_flags_reach_the_settings(tmp_path, monkeypatch):
         "serve", "--host", "0.0.0.0", "--port", "9", "--served-model-name", "base", "--api-key", "k",
         "--adapter-root", str(tmp_path), "--adapter-root", str(tmp_path), "--enable-lora-resolver",
         "--max-waiting-requests", "3", "--max-request-body-bytes", "1MiB", "--request-timeout", "2.5",
-        "--shutdown-timeout", "4", "--disable-ui", "--replicas", "3", "--ray-routing", "round-robin",
+        "--shutdown-timeout", "4", "--disable-ui", "--read-timeout", "7", "--keep-alive-timeout", "2",
+        "--max-idle-connections", "9", "--stream-buffer-bytes", "64KiB", "--stall-timeout", "3", "--replicas", "3", "--ray-routing", "round-robin",
         "--ray-address", "auto", "--ray-num-cpus", "5"])
     assert server_config(args, "/m") == ServerConfig(
         served_model_name="base", model_path="/m", host="0.0.0.0", port=9, api_key="k", admin_api_key="from-env",
         adapter_roots=(str(tmp_path),) * 2, enable_lora_resolver=True, max_waiting_requests=3,
-        max_request_body_bytes=1 << 20, request_timeout_s=2.5, shutdown_timeout_s=4.0, enable_ui=False)
+        max_request_body_bytes=1 << 20, request_timeout_s=2.5, shutdown_timeout_s=4.0, enable_ui=False,
+        read_timeout_s=7.0, keep_alive_timeout_s=2.0, max_idle_connections=9, stream_buffer_bytes=64 << 10,
+        stall_timeout_s=3.0)
     assert ClusterConfig(**values(ClusterConfig, args)) == ClusterConfig(replicas=3, routing="round-robin",
                                                                           address="auto", num_cpus=5)

@@ -124,7 +124,8 @@ def test_slow_compile_never_stalls_other_requests(tiny_model_dir, monkeypatch):
 
     from loraplex.platform.async_engine import AsyncEngine
 
-    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, grammar_backend="xgrammar")
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, grammar_backend="xgrammar",
+              grammar_compile_workers=0)  # in this process: the patched backend is the one that compiles
     backend = llm.engine.grammars._get("xgrammar")
     real = backend.compile
     release = threading.Event()

@@ -73,6 +73,26 @@ def test_decode_graphs_give_the_eager_tokens(tiny_model_dir, tiny_adapters):
     assert not any(with_lora for _, with_lora in runner.graphs.num_replays) and runner.graphs.num_replays
 
 
+def test_adapter_mixes_replay_graphs_of_their_own(tiny_model_dir, tiny_adapters):
+    """Mixes of up to two adapters (a negative weight, one adapter at 0.5) replay the mix graphs and give
+    the eager tokens; a mix of three has no graph (it runs eagerly)."""
+    prompts = [{"prompt_token_ids": list(range(3, 8))}, {"prompt_token_ids": list(range(4, 13))}]
+    mixes = [[("a0", 0.7), ("a1", -0.3)], [("a0", 0.5)]]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with dispatch.forced_backend("triton"):
+        llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=32, max_num_seqs=2, max_loras=2,
+                  lora_modules={f"a{i}": str(tiny_adapters[i]) for i in range(2)})
+        eager = [o.outputs[0].token_ids for o in llm.generate(prompts, params, adapter=mixes)]
+        capture = FakeCapture()
+        runner = llm.engine.runner
+        runner.enable_graphs(capture, 2, llm.engine.max_model_len, llm.engine.adapters.slots.null_slot, 2)
+        assert capture.captured == 3 * len(capture_sizes(2))  # base, LoRA, mixes
+        graphed = [o.outputs[0].token_ids for o in llm.generate(prompts, params, adapter=mixes)]
+    assert graphed == eager
+    assert runner.graphs.num_replays[2, "mix"] == 2  # both decode steps
+    assert runner.graphs.fits(2, True, 2) and not runner.graphs.fits(2, True, 3)
+
+
 class _StubModel(torch.nn.Module):
     """What DecodeGraphs reads of a model: the embedding's device and dtype, the hidden size, the call; each
     replay records the block tables it saw."""

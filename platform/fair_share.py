@@ -1,0 +1,97 @@
+"""Tenants' fair share of the running batch: seats (running sequences) in proportion to their weights.
+
+Without tenants every request is the default tenant's and the scheduler stays FCFS. With several
+tenants in flight, a waiting request is admitted from the tenant with the fewest seats per weight
+(FCFS within a tenant, the adapter-slot rules unchanged), and when the batch is full while a tenant
+waits below its share, the newest sequences of the tenant furthest above its share are preempted
+(recomputed later, mostly from the prefix cache) to make room: one tenant's flood cannot hold the
+batch while another's requests wait (weighted fair queueing over seats, as a gateway cannot do).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from loraplex.platform.request import Request
+
+
+@dataclass(frozen=True)
+class TenantShare:
+    """Whose request it is, and that tenant's weight in the share of the batch."""
+
+    name: str
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.weight, (int, float)) and math.isfinite(self.weight) and self.weight > 0):
+            raise ValueError(f"tenant {self.name!r}: weight must be a positive number, got {self.weight!r}")
+
+
+DEFAULT_TENANT = TenantShare("")
+
+
+def tenant_of(req: Request) -> TenantShare:
+    return req.tenant or DEFAULT_TENANT
+
+
+def seats(running: Iterable[Request]) -> Counter:
+    """Running sequences per tenant name."""
+    return Counter(tenant_of(r).name for r in running)
+
+
+def several_tenants(waiting: Iterable[Request], running: Iterable[Request]) -> bool:
+    names = set()
+    for req in (*waiting, *running):
+        names.add(tenant_of(req).name)
+        if len(names) > 1:
+            return True
+    return False
+
+
+def next_to_admit(waiting: Iterable[Request], held: Counter, admissible: Callable[[Request], bool]) -> int | None:
+    """Index in `waiting` of the next request to admit: each tenant's first admissible request, from the
+    tenant with the fewest seats per weight (the earlier one on a tie); None if none is admissible."""
+    best, seen = None, set()
+    for i, req in enumerate(waiting):
+        tenant = tenant_of(req)
+        if tenant.name in seen or not admissible(req):
+            continue
+        seen.add(tenant.name)
+        key = (held[tenant.name] / tenant.weight, i)
+        if best is None or key < best:
+            best = key
+    return None if best is None else best[1]
+
+
+def fair_seats(requests: Iterable[Request], max_num_seqs: int) -> dict[str, float]:
+    """Each tenant in flight's share of `max_num_seqs` seats, by weight."""
+    weights = {}
+    for req in requests:
+        tenant = tenant_of(req)
+        weights[tenant.name] = tenant.weight
+    total = sum(weights.values())
+    return {name: max_num_seqs * w / total for name, w in weights.items()}
+
+
+def preemption_victims(waiting: list[Request], running: list[Request], max_num_seqs: int,
+                       admissible: Callable[[Request], bool]) -> list[Request]:
+    """Running sequences to preempt so that tenants waiting below their share get seats: as many as they
+    can take beyond the free seats, each from the tenant then furthest above its share (newest first)."""
+    fair = fair_seats((*waiting, *running), max_num_seqs)
+    held = seats(running)
+    wanting = Counter(tenant_of(r).name for r in waiting if admissible(r))
+    need = sum(max(0, min(math.floor(fair[name]) - held[name], count)) for name, count in wanting.items())
+    need -= max(0, max_num_seqs - len(running))
+    victims: list[Request] = []
+    for _ in range(max(0, need)):
+        over = [name for name in held if held[name] - 1 >= fair[name]]
+        if not over:
+            break
+        name = max(over, key=lambda n: held[n] / fair[n])
+        victim = next(r for r in reversed(running) if tenant_of(r).name == name and r not in victims)
+        victims.append(victim)
+        held[name] -= 1
+    return victims

@@ -1,0 +1,337 @@
+"""Issue 43, the server's side, through real servers on 127.0.0.1: slow and stalled clients
+cannot hold connections or slow others, a user key sees nothing of the server's disk and never
+reaches the admin endpoints, no Host is reflected, bad adapter files are 400s naming the tensor,
+expected refusals log one line."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import assert_all_blocks_free
+from live_server import ADMIN_KEY, USER_KEY, assert_error, http, live, start_server, wait_idle  # noqa: F401
+from loraplex.api.server import ServerConfig
+
+READ_TIMEOUT_S, STALL_TIMEOUT_S = 1.0, 0.5
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_model_dir, tiny_adapters, tmp_path_factory):
+    """As `loraplex serve` runs it, with short limits; a user key and no admin key, the resolver on."""
+    root = tmp_path_factory.mktemp("guarded-root")
+    config = ServerConfig(served_model_name="tiny", model_path=str(tiny_model_dir), api_key=USER_KEY,
+                          adapter_roots=(str(root),), enable_lora_resolver=True, read_timeout_s=READ_TIMEOUT_S,
+                          max_idle_connections=4, stream_buffer_bytes=16 << 10, stall_timeout_s=STALL_TIMEOUT_S)
+    server = start_server(tiny_model_dir, config, {"a0": tiny_adapters[0]}, guarded=True, num_kv_blocks=256,
+                          max_num_seqs=80)
+    yield server
+    server.stop()
+
+
+def address(server) -> tuple[str, int]:
+    parts = urllib.parse.urlsplit(server.url)
+    return parts.hostname, parts.port
+
+
+def closed(sock: socket.socket) -> bool:
+    """The server closed it (what it sent before, such as a 408, is read and dropped)."""
+    while select.select([sock], [], [], 0)[0]:
+        try:
+            if not sock.recv(65536):
+                return True
+        except OSError:
+            return True
+    return False
+
+
+def test_slowloris_connections_are_closed_within_the_read_timeout(guarded):
+    socks = [socket.create_connection(address(guarded)) for _ in range(50)]
+    opened = time.monotonic()
+    request = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 64
+    shut: dict[int, float] = {}
+    try:
+        for i in range(int(4 * READ_TIMEOUT_S / 0.1)):  # a byte per connection every tick, never the end
+            for j, sock in enumerate(socks):
+                if j not in shut:
+                    with contextlib.suppress(OSError):
+                        sock.send(request[i % len(request):][:1])
+                    if closed(sock):
+                        shut[j] = time.monotonic() - opened
+            if len(shut) == len(socks):
+                break
+            time.sleep(0.1)
+        assert len(shut) == len(socks), f"{len(socks) - len(shut)} slow connections still open"
+        assert max(shut.values()) < READ_TIMEOUT_S + 1.0
+        assert http(guarded, "/health", key=None)[0] == 200
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def test_a_slow_body_gets_a_408_or_a_close_and_the_server_goes_on(guarded):
+    sock = socket.create_connection(address(guarded))
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + USER_KEY.encode()
+                     + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        sock.settimeout(READ_TIMEOUT_S + 2)
+        start = time.monotonic()
+        data = b""
+        with contextlib.suppress(OSError):
+            while chunk := sock.recv(65536):
+                data += chunk
+        assert time.monotonic() - start < READ_TIMEOUT_S + 1.5
+        assert b"200 OK" not in data
+    finally:
+        sock.close()
+    assert http(guarded, "/health", key=None)[0] == 200
+
+
+def test_idle_keep_alive_connections_are_capped(guarded):
+    socks = [socket.create_connection(address(guarded)) for _ in range(10)]
+    try:
+        for sock in socks:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            sock.settimeout(10)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        deadline = time.monotonic() + 2
+        while sum(map(closed, socks)) < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # the four most recent stay open (their keep-alive timeout is longer than this test's wait)
+        assert not any(closed(sock) for sock in socks[-4:])
+        assert all(closed(sock) for sock in socks[:6])
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def stalled_stream(server, max_tokens: int) -> socket.socket:
+    """A streamed completion whose client never reads a byte (and says so with a small window)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)  # before connect: it sets the window
+    sock.connect(address(server))
+    body = json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": max_tokens, "stream": True,
+                       "ignore_eos": True}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + USER_KEY.encode()
+                 + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    return sock
+
+
+def plain_latency(server) -> float:
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        status, _ = http(server, "/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 32,
+                                                     "ignore_eos": True})
+        assert status == 200
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def test_64_stalled_streams_are_aborted_and_leave_others_alone(guarded, monkeypatch):
+    idle = plain_latency(guarded)
+    aborted: list[str] = []
+    abort = guarded.front.abort
+    monkeypatch.setattr(guarded.front, "abort", lambda rid: (aborted.append(rid), abort(rid)))
+    socks = [stalled_stream(guarded, 480) for _ in range(64)]
+    try:
+        deadline = time.monotonic() + 20
+        while len(aborted) < 64 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(aborted) >= 64, f"{len(aborted)} of 64 stalled streams aborted"
+        wait_idle(guarded.engine)
+        assert_all_blocks_free(guarded.engine)
+        loaded = plain_latency(guarded)  # the stalled clients are still connected, still not reading
+        assert loaded < 2 * idle, (loaded, idle)
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def test_admin_endpoints_are_off_for_a_user_key_without_an_admin_key(guarded, tiny_adapters):
+    shutil.copytree(tiny_adapters[2], guarded.root / "hot", dirs_exist_ok=True)
+    body = {"lora_name": "hot", "lora_path": "hot"}
+    assert_error(http(guarded, "/v1/load_lora_adapter", body), 403, "admin")
+    assert_error(http(guarded, "/v1/unload_lora_adapter", {"lora_name": "hot"}), 403, "admin")
+    assert_error(http(guarded, "/v1/load_lora_adapter", body, key=None), 401)
+    assert "hot" not in {a.name for a in guarded.engine.adapters.list()}
+
+
+def test_admin_off_is_logged_once_at_start_up(caplog):
+    from loraplex.api.server import build_app
+
+    class Client:  # building the app asks nothing of the engine
+        stats = None
+
+    with caplog.at_level(logging.INFO, logger="loraplex"):
+        build_app(Client(), ServerConfig(served_model_name="tiny", api_key=USER_KEY))
+        build_app(Client(), ServerConfig(served_model_name="tiny", api_key=USER_KEY, admin_api_key=ADMIN_KEY))
+        build_app(Client(), ServerConfig(served_model_name="tiny"))
+    lines = [r.getMessage() for r in caplog.records if "admin" in r.getMessage()]
+    assert len(lines) == 1 and "off" in lines[0]
+
+
+def test_no_host_is_reflected_in_redirects(guarded):
+    sock = socket.create_connection(address(guarded))
+    try:
+        sock.sendall(b"GET /ui HTTP/1.1\r\nHost: evil.example\r\nConnection: close\r\n\r\n")
+        sock.settimeout(10)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    finally:
+        sock.close()
+    head = data.split(b"\r\n\r\n")[0].decode()
+    assert re.match(r"HTTP/1.1 30[1278]", head), head
+    location = re.search(r"(?im)^location: *(\S+)", head)[1]
+    assert location.startswith("/") and not location.startswith("//") and "evil" not in data.decode()
+
+
+def test_a_user_key_sees_no_folder_of_the_server(guarded, tiny_model_dir, tiny_adapters):
+    broken = guarded.root / "broken"  # the resolver reads it on first use, and refuses it
+    shutil.copytree(tiny_adapters[1], broken, dirs_exist_ok=True)
+    (broken / "adapter_config.json").write_text("{")
+    shutil.copytree(tiny_adapters[2], guarded.root / "fine", dirs_exist_ok=True)
+    replies = [http(guarded, "/v1/completions", {"model": m, "prompt": "Hi", "max_tokens": 2})
+               for m in ("a0", "fine", "broken", str(broken), "nope")]
+    replies.append(http(guarded, "/v1/chat/completions", {"model": "broken", "max_tokens": 2,
+                                                          "messages": [{"role": "user", "content": "Hi"}]}))
+    assert [status for status, _ in replies] == [200, 200, 400, 404, 404, 400]
+    replies += [http(guarded, path) for path in ("/v1/models", "/v1/models/tiny", "/v1/models/a0", "/v1/models/fine",
+                                                 "/v1/adapters", "/v1/stats", "/metrics", "/version", "/health",
+                                                 "/openapi.json", "/v1/models/nope", "/ui/")]
+    text = json.dumps(replies)
+    private = [str(p) for p in (guarded.root, tiny_model_dir, *tiny_adapters)]
+    assert not [p for p in private if p in text], text[:3000]
+    assert "<adapter root>" in replies[2][1]["error"]["message"]  # where the path was, a placeholder
+    cards = {c["id"]: c for c in http(guarded, "/v1/models")[1]["data"]}
+    assert cards["a0"]["root"] == "a0" and cards["a0"]["parent"] == "tiny" and cards["tiny"]["root"] == "tiny"
+    assert {a["path"] for a in http(guarded, "/v1/adapters")[1]["data"]} == {None}
+
+
+def test_the_admin_key_sees_the_folders(live, tiny_model_dir, tiny_adapters):
+    cards = {c["id"]: c for c in http(live, "/v1/models", key=ADMIN_KEY)[1]["data"]}
+    assert cards["a0"]["root"] == str(tiny_adapters[0]) and cards["tiny"]["root"] == str(tiny_model_dir)
+    rows = {a["id"]: a for a in http(live, "/v1/adapters", key=ADMIN_KEY)[1]["data"]}
+    assert rows["a0"]["path"] == str(tiny_adapters[0])
+    assert http(live, "/v1/models", key=USER_KEY)[1]["data"][1]["root"] == "a0"
+
+
+def adapter_copy(src, dst, change) -> None:
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "adapter_model.safetensors")
+    change(tensors)
+    save_file(tensors, dst / "adapter_model.safetensors")
+
+
+def test_bad_adapter_files_are_400s_naming_the_tensor(live, tiny_adapters):
+    def duplicate(tensors):
+        key = next(k for k in tensors if "q_proj.lora_A" in k)
+        tensors[key.removeprefix("base_model.model.")] = torch.tensor(1.0)  # the same tensor, 0-dimensional
+
+    def nan(tensors):
+        key = next(k for k in tensors if "v_proj.lora_B" in k)
+        tensors[key][0, :3] = float("nan")
+        tensors[key][1, 0] = float("inf")
+
+    for name, change, fragments in [("dup", duplicate, ["q_proj.lora_A", "two spellings"]),
+                                    ("nan", nan, ["v_proj.lora_B", "3 NaN", "1 infinite"])]:
+        adapter_copy(tiny_adapters[3], live.root / name, change)
+        status, body = http(live, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": name}, key=ADMIN_KEY)
+        assert status == 400, body
+        for fragment in fragments:
+            assert fragment in body["error"]["message"], body
+    dup = http(live, "/v1/load_lora_adapter", {"lora_name": "dup", "lora_path": "dup"}, key=ADMIN_KEY)[1]
+    keys = re.findall(r"'([^']*q_proj\.lora_A[^']*)'", dup["error"]["message"])
+    assert len(set(keys)) == 2 and any(k.startswith("base_model.model.") for k in keys)
+    assert {a.name for a in live.engine.adapters.list()} >= {"a0", "a1"} and "dup" not in \
+        {a.name for a in live.engine.adapters.list()}
+
+
+def test_a_409_logs_one_line_not_a_traceback(live, caplog):
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addHandler(caplog.handler)
+    sock = stalled_stream_on(live, "a1")
+    try:
+        deadline = time.monotonic() + 20
+        while not live.engine.adapters.num_pins() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with caplog.at_level(logging.INFO):
+            caplog.clear()
+            for _ in range(3):
+                assert_error(http(live, "/v1/unload_lora_adapter", {"lora_name": "a1"}, key=ADMIN_KEY), 409, "in use")
+        records = [r for r in caplog.records if "in use" in r.getMessage() or r.exc_info]
+        assert len(records) == 3 and not any(r.exc_info for r in records), [r.getMessage() for r in records]
+        assert not [r for r in caplog.records if "Exception in ASGI" in r.getMessage()]
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
+        sock.close()
+        wait_idle(live.engine)
+
+
+def stalled_stream_on(server, model: str) -> socket.socket:
+    sock = socket.create_connection(address(server))
+    body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 400, "stream": True,
+                       "ignore_eos": True}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + USER_KEY.encode()
+                 + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    return sock
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_during_a_slow_compile_exits_zero_after_the_drain(tiny_model_dir):
+    """A compile still running when the drain ends (outlines on a long negated class: many seconds)
+    neither holds the exit nor turns it into a failure."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "loraplex.api.cli", "serve", str(tiny_model_dir), "--port", str(port), "--dtype",
+           "float32", "--kv-cache-memory", "64MiB", "--shutdown-timeout", "1", "--grammar-backend", "outlines",
+           "--grammar-compile-timeout", "60"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            with contextlib.suppress(OSError):
+                if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                    break
+            time.sleep(0.3)
+        body = {"model": "tiny", "prompt": "Hi", "max_tokens": 4, "structured_outputs": {"regex": "[^a]{3000}"}}
+        asking = threading.Thread(target=http_to, args=(url, body), daemon=True)
+        asking.start()
+        time.sleep(1.0)  # the compile is under way
+        stopped = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert time.monotonic() - stopped < 15  # the drain (its grace, then uvicorn's), not the compile
+        assert "Shutting down" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+def http_to(url: str, body: dict) -> None:
+    with contextlib.suppress(OSError):
+        request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        urllib.request.urlopen(request, timeout=60)

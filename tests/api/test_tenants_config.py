@@ -1,0 +1,124 @@
+"""The tenants file and each tenant's limits (#42), without a server."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from loraplex.api.quotas import RateLimited, TenantLimits
+from loraplex.api.tenants import Tenant, TenantsError, load_tenants, parse_tenants
+
+GOOD = {"tenants": {
+    "acme": {"api_keys": ["sk-acme-1"], "adapters": ["acme-*"], "base_model": True, "requests_per_minute": 600,
+             "tokens_per_minute": 200000, "max_concurrent": 32, "weight": 2},
+    "globex": {"api_keys": ["sha256:" + hashlib.sha256(b"sk-globex").hexdigest()], "adapters": ["globex-*"],
+               "base_model": False, "can_load_adapters": True, "adapter_root": "/srv/adapters/globex"}}}
+
+
+def test_keys_plain_and_hashed_identify_their_tenant(tmp_path):
+    path = tmp_path / "tenants.json"
+    path.write_text(json.dumps(GOOD))
+    tenants = load_tenants(path)
+    assert tenants.identify("sk-acme-1").name == "acme"
+    assert tenants.identify("sk-globex").name == "globex"
+    assert tenants.identify("sk-acme-2") is None and tenants.identify("") is None
+    assert tenants.identify("sha256:" + hashlib.sha256(b"sk-globex").hexdigest()) is None  # the digest is no key
+    acme, globex = tenants.by_name["acme"], tenants.by_name["globex"]
+    assert acme.may_use(None) and not globex.may_use(None)
+    assert acme.may_use("acme-support") and not acme.may_use("globex-x") and not acme.may_use("acme")
+    assert acme.weight == 2.0 and acme.max_concurrent == 32 and globex.requests_per_minute is None
+
+
+def test_toml_is_read_too(tmp_path):
+    path = tmp_path / "tenants.toml"
+    path.write_text('[tenants.acme]\napi_keys = ["k1"]\nadapters = ["acme-*"]\nweight = 3\n')
+    assert load_tenants(path).by_name["acme"].weight == 3.0
+
+
+@pytest.mark.parametrize("change,fragment", [
+    (lambda t: t["acme"].update(api_keys=[]), "tenants.acme.api_keys"),
+    (lambda t: t["acme"].update(api_keys=["sha256:abc"]), "tenants.acme.api_keys[0]: sha256:"),
+    (lambda t: t["acme"].update(requests_per_minute=0), "tenants.acme.requests_per_minute"),
+    (lambda t: t["acme"].update(weight=-1), "tenants.acme.weight"),
+    (lambda t: t["acme"].update(base_model="yes"), "tenants.acme.base_model"),
+    (lambda t: t["acme"].update(quota=5), "tenants.acme: unknown field 'quota'"),
+    (lambda t: t["globex"].update(adapter_root="relative/dir"), "tenants.globex.adapter_root"),
+    (lambda t: t["globex"].pop("adapter_root"), "tenants.globex: can_load_adapters needs adapter_root"),
+    (lambda t: t["globex"].update(api_keys=["sk-acme-1"]), "a key of tenant 'acme' too"),
+    (lambda t: t["acme"].update(adapters="acme-*"), "tenants.acme.adapters"),
+])
+def test_a_bad_file_names_the_entry(change, fragment):
+    data = json.loads(json.dumps(GOOD))
+    change(data["tenants"])
+    with pytest.raises(TenantsError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+        parse_tenants(data, "t.json")
+
+
+def test_unreadable_or_malformed_files(tmp_path):
+    with pytest.raises(TenantsError, match="cannot be read"):
+        load_tenants(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(TenantsError, match="not valid JSON"):
+        load_tenants(bad)
+    bad.write_text('{"acme": {}}')
+    with pytest.raises(TenantsError, match='one key, "tenants"'):
+        load_tenants(bad)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _tenant(**limits) -> Tenant:
+    return Tenant("t", (b"x" * 32,), **limits)
+
+
+def test_requests_per_minute_refill_and_retry_after():
+    clock = Clock()
+    limits, tenant = TenantLimits(clock), _tenant(requests_per_minute=2)
+    limits.admit(tenant).release()
+    limits.admit(tenant).release()
+    with pytest.raises(RateLimited, match="2 requests per minute") as refused:
+        limits.admit(tenant)
+    assert refused.value.retry_after == "30"
+    clock.now += 30
+    limits.admit(tenant).release()
+
+
+def test_tokens_are_charged_as_generated_and_concurrency_is_bounded():
+    clock = Clock()
+    limits, tenant = TenantLimits(clock), _tenant(tokens_per_minute=100, max_concurrent=2)
+    first = limits.admit(tenant, prompt_tokens=40)
+    second = limits.admit(tenant, prompt_tokens=40)
+    with pytest.raises(RateLimited, match="max_concurrent"):
+        limits.admit(tenant)
+    first.charge(30)  # 100 - 80 - 30 < 0: the next request waits for the refill
+    first.release()
+    first.release()  # once only
+    assert limits.running("t") == 1
+    with pytest.raises(RateLimited, match="100 tokens per minute") as refused:
+        limits.admit(tenant)
+    assert refused.value.retry_after_s == pytest.approx(11 * 60 / 100)
+    clock.now += 7
+    limits.admit(tenant).release()
+    second.release()
+    assert limits.running("t") == 0
+
+
+def test_replicas_enforce_their_share_of_each_limit():
+    limits, tenant = TenantLimits(Clock(), share=0.5), _tenant(requests_per_minute=5, max_concurrent=3)
+    leases = [limits.admit(tenant), limits.admit(tenant)]  # ceil(3 / 2) at once, ceil(5 / 2) a minute
+    with pytest.raises(RateLimited, match="max_concurrent"):
+        limits.admit(tenant)
+    for lease in leases:
+        lease.release()
+    limits.admit(tenant).release()
+    with pytest.raises(RateLimited, match="3 requests per minute"):
+        limits.admit(tenant)
