@@ -1,17 +1,21 @@
-"""loraplex on Ray Serve: several engine replicas behind one OpenAI endpoint, each adapter's
-requests routed to the replicas that already hold it.
+"""loraplex on Ray Serve: several engine replicas behind one OpenAI endpoint, each adapter
+placed on a replica by load and its requests routed to its holders with bounded load.
 
-Three parts, and no router of our own (Ray Serve's model multiplexing routes):
-- `Ingress`: the HTTP entry. It reads which adapter a request names (`model`, or `lora_name` for
-  an admin load) and forwards the request as it came, with that adapter as the multiplexed
-  model id, to an engine replica; the reply streams back as the replica wrote it. `/metrics`
-  is every replica's, with a `replica` label.
+Three parts:
+- `Ingress`: the HTTP entry. It reads which adapter a request names (`model`, the heaviest of
+  an `adapters` mix, or `lora_name` for an admin load) and forwards the request as it came,
+  with that adapter as the multiplexed model id, to an engine replica; the reply streams back
+  as the replica wrote it. Which replica: Ray Serve's request router for the engine deployment,
+  in the ingress's process; ours (`adapter_router`) asks `api/placement.py`'s `Placement`, with
+  the adapters each replica holds as Ray's multiplexing reports them. `/metrics` is every
+  replica's, with a `replica` label; `/v1/stats` and `/v1/adapters` are merged over replicas
+  (each adapter with the replicas holding it).
 - The engine replicas: `api/replica.py`'s `EngineReplica` (plain, tested without Ray) in a thin
   Ray deployment (`engine_replica`) whose multiplexing hook is the replica's `hold`.
 - `AdapterCatalog`: one Ray actor with the shared adapter names (`SharedAdapters` for the app).
-  Replicas report to it twice a second (their metrics, the catalog version they applied) and
-  let go of names it no longer has, so an unload reaches every replica; the unload answers
-  once every live replica has seen it.
+  Replicas report to it twice a second (their metrics, stats and adapters, the catalog version
+  they applied) and let go of names it no longer has, so an unload reaches every replica; the
+  unload answers once every live replica has seen it.
 """
 
 from __future__ import annotations
@@ -19,12 +23,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import signal
 import threading
 import time
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -36,12 +42,13 @@ from loraplex.api import openai_format as fmt
 from loraplex.api.flags import values
 from loraplex.api.in_process import call_asgi
 from loraplex.api.model_name import adapter_of
+from loraplex.api.placement import LOAD_EPSILON, Placement, request_tokens
 from loraplex.api.replica import EngineReplica
 from loraplex.api.settings import ClusterConfig, ServerConfig
 from loraplex.platform.engine_client import AdapterInfo
 
-__all__ = ["AdapterCatalog", "ClusterConfig", "Ingress", "adapter_named", "build_application", "call_asgi",
-           "engine_replica", "merge_metrics", "serve_ray"]
+__all__ = ["AdapterCatalog", "ClusterConfig", "Ingress", "adapter_named", "adapter_router", "build_application",
+           "call_asgi", "engine_replica", "merge_adapters", "merge_metrics", "merge_stats", "serve_ray"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +63,7 @@ class _Report:
     seen: float
     version: int
     metrics: str
+    view: dict | None = None  # the replica's stats and adapters (`EngineReplica.view`)
 
 
 class AdapterCatalog:
@@ -64,6 +72,7 @@ class AdapterCatalog:
 
     def __init__(self, adapters: list[AdapterInfo]) -> None:
         self.adapters = {a.name: a for a in adapters}
+        self.tenants_version = 0  # bumped by each tenants reload, applied by every replica
         self.version = 0
         self.replicas: dict[str, _Report] = {}
 
@@ -91,14 +100,27 @@ class AdapterCatalog:
             await asyncio.sleep(0.05)
         return True
 
-    async def report(self, replica: str, version: int, metrics: str) -> tuple[int, list[AdapterInfo] | None]:
-        """A replica's heartbeat: its metrics and the version it applied. Back: the current
-        version, and the names when they changed since."""
-        self.replicas[replica] = _Report(time.monotonic(), version, metrics)
+    async def report(self, replica: str, version: int, metrics: str,
+                     view: dict | None = None) -> tuple[int, list[AdapterInfo] | None]:
+        """A replica's heartbeat: its metrics (and stats and adapters) and the version it applied.
+        Back: the current version, and the names when they changed since."""
+        self.replicas[replica] = _Report(time.monotonic(), version, metrics, view)
         return self.version, (list(self.adapters.values()) if version != self.version else None)
 
     async def metrics(self) -> dict[str, str]:
         return {name: r.metrics for name, r in self._live().items()}
+
+    async def tenants_reloaded(self) -> int:
+        """One replica re-read the tenants file (POST /v1/reload_tenants): the others do on their next
+        heartbeat, seeing the new version."""
+        self.tenants_version += 1
+        return self.tenants_version
+
+    async def tenants(self) -> int:
+        return self.tenants_version
+
+    async def views(self) -> dict[str, dict]:
+        return {name: r.view for name, r in self._live().items() if r.view is not None}
 
     def _live(self) -> dict[str, _Report]:
         now = time.monotonic()
@@ -120,6 +142,81 @@ def merge_metrics(by_replica: dict[str, str]) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(Collected())
     return generate_latest(registry)
+
+
+def merge_stats(by_replica: dict[str, dict]) -> dict:
+    """Each replica's `/v1/stats` as one: counts summed, usage averaged, adapter lists joined,
+    latency percentiles the worst replica's; each replica's own under `replicas`."""
+    stats = [s for _, s in sorted(by_replica.items())]
+    if not stats:
+        return {"replicas": {}}
+    merged: dict = {}
+    for key, first in stats[0].items():
+        values = [s[key] for s in stats if key in s]
+        if key == "time":
+            merged[key] = max(values)
+        elif key.endswith("_perc"):
+            merged[key] = sum(values) / len(values)
+        elif isinstance(first, (int, float)) and not isinstance(first, bool):
+            merged[key] = sum(values)
+        elif isinstance(first, list):
+            merged[key] = list(dict.fromkeys(v for value in values for v in value))
+        elif isinstance(first, dict):
+            merged[key] = _worst_percentiles(values)
+        else:
+            merged[key] = first
+    merged["replicas"] = dict(sorted(by_replica.items()))
+    return merged
+
+
+def scoped_stats(merged: dict, reply: dict) -> dict:
+    """The merged stats as the caller may see them: a tenant's reply names its adapter patterns
+    (`adapter_scope`); other adapters leave the lists, and the per-replica detail goes."""
+    scope = reply.get("adapter_scope")
+    if scope is None:
+        return merged
+    visible = lambda name: any(fnmatchcase(name, pattern) for pattern in scope)  # noqa: E731
+    scoped = {k: v for k, v in merged.items() if k != "replicas"}
+    for key in ("running_adapters", "waiting_adapters"):
+        scoped[key] = [name for name in merged.get(key, []) if visible(name)]
+    return {**scoped, "adapter_scope": scope}
+
+
+def merge_usage(usages: list[dict]) -> dict:
+    """Each replica's `/v1/usage` added up: per tenant and per adapter, every count summed."""
+    merged: dict = {"tenants": {}, "adapters": {}, "totals": {}}
+    for usage in usages:
+        for group in ("tenants", "adapters"):
+            for name, counts in usage.get(group, {}).items():
+                into = merged[group].setdefault(name, {})
+                for key, value in counts.items():
+                    into[key] = into.get(key, 0) + value
+        for key, value in usage.get("totals", {}).items():
+            merged["totals"][key] = merged["totals"].get(key, 0) + value
+    return merged
+
+
+def _worst_percentiles(values: list[dict]) -> dict:
+    out = {}
+    for key in values[0]:
+        present = [v[key] for v in values if v.get(key) is not None]
+        out[key] = (sum(present) if key == "count" else max(present)) if present else None
+    return out
+
+
+def merge_adapters(reply: dict, by_replica: dict[str, list[dict]]) -> dict:
+    """A replica's `/v1/adapters` (every shared name) with each adapter's residency and traffic
+    summed over the replicas, and `replicas`: those holding it."""
+    rows_of = {replica: {row["id"]: row for row in rows} for replica, rows in by_replica.items()}
+    data = []
+    for row in reply.get("data", []):
+        here = {replica: rows[row["id"]] for replica, rows in sorted(rows_of.items()) if row["id"] in rows}
+        rows = here.values()
+        data.append({**row, "replicas": list(here), "in_memory": any(r.get("in_memory") for r in rows),
+                     "resident": any(r.get("resident") for r in rows), "pinned": sum(r.get("pinned", 0) for r in rows),
+                     "requests": sum(r.get("requests", 0) for r in rows),
+                     "generation_tokens": sum(r.get("generation_tokens", 0) for r in rows)})
+    return {**reply, "data": data}
 
 
 # ---- an engine replica ------------------------------------------------------------------------
@@ -174,22 +271,100 @@ def start_replica(engine_args: dict, model: str | None, server: ServerConfig, ca
     return EngineReplica(client, server, catalog, replica_id, routed)
 
 
+# ---- which replica ----------------------------------------------------------------------------
+
+
+def adapter_router():
+    """The engine deployment's Ray request router: `Placement` decides. It runs in the ingress's
+    process, the engine replicas' only caller, so the loads it counts are the cluster's."""
+    from ray.serve.request_router import RequestRouter
+
+    class AdapterRouter(RequestRouter):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.placement = Placement()
+
+        def initialize_state(self, epsilon: float | None = LOAD_EPSILON, **_) -> None:
+            self.placement.epsilon = epsilon
+
+        def update_replicas(self, replicas) -> None:
+            super().update_replicas(replicas)
+            self.placement.sync({r.replica_id.unique_id: set(r.multiplexed_model_ids) for r in replicas})
+
+        async def choose_replicas(self, candidate_replicas, pending_request=None):
+            if pending_request is None:  # a routing task with nothing left to route
+                return [candidate_replicas]
+            pending_request.routing_context.should_backoff = True  # all full: wait before trying again
+            by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+            meta = pending_request.metadata
+            body = pending_request.args[1] if len(pending_request.args) > 1 else b""
+            order = self.placement.choose(meta.internal_request_id, meta.multiplexed_model_id or None,
+                                          request_tokens(body if isinstance(body, bytes) else b""))
+            return [[by_id[r]] for r in order if r in by_id]
+
+        def on_request_routed(self, pending_request, replica_id, result) -> None:
+            meta = pending_request.metadata
+            self.placement.dispatched(meta.internal_request_id, replica_id.unique_id,
+                                      meta.multiplexed_model_id or None)
+
+        def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+            self.placement.finished(internal_request_id, replica_id.unique_id)
+
+    AdapterRouter.__qualname__ = "AdapterRouter"
+    return AdapterRouter
+
+
+def __getattr__(name: str):
+    """`AdapterRouter`, made on first use: Ray imports a router by its module and name, and Ray
+    is an optional extra this module does not import at the top."""
+    if name != "AdapterRouter":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = adapter_router()
+    return globals()[name]
+
+
 # ---- the ingress -----------------------------------------------------------------------------
 
 
 def adapter_named(method: str, path: str, body: bytes, base: str) -> str | None:
-    """The adapter a request is for: `model` of a generation request (`base:name` or `name`),
-    `lora_name` of an admin load; None for the base model and everything else."""
+    """The adapter a request is routed by: `model` of a generation request (`base:name` or
+    `name`), or the heaviest adapter of its `adapters` mix (largest |weight|, the first listed
+    of equals); `lora_name` of an admin load; None for the base model and everything else."""
     if method != "POST" or path not in ("/v1/chat/completions", "/v1/completions", "/v1/load_lora_adapter"):
         return None
     try:
         fields = json.loads(body)
-        name = fields.get("lora_name" if path.endswith("load_lora_adapter") else "model")
+        if path.endswith("load_lora_adapter"):
+            name = fields.get("lora_name")
+        elif fields.get("adapters") is not None:  # a mix: `model` names the base
+            name = _heaviest(fields["adapters"])
+        else:
+            name = fields.get("model")
     except (ValueError, AttributeError):  # the app answers malformed bodies itself
         return None
     if not isinstance(name, str):
         return None
     return adapter_of(name, base) or None
+
+
+def _heaviest(mix) -> str | None:
+    """The name of a mix's heaviest adapter; None when `mix` is not a well-formed list of
+    {"name", "weight"} (routed as the base model, and the replica's app answers the 400)."""
+    if not isinstance(mix, list) or not mix:
+        return None
+    best, best_weight = None, -1.0
+    for entry in mix:
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+            return None
+        weight = entry.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight != weight:
+            return None
+        if abs(weight) > best_weight:
+            best, best_weight = entry["name"], abs(weight)
+    return best
+
+
+MERGED_VIEWS = ("/v1/adapters", "/v1/stats", "/v1/usage", "/metrics")  # from every replica's heartbeat
 
 
 class Ingress:
@@ -200,9 +375,6 @@ class Ingress:
     async def __call__(self, request):
         from starlette.responses import Response, StreamingResponse
 
-        if request.url.path == "/metrics":
-            text = merge_metrics(await self.catalog.metrics.remote())
-            return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
         body = bytearray()
         async for chunk in request.stream():
             body += chunk
@@ -210,7 +382,7 @@ class Ingress:
                 message = f"request body larger than {self.max_body} bytes (max_request_body_bytes)"
                 return Response(json.dumps(fmt.error_body(413, message)), 413, media_type="application/json")
         adapter = adapter_named(request.method, request.url.path, bytes(body), self.base)
-        handle = self.engines.options(stream=True, multiplexed_model_id=(adapter or "") if self.routing == "adapter"
+        handle = self.engines.options(stream=True, multiplexed_model_id=(adapter or "") if self.routing != "round-robin"
                                       else "")
         described = {"method": request.method, "path": request.url.path,
                      "query_string": request.url.query.encode(), "headers": request.headers.raw,
@@ -230,9 +402,28 @@ class Ingress:
             finally:
                 replies.cancel()  # the client left: the replica's app sees a disconnect and aborts
 
+        if request.method == "GET" and request.url.path in MERGED_VIEWS and start["status"] == 200:
+            reply = b"".join([chunk async for chunk in replies])  # the caller is allowed (the replica said): merge
+            if request.url.path == "/metrics":
+                return Response(merge_metrics(await self.catalog.metrics.remote()),
+                                media_type="text/plain; version=0.0.4; charset=utf-8")
+            return Response(json.dumps(await self._merged(request.url.path, json.loads(reply))), 200,
+                            media_type="application/json")
+        if request.url.path == "/v1/reload_tenants" and start["status"] == 200:
+            await self.catalog.tenants_reloaded.remote()  # the other replicas follow on their heartbeat
         response = StreamingResponse(rest(), status_code=start["status"])
         response.raw_headers = [(k, v) for k, v in start["headers"]]
         return response
+
+    async def _merged(self, path: str, reply: dict) -> dict:
+        views = await self.catalog.views.remote()
+        if not views:  # no heartbeat yet: the one replica's answer
+            return reply
+        if path == "/v1/stats":
+            return scoped_stats(merge_stats({replica: view["stats"] for replica, view in views.items()}), reply)
+        if path == "/v1/usage":
+            return merge_usage([view["usage"] for view in views.values() if "usage" in view])
+        return merge_adapters(reply, {replica: view["adapters"] for replica, view in views.items()})
 
 
 # ---- building and running it -----------------------------------------------------------------
@@ -245,6 +436,8 @@ def build_application(engine_args: dict, model: str | None, server: ServerConfig
     from ray import serve
 
     catalog = ray.remote(num_cpus=0)(AdapterCatalog).remote(adapters)
+    # each replica enforces its share of every tenant's limits (docs/tenants.md)
+    server = dataclasses.replace(server, tenant_limit_share=1.0 / cluster.replicas)
     replica = serve.deployment(engine_replica(cluster.max_adapters_per_replica), name="Engine",
                                **_replica_options(server, cluster))
     ingress = serve.deployment(Ingress, name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
@@ -267,6 +460,9 @@ def _replica_options(server: ServerConfig, cluster: ClusterConfig) -> dict:
     if cluster.routing == "round-robin":
         options["request_router_config"] = RequestRouterConfig(
             request_router_class="ray.serve.experimental.round_robin_router:RoundRobinRouter")
+    elif cluster.routing == "adapter":
+        options["request_router_config"] = RequestRouterConfig(request_router_class=f"{__name__}.AdapterRouter",
+                                                               request_router_kwargs={"epsilon": cluster.load_epsilon})
     return options
 
 

@@ -7,8 +7,8 @@ multiplexing hook is `hold`.
 are the server's); what it returns is what Ray's LRU keeps, and its eviction unloads the adapter
 once its requests end. Replies carry `x-loraplex-replica` and, for adapter requests,
 `x-loraplex-adapter-cache: hit|miss` (miss: its weights had to be read here). Twice a second
-the replica reports to the catalog (its metrics, the catalog version it applied) and lets go of
-names the catalog no longer has.
+the replica reports to the catalog (its metrics, stats and adapters, the catalog version it
+applied) and lets go of names the catalog no longer has.
 """
 
 from __future__ import annotations
@@ -21,10 +21,13 @@ from typing import Any, AsyncIterator, Callable
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from loraplex.api import openai_format as fmt
 from loraplex.api.in_process import call_asgi
+from loraplex.api.routes_tenants import reload_tenants_now
 from loraplex.api.server import app_for
 from loraplex.api.settings import ServerConfig
 from loraplex.api.state import ServerState
+from loraplex.api.tenants import TenantsError
 from loraplex.platform.engine_client import (AdapterInfo, AdapterInUseError, EngineClient, UnknownAdapterError)
 
 log = logging.getLogger(__name__)
@@ -78,6 +81,7 @@ class EngineReplica:
         self.misses = Counter("loraplex:adapter_cache_misses", "Adapter requests whose weights this replica "
                               "had to read first.", registry=self.metrics)
         self.version = -1
+        self.tenants_version: int | None = None  # the catalog's tenants version this replica applied
         self.loop: asyncio.AbstractEventLoop | None = None
         self.reporter: asyncio.Task | None = None
 
@@ -148,13 +152,32 @@ class EngineReplica:
             await asyncio.sleep(REPORT_INTERVAL_S)
 
     async def report(self) -> None:
-        """One heartbeat: metrics out; back, the catalog's names when they changed."""
+        """One heartbeat: metrics, stats and adapters out; back, the catalog's names when they
+        changed."""
         metrics = self.state.metrics.render() + generate_latest(self.metrics)
-        version, adapters = await self.catalog.report.remote(self.replica, self.version, metrics.decode())
+        version, adapters = await self.catalog.report.remote(self.replica, self.version, metrics.decode(),
+                                                             self.view())
         if adapters is not None:
             self.shared.update(adapters)  # before the version is acknowledged: gone names now 404 here
             self._let_go_of_unshared(adapters)
         self.version = version
+        if self.state.tenants.enabled:
+            await self._follow_tenant_reloads()
+
+    async def _follow_tenant_reloads(self) -> None:
+        """Another replica re-read the tenants file (the catalog's version moved): this one does too."""
+        seen = await self.catalog.tenants.remote()
+        if self.tenants_version is not None and seen != self.tenants_version:
+            with contextlib.suppress(TenantsError):  # logged and audited; the old tenants stay
+                reload_tenants_now(self.state, "cluster")
+        self.tenants_version = seen
+
+    def view(self) -> dict:
+        """What the ingress merges: this replica's `/v1/stats` and its `/v1/adapters` rows (the
+        adapters registered here)."""
+        rows = fmt.adapter_list(self.client.list_adapters(), self.client.adapter_status(),
+                                self.state.metrics.by_adapter)["data"]
+        return {"stats": self.state.metrics.snapshot(), "adapters": rows, "usage": self.state.metrics.usage()}
 
     def _let_go_of_unshared(self, adapters: list[AdapterInfo]) -> None:
         shared = {a.name: a.content_hash for a in adapters}

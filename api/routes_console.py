@@ -27,6 +27,8 @@ async def stats(request: Request, state: ServerState = Depends(state_of)):
     snapshot = state.metrics.snapshot()
     for key in ("running_adapters", "waiting_adapters"):
         snapshot[key] = [name for name in snapshot[key] if caller.may_use(name)]
+    if caller.tenant is not None:  # a Ray ingress merging replicas' stats keeps to the same scope
+        snapshot["adapter_scope"] = list(caller.tenant.adapters)
     return snapshot
 
 

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from loraplex.api.placement import LOAD_EPSILON
 from loraplex.grammar.reasoning import PARSERS as REASONING_PARSERS
 from loraplex.grammar.tools import PARSERS as TOOL_CALL_PARSERS
 
-ROUTINGS = ("adapter", "round-robin")  # round-robin: Ray's RoundRobinRouter, adapter-blind (the baseline)
+# adapter: placement by load and bounded-load routing (api/placement.py); affinity: Ray's model multiplexing
+# alone; round-robin: Ray's RoundRobinRouter, adapter-blind (the last two: baselines)
+ROUTINGS = ("adapter", "affinity", "round-robin")
 
 
 def setting(default, help: str, **cli):
@@ -100,8 +103,13 @@ class ClusterConfig:
     target_ongoing_requests: int = setting(16, "per replica, what the autoscaler aims at")
     max_adapters_per_replica: int = setting(16, "adapters a replica keeps (LRU); Ray routes each adapter to "
                                                 "replicas holding it")
-    routing: str = setting("adapter", "adapter: Ray's model multiplexing by adapter; round-robin: adapter-blind "
-                                      "(a baseline)", flag="--ray-routing", dest="ray_routing", choices=list(ROUTINGS))
+    routing: str = setting("adapter", "adapter: placement by load and bounded-load routing to the replicas holding "
+                                      "an adapter (api/placement.py); affinity: Ray's model multiplexing alone; "
+                                      "round-robin: adapter-blind (the last two: baselines)", flag="--ray-routing",
+                           dest="ray_routing", choices=list(ROUTINGS))
+    load_epsilon: float = setting(LOAD_EPSILON, "adapter routing: a holder with more than ceil((1 + epsilon) x the mean) "
+                                       "running requests sends the request to the least-loaded replica, which "
+                                       "reads the adapter")
     replica_cpus: float = setting(1.0, "Ray CPUs (and torch threads) per replica")
     # the engine batches: Ray should not queue in front of it
     max_ongoing_requests: int = setting(256, "requests Ray hands one replica at once")
@@ -115,5 +123,7 @@ class ClusterConfig:
             raise ValueError(f"need 1 <= replicas <= max_replicas, got {self.replicas}, {self.max_replicas}")
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
+        if not self.load_epsilon > 0:
+            raise ValueError(f"load_epsilon must be > 0, got {self.load_epsilon}")
         if self.max_adapters_per_replica < 1 or self.replica_cpus < 0:
             raise ValueError("max_adapters_per_replica must be >= 1 and replica_cpus >= 0")

@@ -1,5 +1,6 @@
 """The Ray Serve application's parts that need no Ray: which adapter a request is routed by, the
-in-process ASGI call (disconnects reach the app), the catalog's bookkeeping, merged metrics."""
+in-process ASGI call (disconnects reach the app), the catalog's bookkeeping, merged metrics,
+stats and adapter lists."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.adapters.registry import AdapterInfo
-from loraplex.api.ray_serve import AdapterCatalog, ClusterConfig, adapter_named, call_asgi, merge_metrics
+from loraplex.api.ray_serve import (AdapterCatalog, ClusterConfig, adapter_named, call_asgi, merge_adapters,
+                                    merge_metrics, merge_stats, merge_usage, scoped_stats)
 
 
 BASE = "base-model"
@@ -31,6 +33,46 @@ def test_the_adapter_a_request_is_routed_by():
     assert adapter_named("GET", "/v1/models", b"", BASE) is None
     for bad in (b"{", b"[1]", body(model=3), body(model=""), b"\xff"):  # the replica's app answers these
         assert adapter_named("POST", chat, bad, BASE) is None
+
+
+def test_a_mix_is_routed_by_its_heaviest_adapter_and_a_malformed_one_as_the_base():
+    chat = "/v1/chat/completions"
+    mix = [{"name": "a", "weight": 0.7}, {"name": "b", "weight": -0.9}, {"name": "c", "weight": 0.9}]
+    assert adapter_named("POST", chat, body(model=BASE, adapters=mix), BASE) == "b"  # |weight|, first of equals
+    assert adapter_named("POST", "/v1/completions", body(model=BASE, adapters=[{"name": "a"}]), BASE) == "a"
+    assert adapter_named("POST", chat, body(model=BASE, adapters=[{"name": f"{BASE}:a", "weight": 1}]), BASE) == "a"
+    for bad in ([], "a", [{"weight": 1}], [{"name": "a", "weight": "x"}], [{"name": "a", "weight": True}],
+                [{"name": "a"}, 3], [{"name": 5, "weight": 1}]):
+        assert adapter_named("POST", chat, body(model="ex", adapters=bad), BASE) is None, bad
+
+
+def test_stats_merge_over_replicas():
+    one = {"time": 1.0, "num_requests_running": 2, "kv_cache_usage_perc": 0.2, "max_loras": 4,
+           "running_adapters": ["a"], "requests": 5, "ttft_ms": {"p50": 10.0, "p99": 30.0, "count": 4}}
+    two = {"time": 2.0, "num_requests_running": 1, "kv_cache_usage_perc": 0.4, "max_loras": 4,
+           "running_adapters": ["b", "a"], "requests": 7, "ttft_ms": {"p50": 20.0, "p99": None, "count": 0}}
+    merged = merge_stats({"r2": two, "r1": one})
+    assert merged["num_requests_running"] == 3 and merged["requests"] == 12 and merged["max_loras"] == 8
+    assert merged["kv_cache_usage_perc"] == pytest.approx(0.3) and merged["time"] == 2.0
+    assert merged["running_adapters"] == ["a", "b"]
+    assert merged["ttft_ms"] == {"p50": 20.0, "p99": 30.0, "count": 4}  # the worst replica's
+    assert list(merged["replicas"]) == ["r1", "r2"] and merged["replicas"]["r1"] == one
+    assert merge_stats({}) == {"replicas": {}}
+
+
+def test_the_adapter_list_names_the_replicas_holding_each_adapter():
+    def row(name, requests=0, in_memory=False):
+        return {"id": name, "rank": 8, "resident": False, "in_memory": in_memory, "pinned": 0,
+                "requests": requests, "generation_tokens": 2 * requests}
+
+    reply = {"object": "list", "data": [row("a"), row("b"), row("cold")], "base": {"requests": 1}}
+    merged = merge_adapters(reply, {"r2": [row("a", 3, True), row("b", 1, True)], "r1": [row("a", 2, True)]})
+    by_id = {r["id"]: r for r in merged["data"]}
+    assert by_id["a"]["replicas"] == ["r1", "r2"] and by_id["a"]["requests"] == 5
+    assert by_id["a"]["generation_tokens"] == 10 and by_id["a"]["in_memory"]
+    assert by_id["b"]["replicas"] == ["r2"] and by_id["cold"]["replicas"] == []
+    assert not by_id["cold"]["in_memory"] and by_id["cold"]["rank"] == 8
+    assert merged["base"] == {"requests": 1}
 
 
 def _request(path="/", method="GET") -> dict:
@@ -91,6 +133,9 @@ def test_the_catalog_registers_once_and_unregister_waits_for_live_replicas():
         assert await asyncio.wait_for(removal, 2)
         assert not await catalog.unregister("b")  # already gone
         assert await catalog.metrics() == {"r1": "m1"}
+        assert await catalog.views() == {}
+        await catalog.report("r1", version, "m1", {"stats": {}, "adapters": []})
+        assert await catalog.views() == {"r1": {"stats": {}, "adapters": []}}
 
     asyncio.run(run())
 
@@ -158,5 +203,30 @@ def test_an_evicted_adapter_is_unloaded_once_its_requests_end(tiny_model_dir, ti
         registry.unpin("c")
         await asyncio.sleep(0.6)
         assert "c" in {i.name for i in registry.list()}
+
+    asyncio.run(run())
+
+
+def test_tenants_across_replicas_usage_adds_up_stats_keep_the_scope_and_reloads_spread():
+    """#42 on Ray: `/v1/usage` sums the replicas'; a tenant's merged stats name only its adapters (and no
+    per-replica detail); a reload bumps the catalog's version, which the other replicas follow."""
+    one = {"tenants": {"acme": {"requests": 2, "generation_tokens": 10}}, "adapters": {"acme-a": {"requests": 2}},
+           "totals": {"requests": 2}}
+    two = {"tenants": {"acme": {"requests": 1, "generation_tokens": 4}, "globex": {"requests": 3}},
+           "adapters": {"acme-a": {"requests": 1}}, "totals": {"requests": 4}}
+    assert merge_usage([one, two]) == {
+        "tenants": {"acme": {"requests": 3, "generation_tokens": 14}, "globex": {"requests": 3}},
+        "adapters": {"acme-a": {"requests": 3}}, "totals": {"requests": 6}}
+    merged = merge_stats({"r1": {"running_adapters": ["acme-a", "globex-b"], "waiting_adapters": ["globex-c"],
+                                 "num_requests_running": 2}})
+    assert scoped_stats(merged, {}) == merged
+    scoped = scoped_stats(merged, {"adapter_scope": ["acme-*"]})
+    assert scoped["running_adapters"] == ["acme-a"] and scoped["waiting_adapters"] == []
+    assert "replicas" not in scoped and scoped["num_requests_running"] == 2
+
+    async def run():
+        catalog = AdapterCatalog([])
+        assert await catalog.tenants() == 0
+        assert await catalog.tenants_reloaded() == 1 and await catalog.tenants() == 1
 
     asyncio.run(run())

@@ -25,7 +25,7 @@ class ActorHandle:
     """A Ray actor handle's shape over the catalog object itself."""
 
     def __init__(self, actor) -> None:
-        for name in ("get", "list", "register", "unregister", "report", "metrics"):
+        for name in ("get", "list", "register", "unregister", "report", "metrics", "tenants"):
             setattr(self, name, _Remote(getattr(actor, name)))
 
 
@@ -81,7 +81,40 @@ def test_a_replica_reads_a_shared_adapter_once_and_lets_go_when_the_catalog_does
         await replica.report()  # the heartbeat brings the catalog's change
         assert "a0" not in {a.name for a in client.list_adapters()}
         assert "r1" in await catalog.metrics()
+        view = (await catalog.views())["r1"]  # what the ingress merges, sent before the change came back
+        assert view["stats"]["generation_tokens"] == 9
+        assert [(a["id"], a["requests"]) for a in view["adapters"]] == [("a0", 2)]
+        await replica.report()
+        assert (await catalog.views())["r1"]["adapters"] == []  # let go of here
         replica.reporter.cancel()
         kept.clear()
+
+    asyncio.run(drive())
+
+
+def test_a_replica_follows_a_tenants_reload_made_on_another(client, tmp_path):
+    """#42 on Ray: a reload on one replica bumps the catalog's version; at its next heartbeat this one
+    re-reads the file (a rotated key in force), and a broken file keeps what it has."""
+    path = tmp_path / "tenants.json"
+    path.write_text(json.dumps({"tenants": {"acme": {"api_keys": ["old-key"]}}}))
+    catalog = AdapterCatalog([])
+
+    async def drive():
+        config = ServerConfig(served_model_name="tiny", admin_api_key="admin", tenants_file=str(path))
+        replica = EngineReplica(client, config, ActorHandle(catalog), "r1")
+        await replica.report()  # the first heartbeat learns the version, nothing to reload
+        path.write_text(json.dumps({"tenants": {"acme": {"api_keys": ["new-key"]}}}))
+        await replica.report()
+        assert replica.state.tenants.current.identify("old-key") is not None  # no reload asked for yet
+        await catalog.tenants_reloaded()
+        await replica.report()
+        tenants = replica.state.tenants.current
+        assert tenants.identify("new-key") is not None and tenants.identify("old-key") is None
+        path.write_text("{broken")
+        await catalog.tenants_reloaded()
+        await replica.report()
+        assert replica.state.tenants.current.identify("new-key") is not None
+        if replica.reporter is not None:
+            replica.reporter.cancel()
 
     asyncio.run(drive())
