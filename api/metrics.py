@@ -123,7 +123,6 @@ class ServerMetrics:
 
     def count_rate_limited(self, tenant: str, limit: str) -> None:
         self.tenant_rate_limited.labels(tenant, limit).inc()
-        self.tenant_totals(tenant).setdefault("rate_limited", 0)
         self.tenant_totals(tenant)["rate_limited"] += 1
 
     def tenant_totals(self, tenant: str) -> dict[str, int]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 LOAD_EPSILON = 0.5  # the default of `--load-epsilon` (ClusterConfig.load_epsilon)
-PLACED_GRACE_S = 5.0  # a placement counts as held until Ray's report of the replica's adapters can show it
+PLACED_GRACE_S = 30.0  # a placement counts as held until Ray reports it (later on a busy machine) or this passes
 UNDISPATCHED_S = 30.0  # a choice never dispatched (its client left first) stops counting after this
 BYTES_PER_TOKEN = 4  # a prompt's tokens, estimated from its body's length
 DEFAULT_OUTPUT_TOKENS = 16  # a request's output without max_tokens, for its estimate

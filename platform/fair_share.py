@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from itertools import chain
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -44,7 +45,7 @@ def seats(running: Iterable[Request]) -> Counter:
 
 def several_tenants(waiting: Iterable[Request], running: Iterable[Request]) -> bool:
     names = set()
-    for req in (*waiting, *running):
+    for req in chain(waiting, running):
         names.add(tenant_of(req).name)
         if len(names) > 1:
             return True
@@ -80,7 +81,7 @@ def preemption_victims(waiting: list[Request], running: list[Request], max_num_s
                        admissible: Callable[[Request], bool]) -> list[Request]:
     """Running sequences to preempt so that tenants waiting below their share get seats: as many as they
     can take beyond the free seats, each from the tenant then furthest above its share (newest first)."""
-    fair = fair_seats((*waiting, *running), max_num_seqs)
+    fair = fair_seats(chain(waiting, running), max_num_seqs)
     held = seats(running)
     wanting = Counter(tenant_of(r).name for r in waiting if admissible(r))
     need = sum(max(0, min(math.floor(fair[name]) - held[name], count)) for name, count in wanting.items())

@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 from loraplex.platform import fair_share
@@ -122,29 +123,27 @@ class Scheduler:
     def _make_room_for_tenants(self, out: SchedulerOutput) -> None:
         """Preempt the seats that tenants waiting below their share can take (before anything runs)."""
         adapters = self.running_adapters()
-        yielding = self._yielding_adapters(adapters)
-        admissible = lambda r: not r.adapter_names or self._slots_for(r.adapter_names, adapters, yielding)  # noqa: E731
+        admissible = partial(self._admissible, resident=adapters, yielding=self._yielding_adapters(adapters))
         for victim in fair_share.preemption_victims(list(self.waiting), self.running, self.max_num_seqs, admissible):
             self.running.remove(victim)
             self._preempt(victim)
             out.preempted.append(victim)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, fair: bool = False) -> int:
-        adapters = self.running_adapters()
-        yielding = self._yielding_adapters(adapters)
+        adapters = self.running_adapters()  # grows as requests are admitted: `admissible` sees it
+        admissible = partial(self._admissible, resident=adapters, yielding=self._yielding_adapters(adapters))
         held = fair_share.seats(self.running) if fair else None
         i = 0
         while i < len(self.waiting) and budget > 0:
             if fair:  # the next from the tenant with the fewest seats per weight
-                i = fair_share.next_to_admit(self.waiting, held, lambda r: not r.adapter_names or self._slots_for(
-                    r.adapter_names, adapters, yielding))
+                i = fair_share.next_to_admit(self.waiting, held, admissible)
                 if i is None:
                     break
             req = self.waiting[i]
             group = req.pending_forks + 1
             if self.running and len(self.running) + group > self.max_num_seqs:
                 break
-            if req.adapter_names and not self._slots_for(req.adapter_names, adapters, yielding):
+            if not admissible(req):
                 i += 1  # no slot for it now: base requests and resident adapters behind it go on
                 continue
             hits, num_hit = ([], 0)
@@ -167,6 +166,10 @@ class Scheduler:
             if held is not None:
                 held[fair_share.tenant_of(req).name] += 1
         return budget
+
+    def _admissible(self, req: Request, resident: set[str], yielding: set[str]) -> bool:
+        """Whether `req` may be admitted now as far as adapter slots go (the base model always may)."""
+        return not req.adapter_names or self._slots_for(req.adapter_names, resident, yielding)
 
     def _slots_for(self, names: tuple[str, ...], resident: set[str], yielding: set[str]) -> bool:
         """Whether a request's adapters (a mix: each of them, counted once however many mixes share it) all
