@@ -25,7 +25,15 @@ class AdapterInUseError(AdapterError):
 
 
 class UnknownAdapterError(AdapterError):
-    pass
+    """No adapter of that name. The message names nothing else (it may reach a client of the server,
+    who must not learn what else is loaded); `name` for the caller's own wording."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"unknown adapter {name!r}")
+        self.name = name
+
+    def __reduce__(self):
+        return type(self), (self.name,)
 
 
 @dataclass(frozen=True)
@@ -105,7 +113,7 @@ class AdapterRegistry:
         with self._lock:
             info = self._adapters.get(name)
         if info is None:
-            raise UnknownAdapterError(f"unknown adapter {name!r}; loaded: {sorted(self._adapters) or 'none'}")
+            raise UnknownAdapterError(name)
         return info
 
     def list(self) -> list[AdapterInfo]:

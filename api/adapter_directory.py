@@ -11,12 +11,13 @@ import logging
 from pathlib import Path
 from typing import Protocol
 
-from loraplex.api.adapter_roots import AdapterRoots
+from loraplex.api.adapter_roots import AdapterRoots, relative_to
 from loraplex.api.callers import OPEN, Caller
-from loraplex.api.errors import APIError, bad_input
+from loraplex.api.errors import APIError, bad_input, unknown_adapter
 from loraplex.api.model_name import adapter_of
 from loraplex.api.settings import ServerConfig
-from loraplex.platform.engine_client import AdapterInfo, AdapterMix, EngineClient, UnknownAdapterError, parse_mix
+from loraplex.platform.engine_client import (AdapterInfo, AdapterInUseError, AdapterMix, EngineClient,
+                                             UnknownAdapterError, parse_mix)
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class AdapterDirectory:
         `caller` may not use is the same 404 as what does not exist."""
         name = adapter_of(model, self.config.served_model_name)
         missing = f"The model `{model}` does not exist."
+        unknown_adapter.set(lambda gone: APIError(404, missing, "model"))
         if name is None:
             if not caller.may_use(None):
                 raise APIError(404, missing, "model")
@@ -81,6 +83,7 @@ class AdapterDirectory:
                                 f"got `{model}`", "adapters")
         with bad_input("adapters"):
             mix = parse_mix(weights, self.client.max_adapters_per_request, "adapters")
+        unknown_adapter.set(lambda gone: _missing_from_mix(mix, gone))
         for i, name in enumerate(mix.names):
             await self._ensure(name, caller, f"The adapter `{name}` does not exist.", f"adapters[{i}].name")
         return mix.plain or mix
@@ -136,11 +139,12 @@ class AdapterDirectory:
         if name in {a.name for a in await self.infos()}:
             raise taken
         roots = self.roots if caller.tenant is None else AdapterRoots((caller.tenant.adapter_root,))
-        path = roots.path(lora_path)
-        try:
-            info = await self.client.load_adapter(name, str(path), True)
-        except ValueError as exc:
-            raise APIError(400, str(exc), "lora_path") from None
+        with _worded_for(caller):
+            path = roots.path(lora_path)
+            try:
+                info = await self.client.load_adapter(name, str(path), True)
+            except ValueError as exc:
+                raise APIError(400, str(exc), "lora_path") from None
         if self.shared is not None and not await self.shared.register(info):  # another replica won
             with contextlib.suppress(ValueError):
                 self.client.unload_adapter(name)
@@ -160,4 +164,30 @@ class AdapterDirectory:
                 self.client.unload_adapter(name)
             except UnknownAdapterError:
                 raise missing from None
+            except AdapterInUseError:
+                if caller.tenant is None:
+                    raise
+                # how many requests hold it would count other tenants' requests on a shared adapter
+                raise APIError(409, f"The lora adapter '{name}' is in use; unload it once its requests finish.",
+                               "lora_name") from None
         log.info("unloaded adapter %r", name)
+
+
+def _missing_from_mix(mix: AdapterMix, name: str) -> APIError:
+    """The 404 of a mix naming `name`, as `resolve_mix` words it."""
+    if name not in mix.names:
+        return APIError(404, f"The adapter `{name}` does not exist.", "adapters")
+    return APIError(404, f"The adapter `{name}` does not exist.", f"adapters[{mix.names.index(name)}].name")
+
+
+@contextlib.contextmanager
+def _worded_for(caller: Caller):
+    """An APIError raised inside as `caller` reads it: a tenant's own adapter root left out of the paths
+    (its folders named relative to it; the server's folders are placeholders for it later, api/auth.py)."""
+    root = caller.tenant.adapter_root if caller.tenant is not None else None
+    try:
+        yield
+    except APIError as exc:
+        if not root:
+            raise
+        raise APIError(exc.status, relative_to(exc.message, root), exc.param, exc.retry_after) from None

@@ -1,9 +1,12 @@
 """Adapter-root confinement: the folders an admin load or the resolver may read adapters from,
 checked after symlinks. The registry then reads the resolved path without following any link
-(a link swapped in after this check makes the read fail, never go outside)."""
+(a link swapped in after this check makes the read fail, never go outside). Also how a tenant reads
+paths in its own root: relative to it (`relative_to`)."""
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 from loraplex.api.errors import APIError
@@ -53,3 +56,25 @@ class AdapterRoots:
             except (OSError, RuntimeError):  # a link loop, a name too long: not an adapter
                 continue
         return None
+
+
+def relative_to(text: str, root: str) -> str:
+    """`text` with `root` (as given and as resolved) left out of the paths inside it, and the root
+    itself as `.`, longest spelling first."""
+    sep = re.escape(os.sep)
+    for path in sorted(spellings(root), key=len, reverse=True):
+        # whole names only: not inside a longer folder's name, nor the start of one (`root-2`, `root.bak`)
+        found = re.compile(rf"(?<![\w.-]){re.escape(path)}(?:{sep}|(?![\w-]|\.[\w.-]))")
+        text = found.sub(lambda m: "" if m.group().endswith(os.sep) else ".", text)
+    return text
+
+
+def spellings(folder: str | None) -> set[str]:
+    """An absolute folder as given and as resolved, without a trailing separator; none for a relative
+    name (it could match ordinary words) or the file system's root."""
+    found = set()
+    for path in {folder, os.path.realpath(folder)} if folder else ():
+        path = path.rstrip(os.sep)
+        if os.path.isabs(path) and path:
+            found.add(path)
+    return found

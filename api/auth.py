@@ -9,10 +9,11 @@ only to a caller the admin endpoints would let in. Each dependency records the `
 from __future__ import annotations
 
 import hmac
+import re
 
 from fastapi import Request
 
-from loraplex.api.callers import OPEN, Caller
+from loraplex.api.callers import OPEN, Caller, caller_of
 from loraplex.api.errors import APIError
 from loraplex.api.state import ServerState, state_of
 
@@ -20,9 +21,15 @@ ADMIN_OFF = ("the adapter admin endpoints are off: the server has user keys (--a
              "--admin-api-key (a user key never reaches them)")
 
 
+# RFC 9110's optional whitespace (space, tab) is the only thing a key may carry around it and still match
+_CREDENTIALS = re.compile(r"[ \t]*bearer[ \t]+(.*?)[ \t]*", re.ASCII | re.IGNORECASE | re.DOTALL)
+
+
 def _token(request: Request) -> str | None:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+    """The bearer token exactly as sent, less spaces and tabs around it: a Unicode space, a control
+    character or anything else that `str.strip` would also remove stays, so the key does not match."""
+    found = _CREDENTIALS.fullmatch(request.headers.get("authorization", ""))
+    return found.group(1) if found is not None and found.group(1) else None
 
 
 def _same_key(given: str, key: str) -> bool:
@@ -126,5 +133,5 @@ def sees_paths(request: Request) -> bool:
 
 def shown(request: Request, text: str) -> str:
     """`text` as the caller may see it: the server's folders replaced by placeholders for anyone
-    but the admin."""
-    return text if sees_paths(request) else state_of(request).redacted(text)
+    but the admin, a tenant's own adapter root left out of the paths under it."""
+    return text if sees_paths(request) else state_of(request).redacted(text, caller_of(request))

@@ -22,8 +22,10 @@ class Caller:
 
     @property
     def share(self) -> TenantShare | None:
-        """Its share of the engine's batch (tenants only)."""
-        return None if self.tenant is None else TenantShare(self.tenant.name, self.tenant.weight)
+        """Its share of the engine's batch and its prefix-cache namespace (tenants only)."""
+        if self.tenant is None:
+            return None
+        return TenantShare(self.tenant.name, self.tenant.weight, self.tenant.cache_namespace)
 
     @property
     def label(self) -> str:

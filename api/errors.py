@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from contextvars import ContextVar
 from typing import Callable
 
 from fastapi import FastAPI, Request
@@ -34,9 +35,17 @@ _STATUSES = ((UnknownAdapterError, 404, "model"), (AdapterInUseError, 409, None)
              (ToolCallError, 500, None), (ValueError, 400, None))
 
 
+# the current request's answer for an adapter it names that the engine does not know (unloaded after
+# `AdapterDirectory` resolved it, which sets this): the 404 of a name that never existed, never the
+# registry's own words
+unknown_adapter: ContextVar[Callable[[str], APIError] | None] = ContextVar("unknown_adapter", default=None)
+
+
 def as_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, UnknownAdapterError):
+        return _unknown_adapter(exc)
     for kind, status, param in _STATUSES:
         if isinstance(exc, kind):
             if kind is ToolCallError:
@@ -44,6 +53,12 @@ def as_api_error(exc: BaseException) -> APIError:
             return APIError(status, str(exc), param)
     log.exception("unexpected error", exc_info=exc)
     return APIError(500, "internal server error; see the server log")
+
+
+def _unknown_adapter(exc: UnknownAdapterError) -> APIError:
+    answer = unknown_adapter.get()
+    return answer(exc.name) if answer is not None else APIError(404, f"The model `{exc.name}` does not exist.",
+                                                                 "model")
 
 
 def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:

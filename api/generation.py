@@ -12,11 +12,12 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from loraplex.api import admission
 from loraplex.api import openai_format as fmt
 from loraplex.api.callers import OPEN, Caller, caller_of
 from loraplex.api.errors import APIError, as_api_error
 from loraplex.api.metrics import RequestTimer
-from loraplex.api.quotas import Lease, RateLimited
+from loraplex.api.quotas import Lease
 from loraplex.api.state import ServerState
 from loraplex.api.streaming import ClientGone, SSEResponse, sse, until_disconnect
 from loraplex.platform.engine_client import AdapterMix, accumulate
@@ -32,59 +33,80 @@ def given(value, default):
 
 class _Timers:
     """Each prompt's latencies and token counts (outputs are deltas: counts are added up), and the
-    tenant's tokens charged as they come."""
+    call's bill: each prompt whose work the engine took, with every token delivered to the client."""
 
     def __init__(self, state: ServerState, prompts: list[list[int]], adapter: str | AdapterMix | None,
-                 tenant: str | None, lease: Lease | None) -> None:
-        self.prompts, self.lease = prompts, lease
+                 tenant: str | None) -> None:
+        self.prompts = prompts
         self.timers = [RequestTimer(state.metrics, adapter, tenant) for _ in prompts]
-        self.generated: list[dict[int, int]] = [{} for _ in prompts]  # tokens so far per choice
+        self.generated: list[dict[int, int]] = [{} for _ in prompts]  # tokens delivered so far per choice
         self.reasons: list[dict[int, str | None]] = [{} for _ in prompts]
         self.queued = [False for _ in prompts]
+        self.done = [False for _ in prompts]
         for _ in prompts:
             state.metrics.count_request(adapter, tenant)
 
     def saw(self, i: int, delta: RequestOutput) -> None:
-        new = 0
-        for o in delta.outputs:
-            self.generated[i][o.index] = self.generated[i].get(o.index, 0) + len(o.token_ids)
-            self.reasons[i][o.index] = o.finish_reason
-            new += len(o.token_ids)
-        if self.lease is not None and new:
-            self.lease.charge(new)
+        """A delta out of the engine: latencies."""
         if delta.queue_time_s is not None and not self.queued[i]:
             self.queued[i] = True
             self.timers[i].queued(delta.queue_time_s)
-        self.timers[i].tokens(max(self.generated[i].values(), default=0))
+        grown = {o.index: self.generated[i].get(o.index, 0) + len(o.token_ids) for o in delta.outputs}
+        self.timers[i].tokens(max({**self.generated[i], **grown}.values(), default=0))
+
+    def delivered(self, i: int, delta: RequestOutput) -> None:
+        """A delta handed on to the client (sent, for a stream): its tokens are billed."""
+        for o in delta.outputs:
+            self.generated[i][o.index] = self.generated[i].get(o.index, 0) + len(o.token_ids)
+            self.reasons[i][o.index] = o.finish_reason
         if delta.finished:
-            self.timers[i].finish(len(self.prompts[i]), list(self.reasons[i].values()), sum(self.generated[i].values()))
+            self._finish(i)
+
+    def close(self) -> int:
+        """Bills every prompt not finished yet (a dropped client, an abort, a timeout) with what it was
+        delivered; the call's billed tokens (prompts and completions)."""
+        for i in range(len(self.prompts)):
+            if not self.done[i]:
+                self._finish(i)
+        return sum(len(p) for p in self.prompts) + sum(sum(g.values()) for g in self.generated)
+
+    def abandon(self) -> int:
+        """The engine refused the call before running it: nothing served, nothing billed."""
+        for timer in self.timers:
+            timer.abandon()
+        return 0
+
+    def _finish(self, i: int) -> None:
+        self.done[i] = True
+        self.timers[i].finish(len(self.prompts[i]), list(self.reasons[i].values()) or [None],
+                              sum(self.generated[i].values()))
 
 
-def _admit(state: ServerState, caller: Caller, prompts: list[list[int]], params: list[SamplingParams]) -> Lease | None:
-    """A tenant's lease for this call (its prompts charged), or a 429 saying which limit and when to retry."""
-    if caller.tenant is None:
-        return None
-    try:
-        return state.limits.admit(caller.tenant, sum(len(p) * sp.n for p, sp in zip(prompts, params)))
-    except RateLimited as refused:
-        state.metrics.count_rate_limited(caller.tenant.name, refused.limit)
-        state.audit.write("rate_limited", tenant=caller.tenant.name, limit=refused.limit, why=str(refused))
-        raise APIError(429, str(refused), retry_after=refused.retry_after) from None
+def reserved_tokens(prompts: list[list[int]], params: list[SamplingParams]) -> int:
+    """What a call may cost at most: its prompts, and max_tokens for each sequence."""
+    return sum(len(p) + sp.max_tokens * sp.n for p, sp in zip(prompts, params))
 
 
 async def run(state: ServerState, prompts: list[list[int]], params: list[SamplingParams],
-              adapter: str | AdapterMix | None, prefix: str,
-              caller: Caller = OPEN) -> AsyncIterator[tuple[int, RequestOutput]]:
+              adapter: str | AdapterMix | None, prefix: str, caller: Caller = OPEN,
+              lease: Lease | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, delta output) as any prompt's output grows, until all finish. Leaving
-    early (error, disconnect, timeout) aborts whatever is still running."""
+    early (error, disconnect, timeout) aborts whatever is still running. `lease`: the tenant's
+    (api/admission.py), its tokens reserved here and settled at the end with what was billed."""
     base_id = f"{prefix}-{uuid.uuid4().hex}"
-    lease = _admit(state, caller, prompts, params)
     try:
-        timers = _Timers(state, prompts, adapter, caller.tenant.name if caller.tenant else None, lease)
+        admission.reserve(state, caller, lease, reserved_tokens(prompts, params))
+        timers = _Timers(state, prompts, adapter, caller.tenant.name if caller.tenant else None)
+    except BaseException:
+        _end(lease, 0)
+        raise
+    refused = False  # the engine refused the prompts before running any: nothing to bill
+    try:
         outputs = state.client.generate_many([{"prompt_token_ids": p} for p in prompts], params,
                                              [f"{base_id}-{i}" for i in range(len(prompts))], adapter, caller.share)
         limit = state.config.request_timeout_s
         deadline = None if limit is None else time.monotonic() + limit
+        seen = False
         async with contextlib.aclosing(outputs):
             while True:
                 try:
@@ -94,12 +116,20 @@ async def run(state: ServerState, prompts: list[list[int]], params: list[Samplin
                 except TimeoutError:
                     raise APIError(504, f"the request took longer than {limit:g}s (request timeout)") from None
                 except Exception as exc:
+                    refused = not seen
                     raise as_api_error(exc) from None
+                seen = True
                 timers.saw(i, delta)
-                yield i, delta
+                yield i, delta  # resumed once the client took it (a stream: once it was sent)
+                timers.delivered(i, delta)
     finally:
-        if lease is not None:
-            lease.release()
+        _end(lease, timers.abandon() if refused else timers.close())
+
+
+def _end(lease: Lease | None, billed: int) -> None:
+    if lease is not None:
+        lease.use(billed)
+        lease.release()
 
 
 def _left(deadline: float | None) -> float | None:
@@ -107,19 +137,23 @@ def _left(deadline: float | None) -> float | None:
 
 
 async def respond(state: ServerState, request: Request, body, ids: list[list[int]], params: list[SamplingParams],
-                  adapter: str | AdapterMix | None, view: fmt.View) -> Response:
+                  adapter: str | AdapterMix | None, view: fmt.View, lease: Lease | None = None) -> Response:
     """The whole response as JSON, or (stream: true) SSE once the first output is in: errors
-    before it (validation, unknown adapter, bad schema) are plain HTTP errors."""
-    updates = run(state, ids, params, adapter, view.id_prefix, caller_of(request))
+    before it (validation, unknown adapter, bad schema) are plain HTTP errors. The tenant's `lease` is
+    released when the generation ends (or here, if it never started)."""
+    updates = run(state, ids, params, adapter, view.id_prefix, caller_of(request), lease)
     try:
         if not body.stream:
             outputs = await until_disconnect(request, _collect(updates, len(ids)))
             return JSONResponse(view.response(outputs), headers=_unenforced_header(outputs))
         first = await until_disconnect(request, anext(updates))
     except ClientGone:
+        await updates.aclose()
+        _end(lease, 0)  # a no-op unless the client left before the generation started
         return Response(status_code=499)
     except Exception:
         await updates.aclose()
+        _end(lease, 0)
         raise
     return SSEResponse(sse(updates, first, view, body.include_usage), _unenforced_header([first[1]]))
 

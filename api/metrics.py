@@ -1,11 +1,13 @@
 """Prometheus metrics with vLLM's names under our prefix. Engine state (queues, KV usage,
 prefix-cache hits, adapters) is read from the engine's latest stats snapshot at scrape time;
-latencies and token counts are recorded by the server as requests stream."""
+latencies and token counts are recorded by the server as requests stream. Each tenant's console
+numbers (`TenantNumbers`) are kept apart, from its own requests only."""
 
 from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from collections import deque
 from typing import Callable
 
@@ -91,6 +93,7 @@ class ServerMetrics:
         self.by_adapter: dict[str, dict[str, int]] = {}  # '' = the base model; a mix counts for each adapter
         self.totals = _counts()  # each request once, mixes included
         self.by_tenant: dict[str, dict[str, int]] = {}  # usage since start, for billing (`GET /v1/usage`)
+        self.tenants: dict[str, TenantNumbers] = {}  # each tenant's console numbers, from its own requests only
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -105,6 +108,8 @@ class ServerMetrics:
         if tenant is not None:
             self.tenant_requests.labels(tenant).inc()
             self.tenant_totals(tenant)["requests"] += 1
+            for name in adapter_labels(adapter):
+                self.tenant(tenant).served_on(name)["requests"] += 1
 
     def count_served(self, adapter: str | AdapterMix | None, prompt_tokens: int, generated: int,
                      tenant: str | None = None) -> None:
@@ -113,6 +118,7 @@ class ServerMetrics:
         counted = [self.totals] + [self.adapter_totals(name) for name in adapter_labels(adapter)]
         if tenant is not None:
             counted.append(self.tenant_totals(tenant))
+            counted += [self.tenant(tenant).served_on(name) for name in adapter_labels(adapter)]
             self.tenant_prompt_tokens.labels(tenant).inc(prompt_tokens)
             self.tenant_generation_tokens.labels(tenant).inc(generated)
         for counts in counted:
@@ -136,8 +142,12 @@ class ServerMetrics:
     def adapter_totals(self, name: str | None) -> dict[str, int]:
         return self.by_adapter.setdefault(name or "", _counts())
 
-    def snapshot(self) -> dict:
-        """The engine's state and recent latencies, as JSON for the console (`GET /v1/stats`)."""
+    def tenant(self, name: str) -> TenantNumbers:
+        return self.tenants.setdefault(name, TenantNumbers())
+
+    def server_snapshot(self) -> dict:
+        """The engine's state and recent latencies, as JSON for the console (`GET /v1/stats`) of
+        callers other than tenants."""
         s = self.stats()
         totals = dict(self.totals)
         return {"time": time.time(), "num_requests_running": s.num_running, "num_requests_waiting": s.num_waiting,
@@ -145,8 +155,56 @@ class ServerMetrics:
                 "running_adapters": list(s.running_adapters), "waiting_adapters": list(s.waiting_adapters),
                 **totals, "ttft_ms": _percentiles(self.recent_ttft), "itl_ms": _percentiles(self.recent_itl)}
 
+    def tenant_snapshot(self, tenant: str) -> dict:
+        """A tenant's `GET /v1/stats`: the same fields, each from its own requests only (its requests in
+        flight, its totals, its latencies); what only the shared engine knows (KV usage, max_loras) is
+        left out: it moves with other tenants' traffic."""
+        own = self.tenants.get(tenant) or TenantNumbers()
+        totals = self.by_tenant.get(tenant, {})
+        return {"time": time.time(), **own.in_flight(), **{key: totals.get(key, 0) for key in _counts()},
+                "ttft_ms": _percentiles(own.recent_ttft), "itl_ms": _percentiles(own.recent_itl)}
+
+    def tenant_served(self, tenant: str) -> dict[str, dict[str, int]]:
+        """What a tenant was served, per adapter ('' = the base model; a mix counts for each adapter)."""
+        own = self.tenants.get(tenant)
+        return {} if own is None else {name: dict(counts) for name, counts in own.served.items()}
+
+    def snapshot(self) -> dict:
+        """What a replica reports for a Ray ingress to merge (api/replica.py): the server's stats and,
+        under `tenants`, each tenant's own with what it was served per adapter (`served`)."""
+        tenants = {name: {**self.tenant_snapshot(name), "served": self.tenant_served(name)}
+                   for name in sorted(self.tenants.keys() | self.by_tenant.keys())}
+        return {**self.server_snapshot(), "tenants": tenants}
+
 
 RECENT = 512  # latencies kept for the console's percentiles
+
+
+class TenantNumbers:
+    """One tenant's console numbers, built only from its own requests: recent latencies, what it was
+    served per adapter, and its requests in flight (each `RequestTimer` of its until it finishes; one
+    that is dropped unfinished leaves with it)."""
+
+    def __init__(self) -> None:
+        self.recent_ttft: deque[float] = deque(maxlen=RECENT)
+        self.recent_itl: deque[float] = deque(maxlen=RECENT)
+        self.served: dict[str, dict[str, int]] = {}  # '' = the base model; a mix counts for each adapter
+        self.flying: weakref.WeakSet[RequestTimer] = weakref.WeakSet()
+
+    def served_on(self, name: str) -> dict[str, int]:
+        return self.served.setdefault(name, _counts())
+
+    def in_flight(self) -> dict:
+        """Its requests running (the engine has answered) and waiting (not yet), with their adapters."""
+        timers = [t for t in list(self.flying) if not t.done]
+        running = [t for t in timers if t.started]
+        waiting = [t for t in timers if not t.started]
+        return {"num_requests_running": len(running), "num_requests_waiting": len(waiting),
+                "running_adapters": _adapter_names(running), "waiting_adapters": _adapter_names(waiting)}
+
+
+def _adapter_names(timers) -> list[str]:
+    return sorted({name for t in timers for name in adapter_labels(t.adapter) if name})
 
 
 def _counts() -> dict[str, int]:
@@ -177,29 +235,49 @@ class RequestTimer:
         self.adapter, self.tenant = adapter, tenant
         self.arrival = self.last = time.perf_counter()
         self.num_tokens = 0
+        self.started = self.done = False  # admitted (the engine answered); finished
+        self.own = metrics.tenant(tenant) if tenant is not None else None
+        if self.own is not None:
+            self.own.flying.add(self)
 
     def tokens(self, total: int) -> None:
         new = total - self.num_tokens
         if new <= 0:
             return
         now = time.perf_counter()
+        self.started = True
+        recent = [self.metrics] + ([self.own] if self.own is not None else [])
         if self.num_tokens == 0:
             self.metrics.ttft.observe(now - self.arrival)
-            self.metrics.recent_ttft.append(now - self.arrival)
+            for into in recent:
+                into.recent_ttft.append(now - self.arrival)
         else:  # several tokens at once (jump-forward, n > 1) share the gap
             for _ in range(new):
                 self.metrics.itl.observe((now - self.last) / new)
-            self.metrics.recent_itl.append((now - self.last) / new)
+            for into in recent:
+                into.recent_itl.append((now - self.last) / new)
         self.last, self.num_tokens = now, total
 
     def finish(self, prompt_tokens: int, finish_reasons: list[str | None], generated: int | None = None) -> None:
         """`generated`: tokens of all choices (default: the longest choice's)."""
         generated = self.num_tokens if generated is None else generated
+        self._landed()
         self.metrics.e2e.observe(time.perf_counter() - self.arrival)
         self.metrics.count_served(self.adapter, prompt_tokens, generated, self.tenant)
         for reason in finish_reasons:
             self.metrics.request_success.labels(reason or "abort").inc()
 
+    def abandon(self) -> None:
+        """The engine refused the request before running any of it: out of its tenant's requests in
+        flight, nothing served. (A timer dropped unfinished leaves that count too, once collected.)"""
+        self._landed()
+
+    def _landed(self) -> None:
+        self.done = True
+        if self.own is not None:
+            self.own.flying.discard(self)
+
     def queued(self, seconds: float) -> None:
+        self.started = True
         if self.tenant is not None:
             self.metrics.tenant_queue_time.labels(self.tenant).observe(seconds)

@@ -62,21 +62,26 @@ def model_list(base: str, base_path: str, max_model_len: int, created: int, adap
     return {"object": "list", "data": [card(base, base_path, None), *(card(a.name, a.path, base) for a in adapters)]}
 
 
-def adapter_list(adapters, status: dict, served: dict[str, dict[str, int]], paths: bool = False) -> dict:
+def adapter_list(adapters, status: dict | None, served: dict[str, dict[str, int]], paths: bool = False) -> dict:
     """The console's adapter table: shape, residency and traffic of each adapter, and the base
-    model's traffic. `paths`: each adapter's folder, for the admin; else null."""
-    def traffic(name: str) -> dict[str, int]:
-        counts = served.get(name, {})
-        return {"requests": counts.get("requests", 0), "generation_tokens": counts.get("generation_tokens", 0)}
-
+    model's traffic. `paths`: each adapter's folder, for the admin; else null. `status` None: no
+    residency (a tenant's table: where an adapter is moves with every tenant's traffic), and `served`
+    is the caller's own traffic."""
     rows = []
     for a in adapters:
-        where = status.get(a.name)
-        rows.append({"id": a.name, "path": a.path if paths else None, "rank": a.rank,
-                     "target_modules": list(a.target_modules),
-                     "resident": bool(where and where.resident), "in_memory": bool(where and where.in_memory),
-                     "pinned": where.pins if where else 0, **traffic(a.name)})
-    return {"object": "list", "data": rows, "base": traffic("")}
+        row = {"id": a.name, "path": a.path if paths else None, "rank": a.rank,
+               "target_modules": list(a.target_modules)}
+        if status is not None:
+            where = status.get(a.name)
+            row.update(resident=bool(where and where.resident), in_memory=bool(where and where.in_memory),
+                       pinned=where.pins if where else 0)
+        rows.append({**row, **adapter_traffic(served.get(a.name, {}))})
+    return {"object": "list", "data": rows, "base": adapter_traffic(served.get("", {}))}
+
+
+def adapter_traffic(counts: dict[str, int]) -> dict[str, int]:
+    """An adapter row's traffic fields from its counts."""
+    return {"requests": counts.get("requests", 0), "generation_tokens": counts.get("generation_tokens", 0)}
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -8,22 +8,25 @@ Nothing a client sends is dropped without a word: every field is implemented, re
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator, model_validator
 from pydantic_core import PydanticCustomError
 
 from loraplex.grammar.backend import GrammarError, StructuredOutputs
 from loraplex.grammar.reasoning import Reasoning
 from loraplex.grammar.tools import Function, ToolCalls
-from loraplex.platform.request import SamplingParams
+from loraplex.platform.request import MAX_CACHE_SALT_CHARS, SamplingParams
 
 
 MAX_PROMPTS = 128  # prompts in one completions request (each is queued as its own request)
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # an unknown field is a 400 naming it, not a silent drop
+    # an unknown field is a 400 naming it, not a silent drop; strict: a value of the wrong JSON type
+    # is a 400 naming its field, never coerced ("2" is no integer, true no number, 1 no boolean);
+    # a float field still takes a JSON integer, as OpenAI's own schema allows
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -49,13 +52,45 @@ def _no_surrogates(value: Any, where: str) -> None:
             _no_surrogates(item, f"{where}[{i}]")
 
 
+def _closest_member(value: Any, handler) -> Any:
+    """A union field's refusal as its closest member's: pydantic reports every member's errors,
+    each under the member's type name ("prompt.list[int].1"), which names no field of the request.
+    The member with the fewest errors (then the deepest: the input had its shape) is the one meant;
+    when no member took the input's shape, one error lists what each would have taken."""
+    try:
+        return handler(value)
+    except ValidationError as exc:
+        errors = exc.errors()
+        if not all(e["loc"] for e in errors):  # not a member's: as it is
+            raise
+        members: dict = {}
+        for error in errors:
+            members.setdefault(error["loc"][0], []).append(error)
+        meant = min(members.values(), key=lambda errors: (len(errors), -max(len(e["loc"]) for e in errors)))
+        if all(len(e["loc"]) == 1 for e in meant):
+            taken = dict.fromkeys(e["msg"].removeprefix("Input should be ") for m in members.values() for e in m
+                                  if len(e["loc"]) == 1)
+            raise PydanticCustomError("union_type", "Input should be {taken}", {"taken": " or ".join(taken)}) from None
+        raise ValidationError.from_exception_data(exc.title, [_inside(e) for e in meant]) from None
+
+
+def _inside(error: dict) -> dict:
+    """`error` located inside its union member, without the member's name; its message as it was
+    (a message template without placeholders is the message itself)."""
+    kind = PydanticCustomError(error["type"], error["msg"], error.get("ctx"))
+    return {"type": kind, "loc": error["loc"][1:], "input": error["input"]}
+
+
+OneOf = WrapValidator(_closest_member)  # on every union field: its errors name it, not its members
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
 
 
 class JSONSchemaFormat(_Body):
     name: str = "response"
-    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    schema_: Annotated[dict[str, Any] | bool | None, OneOf] = Field(default=None, alias="schema")
     strict: bool | None = None
     description: str | None = None
 
@@ -66,7 +101,7 @@ class ResponseFormat(_Body):
 
 
 class StructuredOutputsBody(_Body):
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_: Annotated[dict[str, Any] | str | None, OneOf] = Field(default=None, alias="json")
     json_object: bool | None = None
     regex: str | None = None
     choice: list[str] | None = None
@@ -90,7 +125,8 @@ IGNORED = {"user": "an end-user id for OpenAI's abuse monitoring", "metadata": "
            "service_tier": "one tier here", "reasoning_effort": "no model here takes an effort level "
            "(max_reasoning_tokens bounds the reasoning under --reasoning-parser)",
            "verbosity": "the models served have no verbosity setting"}
-# OpenAI fields not implemented: refused with a 400 naming them, unless given their no-op value.
+# OpenAI fields not implemented: refused with a 400 naming them, unless given their no-op value
+# (of its own type: true is not best_of's 1).
 REFUSED = {"functions": ("the deprecated functions field is not supported (send tools)", ([],)),
            "function_call": ("the deprecated function_call field is not supported (send tool_choice)", ("none",)),
            "audio": ("audio output is not supported", ()),
@@ -102,6 +138,10 @@ REFUSED = {"functions": ("the deprecated functions field is not supported (send 
            "suffix": ("suffix (insertion) is not supported", ("",))}
 
 
+def _no_op(value: Any, no_ops: tuple) -> bool:
+    return any(type(value) is type(no_op) and value == no_op for no_op in no_ops)
+
+
 class _SamplingFields(_Body):
     model: str
     n: int = 1
@@ -110,7 +150,7 @@ class _SamplingFields(_Body):
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str] | None, OneOf] = None
     stop_token_ids: list[int] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -124,13 +164,15 @@ class _SamplingFields(_Body):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
     # vLLM's older names for the same thing
-    guided_json: dict[str, Any] | str | None = None
+    guided_json: Annotated[dict[str, Any] | str | None, OneOf] = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None  # vLLM's: logprobs of the prompt's tokens (and this many alternatives)
     adapters: list[AdapterWeight] | None = None  # ours: adapters mixed with weights on the base model (`model`)
+    # vLLM's: enters the prefix cache's hashes, so only requests with the same salt share cached blocks
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # taken and ignored (IGNORED); refused unless a no-op value (REFUSED)
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -149,7 +191,7 @@ class _SamplingFields(_Body):
         if not isinstance(data, dict):
             return data
         for name, (why, no_ops) in REFUSED.items():
-            if name in data and data[name] is not None and data[name] not in no_ops:
+            if name in data and data[name] is not None and not _no_op(data[name], no_ops):
                 raise PydanticCustomError("refused_field", "{field}: {why}", {"field": name, "why": why})
         return {k: v for k, v in data.items() if k not in REFUSED}  # what is left is a no-op
 
@@ -165,7 +207,8 @@ class _SamplingFields(_Body):
                               logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
                               structured=self.structured(tool_format), logit_bias=self._logit_bias(),
                               include_stop_str_in_output=self.include_stop_str_in_output,
-                              prompt_logprobs=prompt_logprobs, reasoning=self.reasoning(reasoning_parser), **given)
+                              prompt_logprobs=prompt_logprobs, reasoning=self.reasoning(reasoning_parser),
+                              cache_salt=self.cache_salt, **given)
 
     def adapter_weights(self) -> list[tuple[str, float]] | None:
         """`adapters` as (name, weight) pairs, None when the request names no mix."""
@@ -175,13 +218,13 @@ class _SamplingFields(_Body):
         return None
 
     def _logit_bias(self) -> dict[int, float] | None:
-        """OpenAI sends token ids as JSON object keys, so strings."""
+        """OpenAI sends token ids as JSON object keys, so strings: of decimal digits only (int()
+        would also read " 7", "7_0" and other scripts' digits)."""
         if not self.logit_bias:
             return None
-        try:
-            return {int(token): bias for token, bias in self.logit_bias.items()}
-        except ValueError:
-            raise ValueError(f"logit_bias keys must be token ids, got {list(self.logit_bias)[:3]}") from None
+        if not all(token.isascii() and token.isdigit() for token in self.logit_bias):
+            raise ValueError(f"logit_bias keys must be token ids, got {list(self.logit_bias)[:3]}")
+        return {int(token): bias for token, bias in self.logit_bias.items()}
 
     def structured(self, tool_format: str = "hermes") -> StructuredOutputs | None:
         specs = []
@@ -211,7 +254,7 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]], OneOf]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -261,7 +304,7 @@ class ToolCallMessage(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Annotated[str | list[TextPart] | None, OneOf] = None
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
@@ -352,7 +395,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Annotated[Literal["none", "auto", "required"] | NamedToolChoice | None, OneOf] = None
     parallel_tool_calls: bool | None = None
     max_reasoning_tokens: int | None = None  # ours: the reasoning's budget, then its close tag is forced
 
@@ -436,7 +479,7 @@ class TokenizeRequest(_Body):
 
 
 class ValidateSchemaRequest(_Body):
-    schema_: dict[str, Any] | bool = Field(alias="schema")
+    schema_: Annotated[dict[str, Any] | bool, OneOf] = Field(alias="schema")
     strict: bool = True
 
     def structured(self) -> StructuredOutputs:

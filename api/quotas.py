@@ -1,10 +1,13 @@
-"""Each tenant's limits: requests per minute, tokens per minute, requests at once.
+"""Each tenant's limits: sequences per minute, tokens per minute, sequences at once.
 
-Rates are token buckets holding a minute's worth, refilled continuously. A request takes one from
-the request bucket and needs the token bucket above zero; its tokens (prompt at admission, completion
-as generated) are charged as they come, so a long answer can take the bucket below zero and the
-tenant's next requests wait for the refill. Past a limit, `RateLimited` says which and for how long
-(`Retry-After`). Buckets live by tenant name, so a reload keeps what a tenant has used.
+Limits count the work, not the HTTP call: a call holding three prompts with `n: 2` is six sequences,
+against `requests_per_minute` and `max_concurrent` alike. Rates are token buckets holding a minute's
+worth, refilled continuously. A call takes its sequences from the request bucket when it arrives (before
+any tokenizing), then, once its prompts are tokenized, reserves its prompt tokens plus `max_tokens` for
+each sequence from the token bucket, and at its end gives back what it did not generate: what stays
+taken is exactly what it is billed (`/v1/usage`). Past a limit, `RateLimited` says which and for how long
+(`Retry-After`); a call that no wait would let through (more than the limit itself) is `TooLarge`.
+Buckets live by tenant name, so a reload keeps what a tenant has used.
 """
 
 from __future__ import annotations
@@ -17,6 +20,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from loraplex.api.tenants import Tenant
+
+
+class TooLarge(ValueError):
+    """The call needs more than the tenant's limit itself: no wait would let it through."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class RateLimited(Exception):
@@ -48,24 +59,41 @@ class _Bucket:
 class _Usage:
     requests: _Bucket | None = None
     tokens: _Bucket | None = None
-    running: int = 0
+    running: int = 0  # sequences
 
 
 @dataclass
 class Lease:
-    """One admitted request: charge its tokens as they come, release it once it ends."""
+    """One admitted call of `sequences` sequences: reserve its tokens once they are known, count what it
+    used, and release it once it ends (what was reserved and not used goes back)."""
 
     limits: "TenantLimits"
     tenant: Tenant
+    sequences: int
+    reserved: int = 0
+    used: int = 0
     released: bool = field(default=False)
 
-    def charge(self, tokens: int) -> None:
-        self.limits._charge(self.tenant, tokens)
+    def reserve(self, tokens: int, param: str | None = "max_tokens") -> None:
+        """Take `tokens` from the token bucket now; past the limit the call ends here (its sequences
+        given back: it ran nothing) with RateLimited or TooLarge."""
+        try:
+            self.limits._reserve(self.tenant, tokens, param)
+        except (RateLimited, TooLarge):
+            self.limits._release(self.tenant, self.sequences, give_back_requests=True)
+            self.released = True
+            raise
+        self.reserved += tokens
+
+    def use(self, tokens: int) -> None:
+        """Tokens billed to the call (its prompts, each token generated)."""
+        self.used += tokens
 
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.limits._release(self.tenant)
+            self.limits._settle(self.tenant, self.reserved - self.used)
+            self.limits._release(self.tenant, self.sequences)
 
 
 class TenantLimits:
@@ -77,28 +105,46 @@ class TenantLimits:
         self._usage: dict[str, _Usage] = {}
         self._lock = threading.Lock()
 
-    def admit(self, tenant: Tenant, prompt_tokens: int = 0) -> Lease:
-        """A lease for one request of `tenant`, its prompt charged; RateLimited past a limit."""
+    def admit(self, tenant: Tenant, sequences: int = 1) -> Lease:
+        """A lease for a call of `tenant` running `sequences` sequences; RateLimited past a limit,
+        TooLarge for more sequences than a limit allows at all."""
         tenant = self._shared(tenant)
         with self._lock:
             now, usage = self.clock(), self._usage.setdefault(tenant.name, _Usage())
-            if tenant.max_concurrent is not None and usage.running >= tenant.max_concurrent:
-                raise RateLimited(f"tenant {tenant.name!r} has {usage.running} requests running, its limit "
-                                  f"(max_concurrent)", 1.0, "max_concurrent")
+            self._check_concurrency(tenant, usage, sequences)
             requests = self._bucket(usage, "requests", tenant.requests_per_minute, now)
             tokens = self._bucket(usage, "tokens", tenant.tokens_per_minute, now)
-            if requests is not None and requests.level < 1:
-                raise RateLimited(f"tenant {tenant.name!r} is past {tenant.requests_per_minute} requests per "
-                                  f"minute", requests.wait_for(1, tenant.requests_per_minute), "requests_per_minute")
-            if tokens is not None and tokens.level <= 0:
+            if requests is not None:
+                self._check_requests(tenant, requests, sequences)
+            if tokens is not None and tokens.level <= 0:  # in debt: nothing new until the refill
                 raise RateLimited(f"tenant {tenant.name!r} is past {tenant.tokens_per_minute} tokens per minute",
                                   tokens.wait_for(1, tenant.tokens_per_minute), "tokens_per_minute")
             if requests is not None:
-                requests.level -= 1
-            if tokens is not None:
-                tokens.level -= prompt_tokens
-            usage.running += 1
-        return Lease(self, tenant)
+                requests.level -= sequences
+            usage.running += sequences
+        return Lease(self, tenant, sequences)
+
+    @staticmethod
+    def _check_concurrency(tenant: Tenant, usage: _Usage, sequences: int) -> None:
+        limit = tenant.max_concurrent
+        if limit is None:
+            return
+        if sequences > limit:
+            raise TooLarge(f"this call runs {sequences} sequences (prompts x n), more than tenant "
+                           f"{tenant.name!r} may run at once (max_concurrent {limit})", "n")
+        if usage.running + sequences > limit:
+            raise RateLimited(f"tenant {tenant.name!r} has {usage.running} sequences running; {sequences} more "
+                              f"would pass its limit (max_concurrent {limit})", 1.0, "max_concurrent")
+
+    @staticmethod
+    def _check_requests(tenant: Tenant, bucket: _Bucket, sequences: int) -> None:
+        limit = tenant.requests_per_minute
+        if sequences > limit:
+            raise TooLarge(f"this call runs {sequences} sequences (prompts x n), more than tenant "
+                           f"{tenant.name!r} may start in a minute (requests_per_minute {limit})", "n")
+        if bucket.level < sequences:
+            raise RateLimited(f"tenant {tenant.name!r} is past {limit} requests per minute",
+                              bucket.wait_for(sequences, limit), "requests_per_minute")
 
     def _shared(self, tenant: Tenant) -> Tenant:
         if self.share == 1.0:
@@ -119,17 +165,37 @@ class TenantLimits:
         bucket.refill(per_minute, now)
         return bucket
 
-    def _charge(self, tenant: Tenant, tokens: int) -> None:
+    def _reserve(self, tenant: Tenant, tokens: int, param: str | None) -> None:
+        limit = tenant.tokens_per_minute
+        if limit is None:
+            return
+        if tokens > limit:
+            raise TooLarge(f"this call needs {tokens} tokens (its prompts, and max_tokens for each sequence), more "
+                           f"than tenant {tenant.name!r} may use in a minute (tokens_per_minute {limit}): lower "
+                           f"max_tokens", param)
+        with self._lock:
+            bucket = self._bucket(self._usage[tenant.name], "tokens", limit, self.clock())
+            if bucket.level < tokens:
+                raise RateLimited(f"tenant {tenant.name!r} is past {limit} tokens per minute: this call needs "
+                                  f"{tokens}", bucket.wait_for(tokens, limit), "tokens_per_minute")
+            bucket.level -= tokens
+
+    def _settle(self, tenant: Tenant, unused: int) -> None:
+        """Give back what a call reserved and did not use (or take what it used beyond its reservation)."""
         with self._lock:
             bucket = self._usage[tenant.name].tokens
-            if bucket is not None and tenant.tokens_per_minute is not None:
+            if bucket is not None and tenant.tokens_per_minute is not None and unused:
                 bucket.refill(tenant.tokens_per_minute, self.clock())
-                bucket.level -= tokens
+                bucket.level = min(float(tenant.tokens_per_minute), bucket.level + unused)
 
-    def _release(self, tenant: Tenant) -> None:
+    def _release(self, tenant: Tenant, sequences: int, give_back_requests: bool = False) -> None:
         with self._lock:
-            self._usage[tenant.name].running -= 1
+            usage = self._usage[tenant.name]
+            usage.running -= sequences
+            if give_back_requests and usage.requests is not None and tenant.requests_per_minute is not None:
+                usage.requests.level = min(float(tenant.requests_per_minute), usage.requests.level + sequences)
 
     def running(self, name: str) -> int:
+        """Sequences of tenant `name` running now."""
         usage = self._usage.get(name)
         return 0 if usage is None else usage.running

@@ -30,7 +30,6 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -48,7 +47,8 @@ from loraplex.api.settings import ClusterConfig, ServerConfig
 from loraplex.platform.engine_client import AdapterInfo
 
 __all__ = ["AdapterCatalog", "ClusterConfig", "Ingress", "adapter_named", "adapter_router", "build_application",
-           "call_asgi", "engine_replica", "merge_adapters", "merge_metrics", "merge_stats", "serve_ray"]
+           "call_asgi", "engine_replica", "merge_adapters", "merge_metrics", "merge_stats", "scoped_stats", "serve_ray",
+           "tenant_adapters"]
 
 log = logging.getLogger(__name__)
 
@@ -146,15 +146,26 @@ def merge_metrics(by_replica: dict[str, str]) -> bytes:
 
 def merge_stats(by_replica: dict[str, dict]) -> dict:
     """Each replica's `/v1/stats` as one: counts summed, usage averaged, adapter lists joined,
-    latency percentiles the worst replica's; each replica's own under `replicas`."""
+    latency percentiles the worst replica's, each tenant's own numbers (`tenants`) merged alike;
+    each replica's own under `replicas`."""
     stats = [s for _, s in sorted(by_replica.items())]
     if not stats:
         return {"replicas": {}}
+    return {**_merged(stats), "replicas": dict(sorted(by_replica.items()))}
+
+
+def _merged(stats: list[dict]) -> dict:
     merged: dict = {}
-    for key, first in stats[0].items():
+    for key in dict.fromkeys(key for s in stats for key in s):
         values = [s[key] for s in stats if key in s]
+        first = values[0]
         if key == "time":
             merged[key] = max(values)
+        elif key == "tenants":
+            merged[key] = {name: _merged([v[name] for v in values if name in v])
+                           for name in sorted({name for v in values for name in v})}
+        elif key == "served":
+            merged[key] = _summed_counts(values)
         elif key.endswith("_perc"):
             merged[key] = sum(values) / len(values)
         elif isinstance(first, (int, float)) and not isinstance(first, bool):
@@ -165,21 +176,46 @@ def merge_stats(by_replica: dict[str, dict]) -> dict:
             merged[key] = _worst_percentiles(values)
         else:
             merged[key] = first
-    merged["replicas"] = dict(sorted(by_replica.items()))
     return merged
 
 
+def _summed_counts(values: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
+    """Counts per name (an adapter's traffic), added up."""
+    out: dict[str, dict[str, int]] = {}
+    for value in values:
+        for name, counts in value.items():
+            into = out.setdefault(name, {})
+            for key, count in counts.items():
+                into[key] = into.get(key, 0) + count
+    return out
+
+
 def scoped_stats(merged: dict, reply: dict) -> dict:
-    """The merged stats as the caller may see them: a tenant's reply names its adapter patterns
-    (`adapter_scope`); other adapters leave the lists, and the per-replica detail goes."""
-    scope = reply.get("adapter_scope")
-    if scope is None:
-        return merged
-    visible = lambda name: any(fnmatchcase(name, pattern) for pattern in scope)  # noqa: E731
-    scoped = {k: v for k, v in merged.items() if k != "replicas"}
-    for key in ("running_adapters", "waiting_adapters"):
-        scoped[key] = [name for name in merged.get(key, []) if visible(name)]
-    return {**scoped, "adapter_scope": scope}
+    """The merged stats as the caller may read them. A tenant (the replica's reply names it) reads its
+    own numbers added up over the replicas, nothing of the engines' (docs/tenants.md); any other caller
+    the engines', without each tenant's own."""
+    tenant = reply.get("tenant")
+    if tenant is None and "adapter_scope" not in reply:
+        replicas = {name: _without_tenants(s) for name, s in merged.get("replicas", {}).items()}
+        return {**_without_tenants(merged), **({"replicas": replicas} if "replicas" in merged else {})}
+    own = merged.get("tenants", {}).get(tenant) if tenant is not None else None
+    if own is None:  # no heartbeat carries its numbers yet: the replica's own answer
+        return reply
+    return {**{k: v for k, v in own.items() if k != "served"}, "tenant": tenant,
+            "adapter_scope": reply.get("adapter_scope", [])}
+
+
+def _without_tenants(stats: dict) -> dict:
+    return {k: v for k, v in stats.items() if k != "tenants"}
+
+
+def tenant_adapters(reply: dict, served: list[dict[str, dict[str, int]]]) -> dict:
+    """A tenant's `/v1/adapters` (its replica's reply) with its own traffic on each adapter and the base
+    model added up over the replicas (`served`: each replica's, from its stats); nothing of where an
+    adapter is."""
+    summed = _summed_counts(served)
+    rows = [{**row, **fmt.adapter_traffic(summed.get(row["id"], {}))} for row in reply.get("data", [])]
+    return {**reply, "data": rows, "base": fmt.adapter_traffic(summed.get("", {}))}
 
 
 def merge_usage(usages: list[dict]) -> dict:
@@ -423,6 +459,10 @@ class Ingress:
             return scoped_stats(merge_stats({replica: view["stats"] for replica, view in views.items()}), reply)
         if path == "/v1/usage":
             return merge_usage([view["usage"] for view in views.values() if "usage" in view])
+        tenant = reply.get("tenant")
+        if tenant is not None:
+            return tenant_adapters(reply, [view.get("stats", {}).get("tenants", {}).get(tenant, {}).get("served", {})
+                                           for view in views.values()])
         return merge_adapters(reply, {replica: view["adapters"] for replica, view in views.items()})
 
 

@@ -23,10 +23,15 @@ router = APIRouter()
 @router.get("/v1/adapters", dependencies=[Depends(require_user)])
 async def adapters(request: Request, state: ServerState = Depends(state_of)):
     """loraplex's own: each registered adapter with its shape, where it is now, and what it
-    served (the console's adapters view); its folder only for the admin."""
-    status = state.client.adapter_status()
-    infos = await state.adapters.infos(caller_of(request))
-    return fmt.adapter_list(infos, status, state.metrics.by_adapter, sees_paths(request))
+    served (the console's adapters view); its folder only for the admin. A tenant reads its own
+    adapters with what they served it, and nothing of where they are (docs/tenants.md)."""
+    caller = caller_of(request)
+    infos = await state.adapters.infos(caller)
+    if caller.tenant is None:
+        return fmt.adapter_list(infos, state.client.adapter_status(), state.metrics.by_adapter, sees_paths(request))
+    # named for a Ray ingress, which adds up this tenant's traffic from every replica (api/ray_serve.py)
+    return {**fmt.adapter_list(infos, None, state.metrics.tenant_served(caller.tenant.name)),
+            "tenant": caller.tenant.name}
 
 
 @router.post("/v1/load_lora_adapter", dependencies=[Depends(require_loader)])

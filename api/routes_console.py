@@ -8,6 +8,7 @@ from pathlib import Path
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.staticfiles import StaticFiles
 
+from loraplex.api.admission import one_call
 from loraplex.api.auth import require_user
 from loraplex.api.callers import caller_of
 from loraplex.api.errors import bad_input
@@ -21,25 +22,25 @@ router = APIRouter(dependencies=[Depends(require_user)])
 @router.get("/v1/stats")
 async def stats(request: Request, state: ServerState = Depends(state_of)):
     """loraplex's own: queues, KV usage, token totals and recent latency percentiles, as JSON
-    (the console's live view; /metrics has the same for Prometheus). A tenant sees only its own
-    adapters among those running and waiting."""
+    (the console's live view; /metrics has the same for Prometheus). A tenant reads numbers of its own
+    requests only, never the engine's (docs/tenants.md, "What a tenant reads")."""
     caller = caller_of(request)
-    snapshot = state.metrics.snapshot()
-    for key in ("running_adapters", "waiting_adapters"):
-        snapshot[key] = [name for name in snapshot[key] if caller.may_use(name)]
-    if caller.tenant is not None:  # a Ray ingress merging replicas' stats keeps to the same scope
-        snapshot["adapter_scope"] = list(caller.tenant.adapters)
-    return snapshot
+    if caller.tenant is None:
+        return state.metrics.server_snapshot()
+    # named for a Ray ingress, which merges this tenant's numbers from every replica (api/ray_serve.py)
+    return {**state.metrics.tenant_snapshot(caller.tenant.name), "tenant": caller.tenant.name,
+            "adapter_scope": list(caller.tenant.adapters)}
 
 
 @router.post("/v1/validate_schema")
-async def validate_schema(body: ValidateSchemaRequest, state: ServerState = Depends(state_of)):
+async def validate_schema(body: ValidateSchemaRequest, request: Request, state: ServerState = Depends(state_of)):
     """Compile a JSON Schema as a response_format would be, without generating: what would be
-    refused is a 400 naming the keyword (the console checks schemas as they are typed)."""
+    refused is a 400 naming the keyword (the console checks schemas as they are typed). A compile
+    is work: a tenant's call counts against its limits."""
     with bad_input():
         spec = body.structured()
-    with bad_input("schema"):
-        check = await state.client.validate_structured(spec)
+    with one_call(state, caller_of(request)), bad_input("schema"):
+        check = await state.client.validate_structured(spec, caller_of(request).share)
     return {"valid": True, "backend": check.backend, "unenforced_keywords": list(check.unenforced)}
 
 

@@ -7,6 +7,7 @@ import asyncio
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from loraplex.api.admission import one_call
 from loraplex.api.auth import require_user
 from loraplex.api.callers import caller_of
 from loraplex.api.errors import APIError, bad_input
@@ -18,6 +19,11 @@ router = APIRouter(dependencies=[Depends(require_user)])
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request, state: ServerState = Depends(state_of)):
+    with one_call(state, caller_of(request)):
+        return await _tokenize(body, request, state)
+
+
+async def _tokenize(body: TokenizeRequest, request: Request, state: ServerState) -> Response:
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt or messages")
     if body.model is not None:  # a model the caller may not use is the same 404 as a missing one
@@ -37,8 +43,8 @@ async def tokenize(body: TokenizeRequest, request: Request, state: ServerState =
 
 
 @router.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, state: ServerState = Depends(state_of)):
-    with bad_input("tokens"):
+async def detokenize(body: DetokenizeRequest, request: Request, state: ServerState = Depends(state_of)):
+    with one_call(state, caller_of(request)), bad_input("tokens"):
         return {"prompt": await state.client.detokenize(body.tokens, "tokens")}
 
 

@@ -3,14 +3,15 @@ directory and the metrics; stored on the app, read by routes through `state_of`.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 
 from fastapi import Request
 
 from loraplex.api.adapter_directory import AdapterDirectory, SharedAdapters
+from loraplex.api.adapter_roots import relative_to, spellings
 from loraplex.api.audit import AuditLog
+from loraplex.api.callers import OPEN, Caller
 from loraplex.api.metrics import ServerMetrics
 from loraplex.api.quotas import TenantLimits
 from loraplex.api.settings import ServerConfig
@@ -36,10 +37,14 @@ class ServerState:
         return cls(client, config, AdapterDirectory(client, config, shared), ServerMetrics(client.stats), tenants,
                    TenantLimits(share=config.tenant_limit_share), AuditLog(config.audit_log))
 
-    def redacted(self, text: str) -> str:
+    def redacted(self, text: str, caller: Caller = OPEN) -> str:
         """`text` with the server's folders (the model's, the adapter roots, each adapter's, as
         given and as resolved) replaced by placeholders, longest first: a message may name a
-        file inside one."""
+        file inside one. A tenant's own adapter root goes first, leaving paths relative to it: it
+        knows its own folders by those names, and the server's layout stays hidden."""
+        root = caller.tenant.adapter_root if caller.tenant is not None else None
+        if root:
+            text = relative_to(text, root)
         for folder, placeholder in sorted(self._folders(), key=lambda f: -len(f[0])):
             text = text.replace(folder, placeholder)
         return text
@@ -48,13 +53,7 @@ class ServerState:
         named = [(self.config.model_path, "<model folder>"),
                  *((root, "<adapter root>") for root in self.config.adapter_roots),
                  *((a.path, "<adapter folder>") for a in self.client.list_adapters())]
-        folders = set()
-        for folder, placeholder in named:
-            for path in {folder, os.path.realpath(folder)} if folder else ():
-                path = path.rstrip(os.sep)
-                if os.path.isabs(path) and path:  # a relative name could match ordinary words
-                    folders.add((path, placeholder))
-        return folders
+        return {(path, placeholder) for folder, placeholder in named for path in spellings(folder)}
 
 
 def state_of(request: Request) -> ServerState:

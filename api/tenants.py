@@ -6,7 +6,8 @@ The file (JSON, or TOML by its suffix) maps tenant names to their entries:
                           "requests_per_minute": 600, "tokens_per_minute": 200000, "max_concurrent": 32,
                           "weight": 2},
                  "globex": {"api_keys": ["sha256:<hex>"], "adapters": ["globex-*"], "base_model": false,
-                            "can_load_adapters": true, "adapter_root": "/srv/adapters/globex"}}}
+                            "can_load_adapters": true, "adapter_root": "/srv/adapters/globex",
+                            "prefix_cache": "shared:partners"}}}
 
 A key is given plain or as the hex SHA-256 of the key (`sha256:`); only digests are kept, and a
 presented key is compared with every digest in constant time. A key belongs to one tenant. A bad
@@ -26,7 +27,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 
 FIELDS = {"api_keys", "adapters", "base_model", "requests_per_minute", "tokens_per_minute", "max_concurrent",
-          "weight", "can_load_adapters", "adapter_root"}
+          "weight", "can_load_adapters", "adapter_root", "prefix_cache"}
 
 
 class TenantsError(ValueError):
@@ -40,11 +41,20 @@ class Tenant:
     adapters: tuple[str, ...] = ()  # glob patterns of the adapter names it may use (and load)
     base_model: bool = True
     requests_per_minute: int | None = None
-    tokens_per_minute: int | None = None  # prompt and completion tokens, charged as generated
-    max_concurrent: int | None = None
+    tokens_per_minute: int | None = None  # prompt and completion tokens, reserved at admission
+    max_concurrent: int | None = None  # sequences at once
     weight: float = 1.0  # its share of the batch beside other tenants
     can_load_adapters: bool = False
     adapter_root: str | None = None  # where its own adapters are loaded from
+    prefix_cache: str = "own"  # "own", or "shared:<group>": whose cached prompts its requests may reuse
+
+    @property
+    def cache_namespace(self) -> str:
+        """The engine's prefix-cache namespace: the tenant's own, or its group's (never a tenant's name
+        colliding with a group: the prefixes differ)."""
+        if self.prefix_cache == "own":
+            return f"tenant:{self.name}"
+        return f"group:{self.prefix_cache[len('shared:'):]}"
 
     def may_use(self, adapter: str | None) -> bool:
         """The base model (None) if `base_model`; an adapter whose name matches one of its patterns."""
@@ -135,7 +145,15 @@ def _tenant(name, entry, where: str) -> Tenant:
                   _flag(entry, "base_model", True, where), _count(entry, "requests_per_minute", where),
                   _count(entry, "tokens_per_minute", where), _count(entry, "max_concurrent", where),
                   _weight(entry.get("weight", 1.0), f"{where}.weight"), _flag(entry, "can_load_adapters", False, where),
-                  root)
+                  root, _prefix_cache(entry.get("prefix_cache", "own"), f"{where}.prefix_cache"))
+
+
+def _prefix_cache(value, where: str) -> str:
+    if value == "own" or (isinstance(value, str) and value.startswith("shared:") and value[len("shared:"):].strip()
+                          and value == value.strip()):
+        return value
+    raise TenantsError(f"{where}: \"own\" (the default: its prompts are cached for itself alone) or "
+                       f"\"shared:<group>\" (cached prompts shared with the group's other tenants)")
 
 
 def _key_digest(key: str, where: str) -> bytes:

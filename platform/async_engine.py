@@ -133,8 +133,8 @@ class AsyncEngine:
     def default_max_tokens(self, prompt_ids: list[int]) -> int:
         return self.engine.inputs.default_max_tokens(prompt_ids)
 
-    async def validate_structured(self, spec: StructuredOutputs) -> StructuredCheck:
-        compiled = await self.engine.grammars.compiled(spec)
+    async def validate_structured(self, spec: StructuredOutputs, tenant: TenantShare | None = None) -> StructuredCheck:
+        compiled = await self.engine.grammars.compiled(spec, tenant.cache_namespace if tenant is not None else "")
         return StructuredCheck(compiled.backend, tuple(compiled.unenforced))
 
     async def load_adapter(self, name: str, path: str, confined: bool = False) -> AdapterInfo:
@@ -212,7 +212,8 @@ class AsyncEngine:
         for request in requests:  # awaited here: a slow compile holds none of the loop's worker threads
             spec = self.engine.inputs.grammar_spec(request)
             if spec is not None:
-                request.compiled_grammar = await self.engine.grammars.compiled(spec)
+                request.compiled_grammar = await self.engine.grammars.compiled(
+                    spec, tenant.cache_namespace if tenant is not None else "")
         items: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         remaining: set[int] = set()

@@ -149,7 +149,9 @@ class Engine:
             # pinned until the group ends; the content hash keys its prefix cache, so a reloaded
             # adapter under the same name never sees the old one's KV
             extra_keys = ("lora", self.adapters.pin(request.adapter, request.adapter_weights).content_hash)
-        request.admit(extra_keys, grammar)
+        # the tenant's namespace and the request's salt first: equal prompts of two tenants never share
+        # KV blocks, so one cannot time another's cached prompts
+        request.admit(request.cache_salt + extra_keys, grammar)
         self.scheduler.add(request)
         self.outputs.add(request)
 

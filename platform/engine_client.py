@@ -99,8 +99,8 @@ class EngineClient(Protocol):
 
     def default_max_tokens(self, prompt_ids: list[int]) -> int: ...
 
-    async def validate_structured(self, spec: StructuredOutputs) -> StructuredCheck:
-        """Compile `spec` as a request would (GrammarError naming what is refused)."""
+    async def validate_structured(self, spec: StructuredOutputs, tenant: TenantShare | None = None) -> StructuredCheck:
+        """Compile `spec` as a request of `tenant` would (GrammarError naming what is refused)."""
 
     async def load_adapter(self, name: str, path: str, confined: bool = False) -> AdapterInfo: ...
 

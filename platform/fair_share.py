@@ -21,10 +21,12 @@ from loraplex.platform.request import Request
 
 @dataclass(frozen=True)
 class TenantShare:
-    """Whose request it is, and that tenant's weight in the share of the batch."""
+    """Whose request it is, that tenant's weight in the share of the batch, and its prefix-cache namespace."""
 
     name: str
     weight: float = 1.0
+    # its prefix-cache namespace: requests of one namespace may share cached KV blocks, others never
+    cache_namespace: str = ""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.weight, (int, float)) and math.isfinite(self.weight) and self.weight > 0):

@@ -17,6 +17,7 @@ INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS, MAX_STOP_TOKEN_IDS = 64, 1024, 1024  # each step checks them all
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias
+MAX_CACHE_SALT_CHARS = 1024
 
 
 @dataclass
@@ -44,6 +45,9 @@ class SamplingParams:
     # the output thinks first (--reasoning-parser): split into reasoning and content, `structured`
     # applied after the reasoning, its budget forced
     reasoning: Reasoning | None = None
+    # vLLM's: enters the prefix cache's hashes, so only requests with the same salt (and the same
+    # tenant namespace) share cached KV blocks; None adds nothing
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,6 +100,9 @@ class SamplingParams:
             self.prompt_logprobs, bool) and 0 <= self.prompt_logprobs <= 20), "prompt_logprobs", "None or in [0, 20]")
         need(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output", "a boolean")
         need(self.reasoning is None or isinstance(self.reasoning, Reasoning), "reasoning", "a Reasoning")
+        need(self.cache_salt is None or (isinstance(self.cache_salt, str) and 0 < len(self.cache_salt)
+                                         <= MAX_CACHE_SALT_CHARS), "cache_salt",
+             f"None or a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
         bias = self.logit_bias or {}
         need(isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS and all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX
@@ -191,6 +198,15 @@ class Request:
         self.generator: torch.Generator | None = None
         if params.seed is not None:  # any int64 seed, any index: wraps into the generator's uint64 range
             self.generator = torch.Generator().manual_seed((params.seed + index) % 2**64)
+
+    @property
+    def cache_salt(self) -> tuple:
+        """What keeps its prefix-cache blocks apart from other requests': its tenant's namespace (its
+        own, or a group it shares with others) and its own `cache_salt`; empty for a request of nobody
+        without a salt (the server-wide namespace)."""
+        namespace = self.tenant.cache_namespace if self.tenant is not None else ""
+        salt = self.params.cache_salt
+        return ("salt", namespace, salt) if namespace or salt else ()
 
     def admit(self, extra_keys: tuple, grammar) -> None:
         """The engine took the request: its prefix-cache salt (the adapter's content hash) and

@@ -49,7 +49,10 @@ for (const tab of document.querySelectorAll(".tab")) {
 
 // ---- adapters -----------------------------------------------------------------------------
 
-const yes = (b) => `<span class="${b ? "yes" : "no"}">${b ? "yes" : "no"}</span>`;
+// a field the server left out (a tenant reads nothing of where an adapter is, nor the engine's load): a dash
+const NONE = '<span class="muted">—</span>';
+const yes = (b) => (b === undefined ? NONE : `<span class="${b ? "yes" : "no"}">${b ? "yes" : "no"}</span>`);
+const count = (v) => (v === undefined || v === null ? NONE : esc(v));
 const esc = (s) => String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
 
 async function refreshAdapters() {
@@ -62,13 +65,13 @@ async function refreshAdapters() {
   state.adapters = table.data;
   $("model-name").textContent = "on " + state.base;
   const rows = [`<tr class="base"><td><b>${esc(state.base)}</b> (base)</td><td>-</td><td>-</td><td>-</td>
-    <td>-</td><td>-</td><td>-</td><td>${table.base.requests}</td><td>${table.base.generation_tokens}</td>
+    <td>-</td><td>-</td><td>-</td><td>${count(table.base.requests)}</td><td>${count(table.base.generation_tokens)}</td>
     <td class="admin-only"></td></tr>`];
   for (const a of table.data) {
     rows.push(`<tr data-name="${esc(a.id)}"><td>${esc(a.id)}</td><td>${a.rank}</td>
       <td class="targets">${esc(a.target_modules.join(", "))}</td><td class="folder" title="${esc(a.path || "")}">${a.path ? esc(a.path) : '<span class="muted">(admin only)</span>'}</td>
-      <td>${yes(a.resident)}</td><td>${yes(a.in_memory)}</td><td>${a.pinned}</td><td>${a.requests}</td>
-      <td>${a.generation_tokens}</td><td class="admin-only"><button class="unload" data-name="${esc(a.id)}">Unload</button></td></tr>`);
+      <td>${yes(a.resident)}</td><td>${yes(a.in_memory)}</td><td>${count(a.pinned)}</td><td>${count(a.requests)}</td>
+      <td>${count(a.generation_tokens)}</td><td class="admin-only"><button class="unload" data-name="${esc(a.id)}">Unload</button></td></tr>`);
   }
   const body = $("adapters-table").querySelector("tbody"), html = rows.join("");
   if (body.dataset.html !== html) {  // re-rendered only on change: a click mid-poll keeps its row
@@ -119,11 +122,14 @@ async function refreshLive() {
   state.last = s;
   $("live-running").textContent = s.num_requests_running;
   $("live-waiting").textContent = s.num_requests_waiting;
-  $("live-kv").textContent = fmt(100 * s.kv_cache_usage_perc, 1) + " %";
+  const kv = s.kv_cache_usage_perc;  // the engine's, left out for a tenant: its card hidden
+  $("live-kv").closest(".card").hidden = kv === undefined;
+  $("live-kv").textContent = kv === undefined ? "—" : fmt(100 * kv, 1) + " %";
   $("live-ttft").textContent = `${fmt(s.ttft_ms.p50)} / ${fmt(s.ttft_ms.p99)}`;
   $("live-itl").textContent = `${fmt(s.itl_ms.p50)} / ${fmt(s.itl_ms.p99)}`;
   $("live-total").textContent = s.generation_tokens;
-  $("live-adapters").textContent = s.running_adapters.length ? s.running_adapters.join(", ") : "none";
+  const running = s.running_adapters || [];
+  $("live-adapters").textContent = running.length ? running.join(", ") : "none";
   if (state.view === "live") drawChart();
 }
 

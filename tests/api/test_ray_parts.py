@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.adapters.registry import AdapterInfo
 from loraplex.api.ray_serve import (AdapterCatalog, ClusterConfig, adapter_named, call_asgi, merge_adapters,
-                                    merge_metrics, merge_stats, merge_usage, scoped_stats)
+                                    merge_metrics, merge_stats, merge_usage, scoped_stats, tenant_adapters)
 
 
 BASE = "base-model"
@@ -217,12 +217,29 @@ def test_tenants_across_replicas_usage_adds_up_stats_keep_the_scope_and_reloads_
     assert merge_usage([one, two]) == {
         "tenants": {"acme": {"requests": 3, "generation_tokens": 14}, "globex": {"requests": 3}},
         "adapters": {"acme-a": {"requests": 3}}, "totals": {"requests": 6}}
+    def acme(running, requests, served):  # acme's own numbers in a replica's stats
+        return {"num_requests_running": running, "running_adapters": ["acme-a"] if running else [],
+                "requests": requests, "ttft_ms": {"p50": 5.0, "p99": 9.0, "count": requests},
+                "served": {"acme-a": {"requests": requests, "generation_tokens": 3 * requests}}}
+
     merged = merge_stats({"r1": {"running_adapters": ["acme-a", "globex-b"], "waiting_adapters": ["globex-c"],
-                                 "num_requests_running": 2}})
-    assert scoped_stats(merged, {}) == merged
-    scoped = scoped_stats(merged, {"adapter_scope": ["acme-*"]})
-    assert scoped["running_adapters"] == ["acme-a"] and scoped["waiting_adapters"] == []
-    assert "replicas" not in scoped and scoped["num_requests_running"] == 2
+                                 "num_requests_running": 5, "kv_cache_usage_perc": 0.5,
+                                 "tenants": {"acme": acme(1, 2, 2)}},
+                          "r2": {"running_adapters": [], "waiting_adapters": [], "num_requests_running": 0,
+                                 "kv_cache_usage_perc": 0.1,
+                                 "tenants": {"acme": acme(0, 1, 1), "globex": acme(3, 3, 3)}}})
+    admin = scoped_stats(merged, {})
+    assert admin["num_requests_running"] == 5 and "tenants" not in admin and "tenants" not in admin["replicas"]["r2"]
+    # a tenant reads its own numbers added up over the replicas, nothing of the engines' (#49)
+    scoped = scoped_stats(merged, {"adapter_scope": ["acme-*"], "tenant": "acme"})
+    assert scoped["running_adapters"] == ["acme-a"] and scoped["num_requests_running"] == 1
+    assert scoped["requests"] == 3 and scoped["ttft_ms"]["count"] == 3
+    assert "replicas" not in scoped and "kv_cache_usage_perc" not in scoped and "served" not in scoped
+    assert scoped_stats(merged, {"tenant": "initech", "requests": 0}) == {"tenant": "initech", "requests": 0}
+    reply = {"object": "list", "data": [{"id": "acme-a", "rank": 8, "requests": 2}], "base": {}, "tenant": "acme"}
+    rows = tenant_adapters(reply, [acme(1, 2, 2)["served"], {}, acme(0, 1, 1)["served"]])
+    assert rows["data"] == [{"id": "acme-a", "rank": 8, "requests": 3, "generation_tokens": 9}]
+    assert rows["base"] == {"requests": 0, "generation_tokens": 0}
 
     async def run():
         catalog = AdapterCatalog([])

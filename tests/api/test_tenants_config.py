@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from loraplex.api.quotas import RateLimited, TenantLimits
+from loraplex.api.quotas import RateLimited, TenantLimits, TooLarge
 from loraplex.api.tenants import Tenant, TenantsError, load_tenants, parse_tenants
 
 GOOD = {"tenants": {
@@ -31,6 +31,14 @@ def test_keys_plain_and_hashed_identify_their_tenant(tmp_path):
     assert acme.weight == 2.0 and acme.max_concurrent == 32 and globex.requests_per_minute is None
 
 
+def test_prefix_cache_namespaces_are_the_tenants_own_unless_shared():
+    data = json.loads(json.dumps(GOOD))
+    data["tenants"]["globex"]["prefix_cache"] = "shared:acme"
+    tenants = parse_tenants(data)
+    assert tenants.by_name["acme"].cache_namespace == "tenant:acme"
+    assert tenants.by_name["globex"].cache_namespace == "group:acme"  # a group named like a tenant is not it
+
+
 def test_toml_is_read_too(tmp_path):
     path = tmp_path / "tenants.toml"
     path.write_text('[tenants.acme]\napi_keys = ["k1"]\nadapters = ["acme-*"]\nweight = 3\n')
@@ -48,6 +56,10 @@ def test_toml_is_read_too(tmp_path):
     (lambda t: t["globex"].pop("adapter_root"), "tenants.globex: can_load_adapters needs adapter_root"),
     (lambda t: t["globex"].update(api_keys=["sk-acme-1"]), "a key of tenant 'acme' too"),
     (lambda t: t["acme"].update(adapters="acme-*"), "tenants.acme.adapters"),
+    (lambda t: t["acme"].update(prefix_cache="shared"), "tenants.acme.prefix_cache"),
+    (lambda t: t["acme"].update(prefix_cache="shared:"), "tenants.acme.prefix_cache"),
+    (lambda t: t["acme"].update(prefix_cache=" shared:x"), "tenants.acme.prefix_cache"),
+    (lambda t: t["acme"].update(prefix_cache=True), "tenants.acme.prefix_cache"),
 ])
 def test_a_bad_file_names_the_entry(change, fragment):
     data = json.loads(json.dumps(GOOD))
@@ -92,24 +104,55 @@ def test_requests_per_minute_refill_and_retry_after():
     limits.admit(tenant).release()
 
 
-def test_tokens_are_charged_as_generated_and_concurrency_is_bounded():
+def test_tokens_are_reserved_and_the_unused_given_back():
     clock = Clock()
-    limits, tenant = TenantLimits(clock), _tenant(tokens_per_minute=100, max_concurrent=2)
-    first = limits.admit(tenant, prompt_tokens=40)
-    second = limits.admit(tenant, prompt_tokens=40)
-    with pytest.raises(RateLimited, match="max_concurrent"):
-        limits.admit(tenant)
-    first.charge(30)  # 100 - 80 - 30 < 0: the next request waits for the refill
+    limits, tenant = TenantLimits(clock), _tenant(tokens_per_minute=100, max_concurrent=4)
+    first = limits.admit(tenant)
+    first.reserve(60)  # prompt + max_tokens x sequences
+    with pytest.raises(RateLimited, match="this call needs 50") as refused:
+        limits.admit(tenant).reserve(50)  # 40 left: refused at once, its sequence given back
+    assert refused.value.retry_after_s == pytest.approx(10 * 60 / 100)
+    assert limits.running("t") == 1
+    first.use(25)  # what it was billed: 35 of its 60 come back
     first.release()
     first.release()  # once only
-    assert limits.running("t") == 1
+    second = limits.admit(tenant)
+    second.reserve(75)
+    second.release()
+    with pytest.raises(TooLarge, match="tokens_per_minute 100") as too_large:
+        limits.admit(tenant).reserve(101)  # no wait would ever let it through
+    assert too_large.value.param == "max_tokens" and limits.running("t") == 0
+
+
+def test_sequences_count_against_concurrency_and_requests_per_minute():
+    clock = Clock()
+    limits, tenant = TenantLimits(clock), _tenant(requests_per_minute=10, max_concurrent=4)
+    three = limits.admit(tenant, sequences=3)
+    with pytest.raises(RateLimited, match="max_concurrent"):
+        limits.admit(tenant, sequences=2)
+    with pytest.raises(TooLarge, match="max_concurrent 4"):
+        limits.admit(tenant, sequences=5)
+    three.release()
+    limits.admit(tenant, sequences=4).release()  # 7 of 10 taken this minute
+    with pytest.raises(RateLimited, match="10 requests per minute") as refused:
+        limits.admit(tenant, sequences=4)
+    assert refused.value.retry_after_s == pytest.approx(1 * 60 / 10)
+    with pytest.raises(TooLarge, match="requests_per_minute 10"):
+        limits.admit(_tenant(requests_per_minute=10), sequences=11)
+
+
+def test_a_bucket_in_debt_refuses_new_calls_until_the_refill():
+    clock = Clock()
+    limits, tenant = TenantLimits(clock), _tenant(tokens_per_minute=100)
+    lease = limits.admit(tenant)
+    lease.reserve(10)
+    lease.use(130)  # billed past its reservation (the bill is what was delivered): 100 - 130 = -30
+    lease.release()
     with pytest.raises(RateLimited, match="100 tokens per minute") as refused:
         limits.admit(tenant)
-    assert refused.value.retry_after_s == pytest.approx(11 * 60 / 100)
-    clock.now += 7
+    assert refused.value.retry_after_s == pytest.approx(31 * 60 / 100)
+    clock.now += 19
     limits.admit(tenant).release()
-    second.release()
-    assert limits.running("t") == 0
 
 
 def test_replicas_enforce_their_share_of_each_limit():

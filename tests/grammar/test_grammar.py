@@ -182,3 +182,23 @@ def test_the_device_bitmask_masks_as_xgrammar_does():
     apply_bitmask(got, bitmask, [0, 2, 3], vocab)
     assert torch.equal(got, expected)
     assert torch.isinf(got[[0, 2, 3], :vocab]).any() and torch.equal(got[[1, 4]], logits[[1, 4]])
+
+
+def test_compiles_are_cached_per_namespace(tiny_model_dir, monkeypatch):
+    """A tenant's compile is neither reused by nor waited for by another tenant (its timing would tell that the
+    other sent the schema); within one namespace the cache and the single flight hold as before."""
+    import asyncio
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    manager = GrammarManager(tok, vocab_size=448, stop_token_ids=[tok.eos_token_id], backend="xgrammar")
+    backend = manager._get("xgrammar")
+    real, compiled = backend.compile, []
+    monkeypatch.setattr(backend, "compile", lambda spec: (compiled.append(spec.key), real(spec))[1])
+    spec = StructuredOutputs(choice=["left", "right"])
+
+    async def run():
+        for namespace in ("tenant:acme", "tenant:globex", "tenant:acme", "", ""):
+            await manager.compiled(spec, namespace)
+
+    asyncio.run(run())
+    assert len(compiled) == 3  # acme, globex, the server-wide namespace: once each
