@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from pathlib import Path
 from typing import Protocol
 
@@ -152,9 +153,11 @@ class AdapterDirectory:
         log.info("loaded adapter %r from %s", name, path)
 
     async def unload(self, name: str, caller: Caller = OPEN) -> None:
-        """The admin unload; a replica's copy goes once its requests end (ray_serve.py)."""
+        """The admin unload; a replica's copy goes once its requests end (ray_serve.py). A tenant
+        unloads only what it loaded (a folder inside its own root): another's adapter, even one its
+        patterns match, is the same 404 as a missing one."""
         missing = APIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
-        if not caller.may_use(name):
+        if not caller.may_use(name) or (caller.tenant is not None and not await self._loaded_by(name, caller)):
             raise missing
         if self.shared is not None:
             if not await self.shared.unregister(name):
@@ -171,6 +174,16 @@ class AdapterDirectory:
                 raise APIError(409, f"The lora adapter '{name}' is in use; unload it once its requests finish.",
                                "lora_name") from None
         log.info("unloaded adapter %r", name)
+
+
+    async def _loaded_by(self, name: str, caller: Caller) -> bool:
+        """Whether adapter `name` was loaded from the caller's own adapter root."""
+        root = caller.tenant.adapter_root
+        info = next((a for a in await self.infos() if a.name == name), None)
+        if info is None or not root or not info.path:
+            return False
+        folder, root = os.path.realpath(info.path), os.path.realpath(root)
+        return os.path.commonpath([folder, root]) == root
 
 
 def _missing_from_mix(mix: AdapterMix, name: str) -> APIError:

@@ -25,11 +25,25 @@ ADMIN_OFF = ("the adapter admin endpoints are off: the server has user keys (--a
 _CREDENTIALS = re.compile(r"[ \t]*bearer[ \t]+(.*?)[ \t]*", re.ASCII | re.IGNORECASE | re.DOTALL)
 
 
-def _token(request: Request) -> str | None:
-    """The bearer token exactly as sent, less spaces and tabs around it: a Unicode space, a control
-    character or anything else that `str.strip` would also remove stays, so the key does not match."""
-    found = _CREDENTIALS.fullmatch(request.headers.get("authorization", ""))
+def bearer(authorization: str) -> str | None:
+    """The bearer token of an Authorization header exactly as sent, less spaces and tabs around it: a
+    Unicode space, a control character or anything else that `str.strip` would also remove stays, so
+    the key does not match."""
+    found = _CREDENTIALS.fullmatch(authorization)
     return found.group(1) if found is not None and found.group(1) else None
+
+
+def _token(request: Request) -> str | None:
+    return bearer(request.headers.get("authorization", ""))
+
+
+def may_use(state: ServerState, token: str | None, adapter: str) -> bool:
+    """Whether the holder of `token` may use `adapter` (for what runs before the app answers: a Ray
+    replica reading the adapter in)."""
+    caller = identify(state, token)
+    if caller is None:
+        return not users_need_a_key(state)
+    return caller.may_use(adapter)
 
 
 def _same_key(given: str, key: str) -> bool:

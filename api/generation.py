@@ -12,7 +12,7 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from loraplex.api import admission
+from loraplex.api import admission, auth
 from loraplex.api import openai_format as fmt
 from loraplex.api.callers import OPEN, Caller, caller_of
 from loraplex.api.errors import APIError, as_api_error
@@ -20,7 +20,7 @@ from loraplex.api.metrics import RequestTimer
 from loraplex.api.quotas import Lease
 from loraplex.api.state import ServerState
 from loraplex.api.streaming import ClientGone, SSEResponse, sse, until_disconnect
-from loraplex.platform.engine_client import AdapterMix, accumulate
+from loraplex.platform.engine_client import AdapterMix, QueueFullError, accumulate
 from loraplex.platform.request import RequestOutput, SamplingParams
 
 UNENFORCED_HEADER = "x-loraplex-unenforced-keywords"
@@ -89,10 +89,12 @@ def reserved_tokens(prompts: list[list[int]], params: list[SamplingParams]) -> i
 
 async def run(state: ServerState, prompts: list[list[int]], params: list[SamplingParams],
               adapter: str | AdapterMix | None, prefix: str, caller: Caller = OPEN,
-              lease: Lease | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+              lease: Lease | None = None, stream: bool = False) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, delta output) as any prompt's output grows, until all finish. Leaving
     early (error, disconnect, timeout) aborts whatever is still running. `lease`: the tenant's
-    (api/admission.py), its tokens reserved here and settled at the end with what was billed."""
+    (api/admission.py), its tokens reserved here and settled at the end with what was billed: a
+    stream's tokens as each delta is handed to the response, a whole answer's once it is complete
+    (one cut short by a timeout or a client that left sent none)."""
     base_id = f"{prefix}-{uuid.uuid4().hex}"
     try:
         admission.reserve(state, caller, lease, reserved_tokens(prompts, params))
@@ -106,24 +108,41 @@ async def run(state: ServerState, prompts: list[list[int]], params: list[Samplin
                                              [f"{base_id}-{i}" for i in range(len(prompts))], adapter, caller.share)
         limit = state.config.request_timeout_s
         deadline = None if limit is None else time.monotonic() + limit
-        seen = False
+        seen, pending = False, []
         async with contextlib.aclosing(outputs):
             while True:
                 try:
                     i, delta = await asyncio.wait_for(anext(outputs), _left(deadline))
                 except StopAsyncIteration:
+                    for i, delta in pending:  # the whole answer goes out
+                        timers.delivered(i, delta)
                     return
                 except TimeoutError:
                     raise APIError(504, f"the request took longer than {limit:g}s (request timeout)") from None
                 except Exception as exc:
                     refused = not seen
-                    raise as_api_error(exc) from None
+                    raise _for(caller, exc) from None
                 seen = True
                 timers.saw(i, delta)
-                yield i, delta  # resumed once the client took it (a stream: once it was sent)
-                timers.delivered(i, delta)
+                if stream:
+                    timers.delivered(i, delta)
+                else:
+                    pending.append((i, delta))
+                yield i, delta
     finally:
         _end(lease, timers.abandon() if refused else timers.close())
+
+
+BUSY = "the server is busy; retry later"
+
+
+def _for(caller: Caller, exc: Exception) -> APIError:
+    """The error as the caller reads it: a tenant is not told the server's queue bound or how many
+    compiles others run (what others' traffic holds), only that it is busy."""
+    api = as_api_error(exc)
+    if caller.tenant is not None and (isinstance(exc, QueueFullError) or "compiles are already running" in api.message):
+        return APIError(429, BUSY, retry_after="1")
+    return api
 
 
 def _end(lease: Lease | None, billed: int) -> None:
@@ -141,7 +160,7 @@ async def respond(state: ServerState, request: Request, body, ids: list[list[int
     """The whole response as JSON, or (stream: true) SSE once the first output is in: errors
     before it (validation, unknown adapter, bad schema) are plain HTTP errors. The tenant's `lease` is
     released when the generation ends (or here, if it never started)."""
-    updates = run(state, ids, params, adapter, view.id_prefix, caller_of(request), lease)
+    updates = run(state, ids, params, adapter, view.id_prefix, caller_of(request), lease, body.stream)
     try:
         if not body.stream:
             outputs = await until_disconnect(request, _collect(updates, len(ids)))
@@ -155,7 +174,8 @@ async def respond(state: ServerState, request: Request, body, ids: list[list[int
         await updates.aclose()
         _end(lease, 0)
         raise
-    return SSEResponse(sse(updates, first, view, body.include_usage), _unenforced_header([first[1]]))
+    shown = lambda text: auth.shown(request, text)  # noqa: E731  a mid-stream error, as the caller may read it
+    return SSEResponse(sse(updates, first, view, body.include_usage, shown), _unenforced_header([first[1]]))
 
 
 async def _collect(updates: AsyncIterator[tuple[int, RequestOutput]], num_prompts: int) -> list[RequestOutput]:

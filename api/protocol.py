@@ -235,7 +235,8 @@ class _SamplingFields(_Body):
                 fmt = self.response_format.json_schema
                 if fmt is None or fmt.schema_ is None:
                     raise ValueError("response_format json_schema needs json_schema.schema")
-                specs.append(StructuredOutputs(json=fmt.schema_, strict=fmt.strict is not False))
+                specs.append(StructuredOutputs(json=fmt.schema_, strict=fmt.strict is not False,
+                                               openai_strict=fmt.strict is True))
         if self.structured_outputs is not None:
             body = self.structured_outputs
             specs.append(StructuredOutputs(json=body.json_, json_object=bool(body.json_object), regex=body.regex,
@@ -426,7 +427,8 @@ class ChatCompletionRequest(_SamplingFields):
             f = t.function
             try:
                 given = {"parameters": f.parameters} if f.parameters is not None else {}
-                functions.append(Function(f.name, strict=f.strict is not False, **given))
+                functions.append(Function(f.name, strict=f.strict is not False, openai_strict=f.strict is True,
+                                          **given))
             except GrammarError as exc:
                 raise ValueError(str(exc)) from None
         parallel = self.parallel_tool_calls is not False

@@ -68,19 +68,20 @@ class Lease:
     used, and release it once it ends (what was reserved and not used goes back)."""
 
     limits: "TenantLimits"
-    tenant: Tenant
+    tenant: Tenant  # with this server's share of each limit
     sequences: int
+    whole: Tenant  # the limits as the file gives them
     reserved: int = 0
     used: int = 0
     released: bool = field(default=False)
 
     def reserve(self, tokens: int, param: str | None = "max_tokens") -> None:
-        """Take `tokens` from the token bucket now; past the limit the call ends here (its sequences
-        given back: it ran nothing) with RateLimited or TooLarge."""
+        """Take `tokens` from the token bucket now; past the limit the call ends here with RateLimited
+        or TooLarge (its sequences stay counted this minute: its prompts were read and tokenized)."""
         try:
-            self.limits._reserve(self.tenant, tokens, param)
+            self.limits._reserve(self, tokens, param)
         except (RateLimited, TooLarge):
-            self.limits._release(self.tenant, self.sequences, give_back_requests=True)
+            self.limits._release(self.tenant, self.sequences)
             self.released = True
             raise
         self.reserved += tokens
@@ -107,44 +108,30 @@ class TenantLimits:
 
     def admit(self, tenant: Tenant, sequences: int = 1) -> Lease:
         """A lease for a call of `tenant` running `sequences` sequences; RateLimited past a limit,
-        TooLarge for more sequences than a limit allows at all."""
-        tenant = self._shared(tenant)
+        TooLarge for more sequences than a limit allows at all. Behind a Ray ingress a call larger
+        than this replica's share of a limit (but not than the limit) waits for a full bucket, or
+        for no other sequence running, and then runs."""
+        whole, tenant = tenant, self._shared(tenant)
+        _check_size(whole, sequences)
         with self._lock:
             now, usage = self.clock(), self._usage.setdefault(tenant.name, _Usage())
-            self._check_concurrency(tenant, usage, sequences)
+            limit = tenant.max_concurrent
+            if limit is not None and usage.running and usage.running + sequences > limit:
+                raise RateLimited(f"tenant {tenant.name!r} has {usage.running} sequences running; {sequences} more "
+                                  f"would pass its limit (max_concurrent {limit})", 1.0, "max_concurrent")
             requests = self._bucket(usage, "requests", tenant.requests_per_minute, now)
             tokens = self._bucket(usage, "tokens", tenant.tokens_per_minute, now)
-            if requests is not None:
-                self._check_requests(tenant, requests, sequences)
+            if requests is not None and requests.level < min(sequences, tenant.requests_per_minute):
+                raise RateLimited(f"tenant {tenant.name!r} is past {tenant.requests_per_minute} requests per minute",
+                                  requests.wait_for(min(sequences, tenant.requests_per_minute),
+                                                    tenant.requests_per_minute), "requests_per_minute")
             if tokens is not None and tokens.level <= 0:  # in debt: nothing new until the refill
                 raise RateLimited(f"tenant {tenant.name!r} is past {tenant.tokens_per_minute} tokens per minute",
                                   tokens.wait_for(1, tenant.tokens_per_minute), "tokens_per_minute")
             if requests is not None:
                 requests.level -= sequences
             usage.running += sequences
-        return Lease(self, tenant, sequences)
-
-    @staticmethod
-    def _check_concurrency(tenant: Tenant, usage: _Usage, sequences: int) -> None:
-        limit = tenant.max_concurrent
-        if limit is None:
-            return
-        if sequences > limit:
-            raise TooLarge(f"this call runs {sequences} sequences (prompts x n), more than tenant "
-                           f"{tenant.name!r} may run at once (max_concurrent {limit})", "n")
-        if usage.running + sequences > limit:
-            raise RateLimited(f"tenant {tenant.name!r} has {usage.running} sequences running; {sequences} more "
-                              f"would pass its limit (max_concurrent {limit})", 1.0, "max_concurrent")
-
-    @staticmethod
-    def _check_requests(tenant: Tenant, bucket: _Bucket, sequences: int) -> None:
-        limit = tenant.requests_per_minute
-        if sequences > limit:
-            raise TooLarge(f"this call runs {sequences} sequences (prompts x n), more than tenant "
-                           f"{tenant.name!r} may start in a minute (requests_per_minute {limit})", "n")
-        if bucket.level < sequences:
-            raise RateLimited(f"tenant {tenant.name!r} is past {limit} requests per minute",
-                              bucket.wait_for(sequences, limit), "requests_per_minute")
+        return Lease(self, tenant, sequences, whole)
 
     def _shared(self, tenant: Tenant) -> Tenant:
         if self.share == 1.0:
@@ -165,19 +152,20 @@ class TenantLimits:
         bucket.refill(per_minute, now)
         return bucket
 
-    def _reserve(self, tenant: Tenant, tokens: int, param: str | None) -> None:
+    def _reserve(self, lease: "Lease", tokens: int, param: str | None) -> None:
+        tenant, whole = lease.tenant, lease.whole
+        if whole.tokens_per_minute is not None and tokens > whole.tokens_per_minute:
+            raise TooLarge(f"this call needs {tokens} tokens (its prompts, and max_tokens for each sequence), more "
+                           f"than tenant {tenant.name!r} may use in a minute (tokens_per_minute "
+                           f"{whole.tokens_per_minute}): lower max_tokens", param)
         limit = tenant.tokens_per_minute
         if limit is None:
             return
-        if tokens > limit:
-            raise TooLarge(f"this call needs {tokens} tokens (its prompts, and max_tokens for each sequence), more "
-                           f"than tenant {tenant.name!r} may use in a minute (tokens_per_minute {limit}): lower "
-                           f"max_tokens", param)
         with self._lock:
-            bucket = self._bucket(self._usage[tenant.name], "tokens", limit, self.clock())
-            if bucket.level < tokens:
+            bucket, needed = self._bucket(self._usage[tenant.name], "tokens", limit, self.clock()), min(tokens, limit)
+            if bucket.level < needed:
                 raise RateLimited(f"tenant {tenant.name!r} is past {limit} tokens per minute: this call needs "
-                                  f"{tokens}", bucket.wait_for(tokens, limit), "tokens_per_minute")
+                                  f"{tokens}", bucket.wait_for(needed, limit), "tokens_per_minute")
             bucket.level -= tokens
 
     def _settle(self, tenant: Tenant, unused: int) -> None:
@@ -188,14 +176,20 @@ class TenantLimits:
                 bucket.refill(tenant.tokens_per_minute, self.clock())
                 bucket.level = min(float(tenant.tokens_per_minute), bucket.level + unused)
 
-    def _release(self, tenant: Tenant, sequences: int, give_back_requests: bool = False) -> None:
+    def _release(self, tenant: Tenant, sequences: int) -> None:
         with self._lock:
-            usage = self._usage[tenant.name]
-            usage.running -= sequences
-            if give_back_requests and usage.requests is not None and tenant.requests_per_minute is not None:
-                usage.requests.level = min(float(tenant.requests_per_minute), usage.requests.level + sequences)
+            self._usage[tenant.name].running -= sequences
 
     def running(self, name: str) -> int:
         """Sequences of tenant `name` running now."""
         usage = self._usage.get(name)
         return 0 if usage is None else usage.running
+
+
+def _check_size(tenant: Tenant, sequences: int) -> None:
+    """TooLarge for a call of more sequences than the tenant's limits allow at all."""
+    for limit, name, what in ((tenant.max_concurrent, "max_concurrent", "may run at once"),
+                              (tenant.requests_per_minute, "requests_per_minute", "may start in a minute")):
+        if limit is not None and sequences > limit:
+            raise TooLarge(f"this call runs {sequences} sequences (prompts x n), more than tenant {tenant.name!r} "
+                           f"{what} ({name} {limit})", "n")

@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator, Callable
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from loraplex.api import auth
 from loraplex.api import openai_format as fmt
 from loraplex.api.in_process import call_asgi
 from loraplex.api.routes_tenants import reload_tenants_now
@@ -95,6 +96,9 @@ class EngineReplica:
         """The app's reply to one request: {"status", "headers"}, then the body's chunks."""
         self._start_reporting()
         loading = request["path"] == "/v1/load_lora_adapter"
+        # nothing is read for, or said about, an adapter the request's key may not use: an unknown key
+        # or another tenant's adapter name learns and costs nothing here
+        adapter = adapter if adapter is not None and self._allowed(request, adapter) else None
         was_here = adapter is not None and self._in_memory(adapter)
         if adapter is not None and not loading and self.routed():
             with contextlib.suppress(Exception):  # unknown or bad: the app answers the request with it
@@ -103,11 +107,15 @@ class EngineReplica:
         async for message in call_asgi(self.app, request, body, [self.id_header]):
             if isinstance(message, dict):
                 status = message["status"]
-                if adapter is not None and not loading:  # the app has resolved (read) the adapter by now
+                if adapter is not None and not loading and status < 300:  # resolved (read) by now
                     message["headers"].extend(self._cache_header(adapter, was_here))
             yield message
         if loading and status == 200:
             await self.hook(adapter)  # loaded and registered here: Ray routes its requests here
+
+    def _allowed(self, request: dict, adapter: str) -> bool:
+        authorization = next((v.decode("latin-1") for k, v in request["headers"] if k.lower() == b"authorization"), "")
+        return auth.may_use(self.state, auth.bearer(authorization), adapter)
 
     def _in_memory(self, adapter: str) -> bool:
         status = self.client.adapter_status().get(adapter)

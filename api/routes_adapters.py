@@ -11,6 +11,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
 
 from loraplex.api import openai_format as fmt
+from loraplex.api.admission import one_call
 from loraplex.api.auth import require_loader, require_user, sees_paths
 from loraplex.api.callers import caller_of
 from loraplex.api.errors import APIError
@@ -37,14 +38,16 @@ async def adapters(request: Request, state: ServerState = Depends(state_of)):
 @router.post("/v1/load_lora_adapter", dependencies=[Depends(require_loader)])
 async def load_lora_adapter(body: LoadAdapterRequest, request: Request, state: ServerState = Depends(state_of)):
     async with _audited(request, state, "load_adapter", body.lora_name, lora_path=body.lora_path):
-        await state.adapters.load(body.lora_name, body.lora_path, caller_of(request))
+        with one_call(state, caller_of(request)):  # a load reads and checks a folder: a tenant's counts
+            await state.adapters.load(body.lora_name, body.lora_path, caller_of(request))
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
 @router.post("/v1/unload_lora_adapter", dependencies=[Depends(require_loader)])
 async def unload_lora_adapter(body: UnloadAdapterRequest, request: Request, state: ServerState = Depends(state_of)):
     async with _audited(request, state, "unload_adapter", body.lora_name):
-        await state.adapters.unload(body.lora_name, caller_of(request))
+        with one_call(state, caller_of(request)):
+            await state.adapters.unload(body.lora_name, caller_of(request))
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import anyio
 from fastapi import Request
@@ -69,7 +69,9 @@ class SSEResponse(StreamingResponse):
 
 
 async def sse(updates: AsyncIterator[tuple[int, RequestOutput]], first: tuple[int, RequestOutput],
-              view: fmt.View, include_usage: bool) -> AsyncIterator[str]:
+              view: fmt.View, include_usage: bool,
+              shown: Callable[[str], str] = lambda text: text) -> AsyncIterator[str]:
+    """`shown`: an error's message as the caller may read it (the server's folders hidden)."""
     stream = view.stream(include_usage)
     try:
         for chunk in stream.chunks(*first):
@@ -81,7 +83,7 @@ async def sse(updates: AsyncIterator[tuple[int, RequestOutput]], first: tuple[in
             yield fmt.sse(stream.usage_chunk())
     except Exception as exc:  # mid-stream: the status line is gone, so the error goes in the stream
         api = as_api_error(exc)
-        yield fmt.sse(fmt.error_body(api.status, api.message, api.param))
+        yield fmt.sse(fmt.error_body(api.status, shown(api.message), api.param))
     finally:
         await updates.aclose()
     yield "data: [DONE]\n\n"

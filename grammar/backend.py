@@ -27,6 +27,11 @@ class RefusedError(GrammarError):
     never hands it to a backend after it, which would enforce less."""
 
 
+class UnsatisfiableError(RefusedError):
+    """A schema that admits no value at all: final too (a backend that built something would accept
+    what the schema forbids)."""
+
+
 # Size caps: a spec is compiled off the engine thread, but a huge one still ties up a compile
 # worker and memory; nesting deeper than this only serves to exhaust recursion.
 MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH = 256 << 10, 64
@@ -60,7 +65,12 @@ class StructuredOutputs:
     grammar: str | None = None
     any_whitespace: bool = False  # JSON: allow free whitespace (bounded otherwise)
     strict: bool = True  # JSON Schema: refuse what cannot be enforced exactly (else drop it, and say so)
+    # strict in OpenAI's sense, asked for by name: only the formats OpenAI documents (grammar/formats.py)
+    openai_strict: bool = False
     tools: Any = None  # grammar.tools.ToolCalls: each function's own `strict` applies
+    # whose compile this is (a tenant's prefix-cache namespace): part of the key, so no cache, at any level,
+    # hands one tenant's compile to another, whose timing would tell what the other sent
+    namespace: str = ""
     reasoning: Any = None  # grammar.reasoning.Reasoning: the constrained part starts after it
 
     def __post_init__(self) -> None:
@@ -115,6 +125,7 @@ class StructuredOutputs:
     def key(self) -> str:
         spec = self.tools.key_payload() if self.tools is not None else getattr(self, self.kind, None)
         payload = {"kind": self.kind, "spec": spec, "ws": self.any_whitespace, "strict": self.strict,
+                   "openai_strict": self.openai_strict, "namespace": self.namespace,
                    "reasoning": self.reasoning.key_payload() if self.reasoning is not None else None}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 

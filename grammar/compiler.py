@@ -21,7 +21,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-from loraplex.grammar.backend import GrammarBackend, GrammarError, RefusedError, StructuredOutputs
+from loraplex.grammar.backend import GrammarBackend, GrammarError, RefusedError, StructuredOutputs, UnsatisfiableError
+from loraplex.grammar.formats import settle_formats
 from loraplex.grammar.json_schema import UnsupportedKeywordError, check_metaschema, normalize, relaxed
 from loraplex.grammar.tool_formats import tool_format
 from loraplex.grammar.tools import ToolCallError, ToolCalls, parse_tool_calls
@@ -49,7 +50,8 @@ def _normalized(spec: StructuredOutputs, deep: bool) -> StructuredOutputs:
 
 @dataclass
 class Compiled:
-    """A spec as compiled by one backend; `unenforced` lists what a non-strict schema dropped."""
+    """A spec as compiled by one backend; `unenforced` lists what a non-strict schema dropped and the
+    annotations left out (formats JSON Schema does not define, grammar/formats.py)."""
 
     spec: StructuredOutputs  # after exact rewrites and what was dropped
     backend: str
@@ -187,16 +189,19 @@ class SpecCompiler:
             return self._compile_reasoning(spec)
         if spec.kind == "tools":
             return self._compile_tools(spec)
+        original, annotations = spec.json, ()
         if spec.kind == "json":
             check_metaschema(spec.json)
+            settled, annotations = settle_formats(spec.json, spec.openai_strict)
+            spec = dataclasses.replace(spec, json=settled)
         order = order or self.order(spec)
         try:
-            compiled = self._first_that_compiles(spec, order)
+            compiled = self._first_that_compiles(spec, order, annotations)
         except UnsupportedKeywordError as refused:
             if spec.strict or spec.kind != "json":
                 raise
-            compiled = self._relax(spec, getattr(refused, "backend", order[0]), refused)
-        compiled.original = spec.json
+            compiled = self._relax(spec, getattr(refused, "backend", order[0]), refused, list(annotations))
+        compiled.original = original
         return compiled
 
     def _compile_tools(self, spec: StructuredOutputs) -> Compiled:
@@ -211,6 +216,8 @@ class SpecCompiler:
                 if isinstance(function.parameters, dict):
                     check_metaschema(function.parameters, "the parameters schema")
                 schema, dropped = self._format_schema(spec.tools.format, function)
+                schema, annotations = settle_formats(schema, function.openai_strict)
+                dropped += annotations
                 alone = StructuredOutputs(json=schema, strict=function.strict)
                 try:
                     compiled = self._first_that_compiles(alone, ("llguidance",), dropped)
@@ -260,10 +267,12 @@ class SpecCompiler:
         first: GrammarError | None = None
         for name in order:
             error, refused = None, None
-            for deep in (True, False) if spec.kind == "json" and name != "llguidance" else (True,):
+            for deep in (True, False) if spec.kind == "json" else (True,):
                 try:
                     exact = _normalized(spec, deep)
                     return Compiled(exact, name, self.get(name).compile(exact), tuple(unenforced))
+                except UnsatisfiableError:  # the answer, whatever a lighter rewrite would say
+                    raise
                 except RefusedError as exc:  # the light rewrite's refusal names the request's own keyword
                     error = refused = exc
                 except GrammarError as exc:  # this backend cannot build it: the next one may

@@ -22,7 +22,7 @@ import llguidance
 import llguidance.hf
 
 from loraplex.grammar import regex_features, reasoning, tools
-from loraplex.grammar.backend import CompileCache, GrammarError, StructuredOutputs
+from loraplex.grammar.backend import CompileCache, GrammarError, StructuredOutputs, UnsatisfiableError
 from loraplex.grammar.json_schema import (UnsupportedKeywordError, check_formats, check_patterns, check_regex,
                                           find_keyword)
 
@@ -233,7 +233,25 @@ def _error(spec: StructuredOutputs, message: str) -> GrammarError:
     unknown_format = re.match(r"Unknown format: (.*)", message)
     if unknown_format:
         return _refused(spec, f"format: {unknown_format.group(1)}", "it has no grammar for this format", "format")
+    for start, keyword, why in _LIMITS:
+        if message.startswith(start):
+            return _refused(spec, keyword, why)
+    if message.startswith("Unsatisfiable schema"):
+        return UnsatisfiableError(f"json schema is unsatisfiable: it admits no value at all "
+                                  f"({message[len('Unsatisfiable schema: '):]})")
     return GrammarError(f"invalid json: {message}")
+
+
+# what llguidance reports it cannot build, as the keyword that asks for it: refused by name (no other
+# backend enforces more of these)
+_LIMITS = (
+    ("patternProperty regexes", "patternProperties",
+     "two of its patterns (or a pattern and additionalProperties inside allOf) can match one name"),
+    ("circular references with sibling keys", "$ref", "a circular reference has sibling keywords"),
+    ("Unable to determine if regex is empty", "pattern",
+     "its patterns and lengths together are too complex to prove satisfiable"),
+    ("Schema intersection stack level exceeded", "allOf", "its schemas nest too deeply to intersect"),
+)
 
 
 def _refused(spec: StructuredOutputs, keyword: str, why: str, key: str | None = None) -> UnsupportedKeywordError:

@@ -21,6 +21,7 @@ while the model thinks).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import concurrent.futures as cf
 import logging
 import threading
@@ -92,7 +93,7 @@ class GrammarManager:
         """`compile` awaited on the caller's event loop: a slow compile holds no thread of the loop's pool
         (a caller that leaves cancels only its own wait). `namespace`: whose cache (a tenant's: another's
         compiles are neither reused nor waited for, so their timing tells nothing)."""
-        waiter = asyncio.wrap_future(self.submit(spec, namespace))
+        waiter = asyncio.wrap_future(self.submit(dataclasses.replace(spec, namespace=namespace)))
         if self.pool is not None:
             return await waiter
         try:
@@ -100,11 +101,10 @@ class GrammarManager:
         except TimeoutError:
             raise GrammarError(f"{spec.kind} took longer than {self.timeout_s:g}s to compile") from None
 
-    def submit(self, spec: StructuredOutputs, namespace: str = "") -> cf.Future:
+    def submit(self, spec: StructuredOutputs) -> cf.Future:
         """A future of the compiled spec, at once: a finished one from the cache, the one of the
-        same spec's compile in flight, or a new compile's (each within `namespace`)."""
-        key = f"{namespace}\0{spec.key}" if namespace else spec.key
-        mine = cf.Future()  # the caller's own: cancelling it leaves the others waiting
+        same spec's compile in flight, or a new compile's (each within the spec's namespace)."""
+        key, mine = spec.key, cf.Future()  # the caller's own: cancelling it leaves the others waiting
         with self._lock:
             cached = self._done.peek(key)
             if cached is not None:

@@ -35,6 +35,7 @@ class Function:
     parameters: dict | bool = field(default_factory=lambda: {"type": "object", "properties": {},
                                                              "additionalProperties": False})
     strict: bool = True  # refuse what cannot be enforced exactly (false: drop it, and list it)
+    openai_strict: bool = False  # `strict: true` given: only the formats OpenAI documents (grammar/formats.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not NAME.fullmatch(self.name):
@@ -76,7 +77,7 @@ class ToolCalls:
             raise GrammarError(f"tool names must be unique; given twice: {twice}")
 
     def key_payload(self) -> dict:
-        return {"functions": [[f.name, f.parameters, f.strict] for f in self.functions], "required": self.required,
+        return {"functions": [[f.name, f.parameters, f.strict, f.openai_strict] for f in self.functions], "required": self.required,
                 "parallel": self.parallel, "format": self.format}
 
 

@@ -47,12 +47,14 @@ class XGrammarGrammar:
 class XGrammarBackend:
     name = "xgrammar"
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_bytes: int = 256 << 20) -> None:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
         # the model's vocab size: its logits can be wider than the tokenizer's vocabulary
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self.vocab_size = vocab_size
         self.info = info
-        self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True, cache_limit_bytes=cache_bytes)
+        # its own cache is keyed by the schema alone, below the namespaces of GrammarManager's (a tenant would
+        # time another's compiles through it): that cache, keyed by the spec with its namespace, is the only one
+        self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
         self.json_allowed = self._without_control_characters(info)
 
     def _without_control_characters(self, info: xgr.TokenizerInfo) -> torch.Tensor:

@@ -118,3 +118,37 @@ def test_a_replica_follows_a_tenants_reload_made_on_another(client, tmp_path):
             replica.reporter.cancel()
 
     asyncio.run(drive())
+
+
+def test_an_adapter_is_read_only_for_a_key_that_may_use_it(client, tiny_model_dir, tiny_adapters, tmp_path):
+    """#49 on Ray: the replica read the named adapter before the app checked the key, and said hit / miss on
+    the 401 or 404: anyone could learn whether another tenant's adapter exists and is in memory, and make it
+    load. Now an unknown key, or a tenant naming another's adapter, reads nothing and is told nothing."""
+    path = tmp_path / "tenants.json"
+    path.write_text(json.dumps({"tenants": {"acme": {"api_keys": ["sk-acme"], "adapters": ["acme-*"]},
+                                            "globex": {"api_keys": ["sk-globex"], "adapters": ["globex-*"]},
+                                            "initech": {"api_keys": ["sk-initech"]}}}))
+    catalog = AdapterCatalog([read_adapter_info(str(tiny_model_dir), 64, "globex-g", str(tiny_adapters[1]))])
+
+    async def drive():
+        config = ServerConfig(served_model_name="tiny", admin_api_key="admin", tenants_file=str(path))
+        replica = EngineReplica(client, config, ActorHandle(catalog), "r1")
+        body = {"model": "tiny:globex-g", "prompt": [5, 9, 14], "max_tokens": 2}
+        for key in (None, "sk-wrong", "sk-acme"):
+            request, raw = described("/v1/completions", body)
+            if key is not None:
+                request["headers"].append((b"authorization", f"Bearer {key}".encode()))
+            start = None
+            async for message in replica.forward(request, raw, "globex-g"):
+                start = message if isinstance(message, dict) else start
+            headers = {k.decode(): v.decode() for k, v in start["headers"]}
+            assert start["status"] in (401, 404) and CACHE_HEADER not in headers, key
+            assert "globex-g" not in {a.name for a in client.list_adapters()}, key  # nothing read
+        request, raw = described("/v1/completions", body)
+        request["headers"].append((b"authorization", b"Bearer sk-globex"))
+        statuses = [m["status"] async for m in replica.forward(request, raw, "globex-g") if isinstance(m, dict)]
+        assert statuses == [200] and "globex-g" in {a.name for a in client.list_adapters()}
+        if replica.reporter is not None:
+            replica.reporter.cancel()
+
+    asyncio.run(drive())

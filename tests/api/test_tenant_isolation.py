@@ -8,8 +8,10 @@ from __future__ import annotations
 import http.client as httpclient
 import json
 import random
+import shutil
 import statistics
 import time
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
@@ -21,22 +23,25 @@ ACME, GLOBEX, INITECH, HOOLI = "sk-acme-1", "sk-globex-1", "sk-initech-1", "sk-h
 METERED, BILLED = "sk-metered-1", "sk-billed-1"
 
 
-def _tenants() -> dict:
-    return {"tenants": {
+def _tenants(roots: dict[str, str] | None = None) -> dict:
+    loaders = {f"loader-{n}": {"api_keys": [f"sk-loader-{n}"], "adapters": ["shared-*"], "base_model": False,
+                               "can_load_adapters": True, "adapter_root": root, "requests_per_minute": 3}
+               for n, root in (roots or {}).items()}
+    return {"tenants": {**loaders,
         "acme": {"api_keys": [ACME], "adapters": ["acme-*"]},
         "globex": {"api_keys": [GLOBEX], "adapters": ["globex-*"]},
         "initech": {"api_keys": [INITECH], "prefix_cache": "shared:partners"},
         "hooli": {"api_keys": [HOOLI], "prefix_cache": "shared:partners"},
-        "metered": {"api_keys": [METERED], "requests_per_minute": 6, "tokens_per_minute": 400, "max_concurrent": 4},
+        "metered": {"api_keys": [METERED], "requests_per_minute": 8, "tokens_per_minute": 400, "max_concurrent": 4},
         "billed": {"api_keys": [BILLED], "adapters": ["billed-*"], "base_model": False,
                    "tokens_per_minute": 100000}}}
 
 
-def _serve(model_dir, folder, lora_modules=None, **engine_args):
+def _serve(model_dir, folder, lora_modules=None, roots=None, **engine_args):
     from loraplex.api.server import ServerConfig
 
     path = folder / "tenants.json"
-    path.write_text(json.dumps(_tenants()))
+    path.write_text(json.dumps(_tenants(roots)))
     config = ServerConfig(served_model_name="tiny", model_path=str(model_dir), admin_api_key=ADMIN_KEY,
                           tenants_file=str(path))
     return start_server(model_dir, config, lora_modules, **engine_args)
@@ -44,7 +49,11 @@ def _serve(model_dir, folder, lora_modules=None, **engine_args):
 
 @pytest.fixture(scope="module")
 def tenanted(tiny_model_dir, tiny_adapters, tmp_path_factory):
-    server = _serve(tiny_model_dir, tmp_path_factory.mktemp("isolation"), {"billed-a": tiny_adapters[0]},
+    folder = tmp_path_factory.mktemp("isolation")
+    roots = {n: str(folder / f"root-{n}") for n in ("a", "b")}
+    for root in roots.values():
+        shutil.copytree(tiny_adapters[2], Path(root) / "x")
+    server = _serve(tiny_model_dir, folder, {"billed-a": tiny_adapters[0]}, roots,
                     num_kv_blocks=256, max_num_seqs=8, max_loras=2)
     yield server
     server.stop()
@@ -141,10 +150,10 @@ def frozen(tenanted, monkeypatch):
 
 
 def test_limits_count_sequences_reserve_tokens_and_cover_every_costly_endpoint(tenanted, frozen):
-    """metered: 6 sequences a minute, 4 at once, 400 tokens a minute. A call of 3 prompts x n 2 is 6 sequences:
+    """metered: 8 sequences a minute, 4 at once, 400 tokens a minute. A call of 3 prompts x n 2 is 6 sequences:
     more than 4 at once, refused as larger than the limit; 2 prompts x n 2 fits; tokens are reserved for
-    max_tokens at admission, so a call that could overrun the bucket is a 429 before it runs; /tokenize,
-    /detokenize and /v1/validate_schema count too."""
+    max_tokens at admission, so a call that could overrun the bucket is a 429 before it runs (its sequence
+    stays counted: its prompt was read); /tokenize, /detokenize and /v1/validate_schema count too."""
     prompts = [[5, 6, 7, 8]] * 3
     assert_error(_complete(tenanted, METERED, prompts, n=2), 400, "max_concurrent 4")
     assert_error(_complete(tenanted, METERED, [5, 6, 7, 8], max_tokens=500), 400, "tokens_per_minute 400")
@@ -152,9 +161,9 @@ def test_limits_count_sequences_reserve_tokens_and_cover_every_costly_endpoint(t
     assert status == 200 and len(body["choices"]) == 4
     assert body["usage"] == {"prompt_tokens": 8, "completion_tokens": 160, "total_tokens": 168}
     refused = _complete(tenanted, METERED, [5, 6, 7, 8], max_tokens=240)  # 244 > the 232 left
-    assert_error(refused, 429, "tokens per minute")
-    assert http(tenanted, "/tokenize", {"prompt": "hello"}, key=METERED)[0] == 200  # sequence 5 of 6
-    assert http(tenanted, "/detokenize", {"tokens": [5, 6]}, key=METERED)[0] == 200  # 6 of 6
+    assert_error(refused, 429, "tokens per minute")  # sequences 1 (the 500-token call), 2-5, now 6 of 8
+    assert http(tenanted, "/tokenize", {"prompt": "hello"}, key=METERED)[0] == 200  # 7 of 8
+    assert http(tenanted, "/detokenize", {"tokens": [5, 6]}, key=METERED)[0] == 200  # 8 of 8
     assert_error(http(tenanted, "/tokenize", {"prompt": "hello"}, key=METERED), 429, "requests per minute")
     assert_error(http(tenanted, "/v1/validate_schema", {"schema": {"type": "object"}}, key=METERED), 429)
     assert_error(_complete(tenanted, METERED, [5, 6]), 429, "requests per minute")
@@ -186,6 +195,23 @@ def _bucket(server, tenant: str) -> float:
         return float(per_minute)
     usage.tokens.refill(per_minute, limits.clock())  # as of the (stopped) clock
     return usage.tokens.level
+
+
+def test_a_tenant_unloads_only_what_it_loaded_and_loads_count_against_its_limits(tenanted):
+    """Two tenants whose patterns overlap (`shared-*`) and who may load: one cannot see that the other's adapter
+    is in use, nor unload it (the same 404 as a name that does not exist); loads and unloads read folders, so
+    they count as sequences against the tenant's requests_per_minute."""
+    load = lambda key, name: http(tenanted, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": "x"},  # noqa
+                                  key=key)
+    unload = lambda key, name: http(tenanted, "/v1/unload_lora_adapter", {"lora_name": name}, key=key)  # noqa
+    assert load("sk-loader-a", "shared-a")[0] == 200
+    missing = unload("sk-loader-b", "shared-nope")
+    assert_error(unload("sk-loader-b", "shared-a"), 404)
+    assert json.dumps(unload("sk-loader-b", "shared-a")[1]).replace("shared-a", "X") == \
+        json.dumps(missing[1]).replace("shared-nope", "X")
+    assert unload("sk-loader-a", "shared-a")[0] == 200  # 2 of 3 this minute
+    assert load("sk-loader-a", "shared-a")[0] == 200  # 3 of 3
+    assert_error(unload("sk-loader-a", "shared-a"), 429, "requests per minute")
 
 
 # ---- 5. keys match exactly ----------------------------------------------------------------------------------

@@ -110,7 +110,7 @@ def test_tokens_are_reserved_and_the_unused_given_back():
     first = limits.admit(tenant)
     first.reserve(60)  # prompt + max_tokens x sequences
     with pytest.raises(RateLimited, match="this call needs 50") as refused:
-        limits.admit(tenant).reserve(50)  # 40 left: refused at once, its sequence given back
+        limits.admit(tenant).reserve(50)  # 40 left: refused at once, its seat given back
     assert refused.value.retry_after_s == pytest.approx(10 * 60 / 100)
     assert limits.running("t") == 1
     first.use(25)  # what it was billed: 35 of its 60 come back
@@ -165,3 +165,22 @@ def test_replicas_enforce_their_share_of_each_limit():
     limits.admit(tenant).release()
     with pytest.raises(RateLimited, match="3 requests per minute"):
         limits.admit(tenant)
+
+
+def test_a_call_larger_than_a_replicas_share_waits_for_a_full_bucket_then_runs():
+    """Behind a Ray ingress each replica holds a part of each limit; a call within the tenant's limit but past
+    that part is no 400: it runs once nothing else holds the replica's part."""
+    clock = Clock()
+    limits = TenantLimits(clock, share=0.25)
+    tenant = _tenant(max_concurrent=4, tokens_per_minute=1000, requests_per_minute=8)  # 1, 250 and 2 here
+    big = limits.admit(tenant, sequences=2)
+    with pytest.raises(RateLimited, match="max_concurrent"):
+        limits.admit(tenant)
+    big.reserve(300)  # more than the 250 here, within the 1000 of the file
+    big.use(300)
+    big.release()
+    clock.now += 60
+    with pytest.raises(TooLarge, match="tokens_per_minute 1000"):
+        limits.admit(tenant).reserve(1001)
+    with pytest.raises(TooLarge, match="max_concurrent 4"):
+        limits.admit(tenant, sequences=5)

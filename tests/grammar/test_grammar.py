@@ -185,20 +185,27 @@ def test_the_device_bitmask_masks_as_xgrammar_does():
 
 
 def test_compiles_are_cached_per_namespace(tiny_model_dir, monkeypatch):
-    """A tenant's compile is neither reused by nor waited for by another tenant (its timing would tell that the
-    other sent the schema); within one namespace the cache and the single flight hold as before."""
+    """A tenant's compile is neither reused by nor waited for by another tenant, in the manager's cache or in
+    any backend's own (its timing would tell that the other sent the schema); within one namespace the cache
+    and the single flight hold as before."""
     import asyncio
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    manager = GrammarManager(tok, vocab_size=448, stop_token_ids=[tok.eos_token_id], backend="xgrammar")
-    backend = manager._get("xgrammar")
-    real, compiled = backend.compile, []
-    monkeypatch.setattr(backend, "compile", lambda spec: (compiled.append(spec.key), real(spec))[1])
-    spec = StructuredOutputs(choice=["left", "right"])
+    for name in ("llguidance", "xgrammar"):
+        manager = GrammarManager(tok, vocab_size=448, stop_token_ids=[tok.eos_token_id], backend=name)
+        backend = manager._get(name)
+        built = []
+        if name == "llguidance":  # below its compile cache: what it really builds
+            real = backend._build
+            monkeypatch.setattr(backend, "_build", lambda spec: (built.append(spec.key), real(spec))[1])
+        else:
+            real = backend.compiler.compile_grammar
+            monkeypatch.setattr(backend.compiler, "compile_grammar", lambda *a, **k: (built.append(1), real(*a, **k))[1])
+        spec = StructuredOutputs(choice=["left", "right"])
 
-    async def run():
-        for namespace in ("tenant:acme", "tenant:globex", "tenant:acme", "", ""):
-            await manager.compiled(spec, namespace)
+        async def run():
+            for namespace in ("tenant:acme", "tenant:globex", "tenant:acme", "", ""):
+                await manager.compiled(spec, namespace)
 
-    asyncio.run(run())
-    assert len(compiled) == 3  # acme, globex, the server-wide namespace: once each
+        asyncio.run(run())
+        assert len(built) == 3, name  # acme, globex, the server-wide namespace: once each

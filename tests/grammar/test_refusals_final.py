@@ -76,26 +76,31 @@ def test_patterns_in_property_names_are_checked_too(managers):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_unknown_format_is_refused_alike_and_dropped_when_not_strict(managers, backend):
+def test_an_unknown_format_is_an_annotation_and_refused_under_openai_strict(managers, backend):
+    """JSON Schema 2020-12: a format it does not define constrains nothing, so every backend serves the schema
+    with it left out and says so; strict in OpenAI's sense refuses what OpenAI does not list, by name."""
     mgr = managers[0][backend]
     schema = {"type": "object", "additionalProperties": False, "required": ["d"],
               "properties": {"d": {"type": "string", "format": "banana"}}}
-    with pytest.raises(UnsupportedKeywordError) as err:
-        mgr.compile(StructuredOutputs(json=schema))
-    assert str(err.value) == ("json schema keyword 'format: banana' at #/properties/d is an unknown format (JSON "
-                              "Schema defines no such format, so no grammar backend enforces it, and the request "
-                              "is refused)")
     if backend != "outlines":  # outlines takes no open string: its grammar is a regex of listed properties
-        relaxed = mgr.compile(StructuredOutputs(json=schema, strict=False))
-        assert relaxed.unenforced == ("format: banana at #/properties/d",)
+        for strict in (True, False):
+            compiled = mgr.compile(StructuredOutputs(json=schema, strict=strict))
+            assert compiled.unenforced == ("format: banana at #/properties/d (an annotation: a format JSON Schema "
+                                           "does not define constrains nothing)",)
+            assert "format" not in compiled.spec.json["properties"]["d"]
+            assert compiled.original == schema  # the output is checked against the schema as given
+    with pytest.raises(UnsupportedKeywordError) as err:
+        mgr.compile(StructuredOutputs(json=schema, openai_strict=True))
+    assert (err.value.keyword, err.value.path) == ("format: banana", "#/properties/d")
+    assert "not one of the formats OpenAI's strict mode supports" in str(err.value)
 
 
 def test_a_format_the_first_backend_lacks_is_not_handed_on(managers):
     """llguidance has no grammar for idn-email; xgrammar would let any string through."""
     with pytest.raises(UnsupportedKeywordError, match="'format: idn-email' at # .*llguidance"):
         managers[0]["auto"].compile(StructuredOutputs(json={"type": "string", "format": "idn-email"}))
-    with pytest.raises(UnsupportedKeywordError, match="'format: unknown'"):  # llguidance's own lenient name
-        managers[0]["llguidance"].compile(StructuredOutputs(json={"type": "string", "format": "unknown"}))
+    with pytest.raises(UnsupportedKeywordError, match="'format: uri' at # .*OpenAI's strict mode"):
+        managers[0]["auto"].compile(StructuredOutputs(json={"type": "string", "format": "uri"}, openai_strict=True))
 
 
 def test_a_backend_that_cannot_build_a_spec_lets_the_next_one_try(managers):
@@ -131,3 +136,32 @@ def test_refusals_cross_a_process_whole():
     refused = UnsupportedKeywordError("why", "pattern", "#/a")
     back = pickle.loads(pickle.dumps(refused))
     assert (type(back), str(back), back.keyword, back.path) == (UnsupportedKeywordError, "why", "pattern", "#/a")
+
+
+@pytest.mark.parametrize("schema,keyword", [
+    ({"type": "object", "allOf": [{"type": "object", "patternProperties": {"a": {"type": "number", "minimum": 10}}},
+                                  {"type": "object", "patternProperties": {"b": {"type": "number", "minimum": 3}}}]},
+     "patternProperties"),
+    ({"type": "string", "pattern": "^([a-z][0-9])+$", "minLength": 10000}, "pattern"),
+    ({"$ref": "#/definitions/n", "definitions": {"n": {"type": "object", "description": "a tree",
+                                                       "properties": {"next": {"$ref": "#/definitions/n",
+                                                                               "description": "again"}}}}}, None),
+])
+def test_what_llguidance_cannot_build_is_refused_by_name(managers, schema, keyword):
+    """#51: llguidance's own limits (overlapping patternProperties, patterns too complex to prove satisfiable)
+    were reported as compile errors; now each names its keyword (no backend after it enforces more)."""
+    if keyword is None:  # a recursive schema whose $ref has annotation siblings: built, not refused
+        managers[0]["auto"].compile(StructuredOutputs(json=schema))
+        return
+    with pytest.raises(UnsupportedKeywordError) as err:
+        managers[0]["auto"].compile(StructuredOutputs(json=schema))
+    assert err.value.keyword == keyword
+
+
+def test_a_schema_that_admits_nothing_says_so(managers):
+    schema = {"type": "object", "required": ["d"], "properties": {"d": {
+        "type": "object", "required": ["x", "y"], "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
+        "oneOf": [{"required": ["x"]}, {"required": ["y"]}]}}}  # both present: both branches hold, never one
+    for backend in ("llguidance", "auto"):
+        with pytest.raises(GrammarError, match="unsatisfiable: it admits no value"):
+            managers[0][backend].compile(StructuredOutputs(json=schema))

@@ -25,6 +25,7 @@ SCHEMAS = [
     {"dependentRequired": {"a": ["b"]}}, {"dependentSchemas": {"a": {"required": ["c"]}}},
     {"type": "object", "properties": {"k": {"const": "cat"}}, "required": ["k"]},
     {"type": "number", "not": {"enum": [1, 2]}}, {"type": "string", "not": {"enum": ["a", "ab", ""]}},
+    {"enum": [[1], {"a": 1}]}, {"enum": [[1, 2], {"a": 1, "b": 2}, "a"]}, {"const": {"k": "dog"}},
 ]
 
 
@@ -57,11 +58,11 @@ def test_rewrites_keep_the_meaning(schema):
 
 @pytest.mark.parametrize("schema", [{"pattern": "^a"}, {"multipleOf": 2}, {"format": "email"}, {"uniqueItems": True},
                                     {"propertyNames": {"maxLength": 1}}, {"items": {"type": "string"}},
-                                    {"minLength": 2.5}, {"enum": [[1], {"a": 1}]}, {"type": "integer"}])
+                                    {"minLength": 2.5}, {"enum": [{k: 1 for k in "abcdefgh"}]}, {"type": "integer"}])
 def test_what_has_no_exact_negation_is_left_for_a_refusal(schema):
     with pytest.raises(_Inexpressible):
         negate(schema, schema)
-    assert normalize({"not": schema}) == {"not": schema}
+    assert "not" in normalize({"not": schema})  # the inner schema may itself be rewritten, exactly
 
 
 def test_disjointness_is_never_claimed_wrongly():
