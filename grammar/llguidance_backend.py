@@ -12,6 +12,7 @@ Lark too: the reasoning (grammar/reasoning.py), then the spec's own grammar as a
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import re
@@ -23,8 +24,10 @@ import llguidance.hf
 
 from loraplex.grammar import regex_features, reasoning, tools
 from loraplex.grammar.backend import CompileCache, GrammarError, StructuredOutputs, UnsatisfiableError
+from loraplex.grammar.ecma_regex import exact_dots
 from loraplex.grammar.json_schema import (UnsupportedKeywordError, check_formats, check_patterns, check_regex,
-                                          find_keyword)
+                                          find_keyword, walk)
+from loraplex.grammar.schema_values import pointer_parts
 
 if TYPE_CHECKING:  # a compile worker imports this module without torch
     import torch
@@ -150,7 +153,8 @@ class LLGuidanceBackend:
             if spec.kind == "json":
                 check_formats(spec.json, FORMATS, "llguidance")
                 check_patterns(spec.json, REGEX_FEATURES, "llguidance")
-                return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(spec.json), defaults=options)
+                return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(ecma_dots(spec.json)),
+                                                                     defaults=options)
             if spec.kind == "json_object":
                 return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=options)
             if spec.kind == "regex":
@@ -190,6 +194,40 @@ class LLGuidanceBackend:
 
     def new_grammar(self, compiled: llguidance.LLMatcher, json_like: bool = False) -> LLGuidanceGrammar:
         return LLGuidanceGrammar(compiled.deep_copy(), self.stop_token_ids)
+
+
+def ecma_dots(schema):
+    """`schema`, or a copy with each `.` in a `pattern` or a `patternProperties` name written as
+    ECMA-262 means it (grammar/ecma_regex.py): llguidance's `.` also takes \\r, U+2028 and U+2029.
+    The request's own schema is left alone (the output check reads it)."""
+    if not any(exact_dots(p) != p for p in _patterns(schema)):
+        return schema
+    out = copy.deepcopy(schema)
+    pointed = _pointed_names(out)
+    for node, _ in walk(out):
+        if isinstance(node.get("pattern"), str):
+            node["pattern"] = exact_dots(node["pattern"])
+        named = node.get("patternProperties")
+        if isinstance(named, dict) and not pointed & set(named):
+            renamed = {exact_dots(name): sub for name, sub in named.items()}
+            if len(renamed) == len(named):  # two names that mean the same stay apart
+                node["patternProperties"] = renamed
+    return out
+
+
+def _patterns(schema):
+    for node, _ in walk(schema):
+        if isinstance(node.get("pattern"), str):
+            yield node["pattern"]
+        if isinstance(node.get("patternProperties"), dict):
+            yield from node["patternProperties"]
+
+
+def _pointed_names(schema) -> set[str]:
+    """The `patternProperties` names a local `$ref` passes through (renaming them would break it)."""
+    refs = [node["$ref"] for node, _ in walk(schema) if isinstance(node.get("$ref"), str)]
+    return {part for ref in refs if ref.startswith("#/") and "patternProperties" in pointer_parts(ref)
+            for part in pointer_parts(ref)}
 
 
 def _lark(lines: list[str]) -> str:

@@ -296,3 +296,22 @@ def test_a_dropped_stream_bills_its_prompt_and_every_token_it_was_sent(tenanted,
     assert level - _bucket(tenanted, "billed") == pytest.approx(billed, abs=2.0)  # the bucket agrees
     wait_idle(tenanted.engine)
     assert_all_blocks_free(tenanted.engine)
+
+
+def test_a_whole_answer_cut_short_by_the_timeout_bills_its_prompt_only(tenanted, frozen, monkeypatch):
+    """A non-streamed call sends its tokens only with the whole answer: one the request timeout ends (504) sent
+    none, so it bills its prompt (computed) and no completion tokens; the bucket agrees."""
+    import dataclasses
+
+    state = tenanted.uvicorn_server.config.app.state.loraplex
+    monkeypatch.setattr(state, "config", dataclasses.replace(state.config, request_timeout_s=0.2))
+    before, level = _usage(tenanted), _bucket(tenanted, "billed")
+    status, body = _complete(tenanted, BILLED, [5, 6, 7, 8, 9], max_tokens=480, model="tiny:billed-a")
+    assert status == 504, body
+    wait_idle(tenanted.engine)
+    after = _usage(tenanted)["tenants"]["billed"]
+    billed = {k: after[k] - before["tenants"].get("billed", {}).get(k, 0) for k in ("prompt_tokens",
+                                                                                   "generation_tokens")}
+    assert billed == {"prompt_tokens": 5, "generation_tokens": 0}
+    assert level - _bucket(tenanted, "billed") == pytest.approx(5, abs=0.5)
+    assert_all_blocks_free(tenanted.engine)

@@ -17,9 +17,10 @@ from transformers import AutoTokenizer
 from loraplex.grammar import oracle
 from loraplex.grammar.backend import StructuredOutputs
 from loraplex.grammar.compiler import json_validator
+from loraplex.grammar.disjoint import disjoint
+from loraplex.grammar.finite_keywords import MAX_UNIQUE_BRANCHES
 from loraplex.grammar.json_schema import UnsupportedKeywordError, normalize
 from loraplex.grammar.manager import GrammarManager
-from loraplex.grammar.rewrite import MAX_UNIQUE_BRANCHES, disjoint
 
 DRAFT7 = "http://json-schema.org/draft-07/schema#"
 DRAFT4 = "http://json-schema.org/draft-04/schema#"

@@ -15,8 +15,8 @@ from transformers import AutoTokenizer
 
 from loraplex.grammar import oracle
 from loraplex.grammar.backend import GrammarError, StructuredOutputs
+from loraplex.grammar.disjoint import disjoint
 from loraplex.grammar.json_schema import UnsupportedKeywordError, normalize
-from loraplex.grammar.rewrite import disjoint
 from loraplex.grammar.manager import GrammarManager
 
 SUITE = Path(__file__).resolve().parent / "json-schema-test-suite"  # vendored: MIT, see its SOURCE.md

@@ -7,8 +7,10 @@ import itertools
 import jsonschema
 import pytest
 
+from loraplex.grammar.disjoint import disjoint
 from loraplex.grammar.json_schema import normalize
-from loraplex.grammar.rewrite import _Inexpressible, disjoint, negate
+from loraplex.grammar.rewrite import negate
+from loraplex.grammar.rewrite_state import Inexpressible
 
 VALUES = [None, True, False, 0, 1, 2, 3, 2.5, -1, "", "a", "ab", "abc", "x", "xy", [], [1], [1, 2], [1, "a"],
           ["a", "b", "c"], {}, {"a": 1}, {"b": 2}, {"a": 1, "b": 2}, {"a": "s"}, {"a": 1, "c": 3}, {"k": "cat"},
@@ -37,7 +39,7 @@ def valid(value, schema) -> bool:
 def test_negation_accepts_exactly_what_the_schema_rejects(schema):
     try:
         negated = negate(schema, schema)
-    except _Inexpressible:
+    except Inexpressible:
         pytest.fail(f"expected a negation of {schema}")
     for value in VALUES:
         assert valid(value, negated) != valid(value, schema), (value, negated)
@@ -50,7 +52,7 @@ def test_rewrites_keep_the_meaning(schema):
         try:
             negate(normalize(schema), schema)
             assert "not" not in rewritten and "oneOf" not in rewritten and "if" not in rewritten, rewritten
-        except _Inexpressible:  # a string complement (a pattern) cannot itself be negated again
+        except Inexpressible:  # a string complement (a pattern) cannot itself be negated again
             pass
         for value in VALUES:
             assert valid(value, rewritten) == valid(value, wrapped), (value, wrapped, rewritten)
@@ -60,7 +62,7 @@ def test_rewrites_keep_the_meaning(schema):
                                     {"propertyNames": {"maxLength": 1}}, {"items": {"type": "string"}},
                                     {"minLength": 2.5}, {"enum": [{k: 1 for k in "abcdefgh"}]}, {"type": "integer"}])
 def test_what_has_no_exact_negation_is_left_for_a_refusal(schema):
-    with pytest.raises(_Inexpressible):
+    with pytest.raises(Inexpressible):
         negate(schema, schema)
     assert "not" in normalize({"not": schema})  # the inner schema may itself be rewritten, exactly
 
