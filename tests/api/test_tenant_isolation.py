@@ -104,7 +104,7 @@ def test_another_tenants_cached_prompt_is_no_sooner_than_a_fresh_one(prefill_bou
     rng = random.Random(0)
     _first_token_s(prefill_bound, ACME, _fresh_prompt(rng))  # warm-up: the first call pays one-off costs
     fresh, crossed, own = [], [], []
-    for _ in range(3):
+    for _ in range(5):
         secret = _fresh_prompt(rng)
         _first_token_s(prefill_bound, ACME, secret)
         hits = _hits(prefill_bound)
@@ -113,7 +113,7 @@ def test_another_tenants_cached_prompt_is_no_sooner_than_a_fresh_one(prefill_bou
         fresh.append(_first_token_s(prefill_bound, GLOBEX, _fresh_prompt(rng)))
         own.append(_first_token_s(prefill_bound, ACME, secret))
         assert _hits(prefill_bound) >= hits + PROMPT_LEN - 16  # acme's own repeat hits its cache
-    assert statistics.median(crossed) >= 0.6 * statistics.median(fresh), (crossed, fresh)
+    assert statistics.median(crossed) >= 0.5 * statistics.median(fresh), (crossed, fresh)  # a hit: ~0.1x
     assert statistics.median(own) <= 0.5 * statistics.median(fresh), (own, fresh)  # a hit is visible here
     shared = _fresh_prompt(rng)
     _first_token_s(prefill_bound, INITECH, shared)
