@@ -1,4 +1,4 @@
-"""Slots: which adapters one batch may use, per layer and fused projection (design.md section 4).
+"""Slots: which adapters one batch may use, per layer and fused projection.
 
 On the CPU a slot is a pointer, not a copy: `load` points each projection's `LoRATable` entry at
 the adapter's own compact weights (`LoRAWeights.projections`, in its own rank), which the

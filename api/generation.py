@@ -39,6 +39,7 @@ class _Timers:
                  tenant: str | None) -> None:
         self.prompts = prompts
         self.timers = [RequestTimer(state.metrics, adapter, tenant) for _ in prompts]
+        self.seen: list[dict[int, int]] = [{} for _ in prompts]  # tokens out of the engine so far per choice
         self.generated: list[dict[int, int]] = [{} for _ in prompts]  # tokens delivered so far per choice
         self.reasons: list[dict[int, str | None]] = [{} for _ in prompts]
         self.queued = [False for _ in prompts]
@@ -51,8 +52,9 @@ class _Timers:
         if delta.queue_time_s is not None and not self.queued[i]:
             self.queued[i] = True
             self.timers[i].queued(delta.queue_time_s)
-        grown = {o.index: self.generated[i].get(o.index, 0) + len(o.token_ids) for o in delta.outputs}
-        self.timers[i].tokens(max({**self.generated[i], **grown}.values(), default=0))
+        for o in delta.outputs:
+            self.seen[i][o.index] = self.seen[i].get(o.index, 0) + len(o.token_ids)
+        self.timers[i].tokens(max(self.seen[i].values(), default=0))
 
     def delivered(self, i: int, delta: RequestOutput) -> None:
         """A delta handed on to the client (sent, for a stream): its tokens are billed."""

@@ -1,6 +1,6 @@
 """loraplex: serve hundreds of LoRA adapters on one base model, with structured outputs.
 
-The five sub-packages are folders without an `__init__.py` (design.md section 1: a
+The five sub-packages are folders without an `__init__.py` (a
 `platform/__init__.py` would shadow the standard library's `platform` module whenever Python
 runs from the repo root). They import as namespace packages; the names below give each its
 package-level API (`from loraplex.platform import LLM`), resolved lazily on first use so that

@@ -1,4 +1,4 @@
-"""Layout rules of design.md section 1: the five folders import as loraplex.<folder>, carry no
+"""The package layout: the five folders import as loraplex.<folder>, carry no
 top-level __init__.py, and all land in the wheel."""
 
 import subprocess

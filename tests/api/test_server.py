@@ -339,6 +339,23 @@ def test_strict_false_lists_unenforced_keywords_in_a_header_and_the_body(client,
     assert_clean(live)
 
 
+def test_a_whole_answer_times_each_token_as_it_comes(client, live):
+    """Latencies come from the engine's deltas, whether the answer streams or not: a non-streamed answer of
+    8 tokens adds 7 inter-token gaps (its bill waits for the whole answer; its clock does not)."""
+    import re
+
+    def gaps() -> float:
+        text = http(live, "/metrics", key=None)[1]
+        return float(re.search(r"^loraplex:inter_token_latency_seconds_count ([0-9.e+]+)$", text, re.M).group(1))
+
+    before = gaps()
+    out = client.completions.create(model="tiny", prompt="Hello", max_tokens=8, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 8
+    assert gaps() - before == 7
+    assert_clean(live)
+
+
 def test_an_unknown_format_is_served_as_an_annotation_unless_openai_strict(client, live):
     """#51: `format: url` constrains nothing in JSON Schema 2020-12, so the schema is served and the format listed;
     `strict: true` named in the request asks for OpenAI's list of formats, which has no `url`."""
