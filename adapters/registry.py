@@ -108,6 +108,9 @@ class AdapterRegistry:
             self._check_unpinned(name)
             del self._adapters[name]
             self._drop(name)
+            held = self._slot_of.get(name)
+            if held is not None:  # a stacked slot outlives its CPU copy, not its adapter
+                self._vacate(held[0])
 
     def get(self, name: str) -> AdapterInfo:
         with self._lock:
@@ -200,13 +203,15 @@ class AdapterRegistry:
             (self.lora_memory is not None and self._cpu_bytes > self.lora_memory)
 
     def _drop(self, name: str) -> None:
-        """Forget an unpinned adapter's weights: out of the cache and out of its slot, so memory
-        is really returned (a slot holds references to the weights it points at)."""
+        """Forget an unpinned adapter's weights: out of the cache, and on the CPU out of its slot too, so memory
+        is really returned (a CPU slot holds references to the weights it points at). A stacked slot holds its
+        own device copy in memory allocated once: it stays, and the adapter's next request uses it with no
+        reload (emptying it cost every finished request a write per table)."""
         weights = self._cpu.pop(name, None)
         if weights is not None:
             self._cpu_bytes -= weights.nbytes
         held = self._slot_of.get(name)
-        if held is not None and not self._pins[name]:
+        if held is not None and not self._pins[name] and not self._slots.stacked:
             self._vacate(held[0])
 
     # ---- slots (engine thread) --------------------------------------------------------------

@@ -14,8 +14,9 @@ budget is skipped, and the table is rewritten after every row, so a killed run s
  environment, HBM bandwidth (a device-to-device copy), kernels (Triton vs references, prefill attention
  Triton vs SDPA), parity on the 1B shape (fp32, TF32 off: vs transformers; 8 adapters in one batch vs peft),
  then on the 8B shape: decode tok/s at batch 1/16/64/256 vs transformers `generate` and vs the HBM floor,
- decode graphs vs eager at batch 16, 64 distinct rank-16 adapters vs base, KV blocks vs free memory, the
- device audit. Timers: warm-up first, device synced before each, same prompts on both sides, prefix caching
+ decode graphs vs eager at batch 16, 64 distinct rank-16 adapters vs base, a profile of the decode step (base and
+ with the adapters: wall vs device-busy time, graph replays, costliest kernels; whole tables in profile_*.txt),
+ KV blocks vs free memory, the device audit (its grammar case only where llguidance or xgrammar is installed). Timers: warm-up first, device synced before each, same prompts on both sides, prefix caching
  off.
 """
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import importlib.util
 import shutil
 import sys
 import tempfile
@@ -147,7 +149,13 @@ def hf_model(shape: str, tokenizer_dir: Path, device: torch.device, dtype: torch
                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     torch.manual_seed(0)
     with torch.device(device):  # made in float32 then cast: the same on every transformers version
-        model = LlamaForCausalLM(config).to(dtype)
+        model = LlamaForCausalLM(config)
+    rope = model.model.rotary_emb
+    frequencies = {name: getattr(rope, name).clone() for name in ("inv_freq", "original_inv_freq") if
+                   isinstance(getattr(rope, name, None), torch.Tensor)}
+    model = model.to(dtype)
+    for name, value in frequencies.items():  # a cast would round them to bf16, as no loaded checkpoint has them
+        rope.register_buffer(name, value, persistent=False)
     model.generation_config.eos_token_id = None  # every side generates its full count
     return model.eval()
 
@@ -293,6 +301,29 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> str:
     return f"{same}/{len(ours)} sequences equal" + (f"; others part at tokens {splits}" if splits else "")
 
 
+def parting_margins(model, batch_prompts, ours: list[list[int]], theirs: list[list[int]], device: torch.device,
+                    select=None) -> list[float]:
+    """Where a sequence parts: transformers' logit of its own token minus its logit of ours, over the std of that
+    position's logits. fp32 sums in another order move logits by ~1e-6 of that std: a margin that small is a
+    near-tie flipped, a large one a real difference. `select(i)` sets the i-th prompt's adapter first."""
+    margins = []
+    for i, (prompt, a, b) in enumerate(zip(batch_prompts, ours, theirs)):
+        at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if at is None:
+            continue
+        if select is not None:
+            select(i)
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([prompt + b[:at]], device=device)).logits[0, -1].float()
+        margins.append(((logits[b[at]] - logits[a[at]]) / logits.std()).item())
+    return margins
+
+
+def margins_note(margins: list[float]) -> str:
+    return f"; transformers' margin there (logit std units): {', '.join(f'{m:.1e}' for m in margins)}" \
+        if margins else ""
+
+
 def built_engine(check: Check):
     """The large shape's engine the decode section built, for the sections after it."""
     if "llm" not in check.found:
@@ -377,8 +408,10 @@ def section_parity(check: Check) -> None:
     theirs = [hf_greedy(model, p, plan.parity_tokens, device) for p in batch_prompts]
     llm = engine(check, folder, dtype="float32", max_model_len=256, max_loras=plan.parity_adapters, max_num_seqs=16)
     graphs = " with decode graphs" if check.cuda else ""
+    ours = greedy(llm, batch_prompts, plan.parity_tokens)
     check.report.row(f"greedy parity vs transformers ({plan.small}, fp32, TF32 off, batched{graphs})",
-                     agreement(greedy(llm, batch_prompts, plan.parity_tokens), theirs),
+                     agreement(ours, theirs) + margins_note(parting_margins(model, batch_prompts, ours, theirs,
+                                                                            device)),
                      f"{plan.parity_prompts}/{plan.parity_prompts}")
     section_peft_parity(check, llm, model, adapters, batch_prompts)
     del llm, model
@@ -400,8 +433,10 @@ def section_peft_parity(check: Check, llm, model, adapters: list[Path], batch_pr
         peft_model.set_adapter(name)
         theirs.append(hf_greedy(peft_model, p, check.plan.parity_tokens, check.device))
     ours = greedy(llm, batch_prompts, check.plan.parity_tokens, which)
+    margins = parting_margins(peft_model, batch_prompts, ours, theirs, check.device,
+                              lambda i: peft_model.set_adapter(which[i]))
     check.report.row(f"greedy parity vs peft, {len(adapters)} adapters (rank 16, all projections) in one batch",
-                     agreement(ours, theirs), f"{len(batch_prompts)}/{len(batch_prompts)}")
+                     agreement(ours, theirs) + margins_note(margins), f"{len(batch_prompts)}/{len(batch_prompts)}")
 
 
 def section_large_model(check: Check) -> None:
@@ -474,9 +509,63 @@ def section_adapters(check: Check) -> None:
     engine_decode_rate(llm, batch_prompts[:2], 2, names[:2])  # warm-up: the LoRA graphs
     base = engine_decode_rate(llm, batch_prompts, plan.new_tokens)
     mixed = engine_decode_rate(llm, batch_prompts, plan.new_tokens, names)
-    check.found["adapter"] = names[0]
+    check.found["adapter"], check.found["adapter_names"] = names[0], names
     check.report.row(f"{plan.adapters} distinct rank-16 adapters vs base, batch {plan.adapters}",
                      f"{mixed:.0f} vs {base:.0f} tok/s = {mixed / base:.2f}x", ">= 0.8x")
+
+
+def section_profile(check: Check) -> None:
+    """Where a decode step's time goes at the adapters section's batch, base and with its distinct adapters:
+    wall time against the device's busy time, which graphs replayed, the costliest kernels (the whole table
+    beside gpu_check.md)."""
+    llm, plan = built_engine(check), check.plan
+    batch_prompts = prompts(plan.adapters, plan.prompt_len, check.found["vocab"], 8)
+    for label, adapters in (("base", None), (f"{plan.adapters} adapters", check.found.get("adapter_names"))):
+        wall, busy, replays, top = profiled_decode(llm, batch_prompts, adapters, 4,
+                                                   check.report.path.with_name(f"profile_{label.split()[-1]}.txt"))
+        check.report.row(f"decode step profile, batch {plan.adapters}, {label}",
+                         f"{wall:.1f} ms per step (profiled), device busy {busy:.1f} ms; graph replays {replays}; "
+                         f"top kernels: {top}")
+
+
+def profiled_decode(llm, batch_prompts, adapters, steps: int, path: Path) -> tuple[float, float, dict, str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    from loraplex.platform import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    tag = f"p{time.perf_counter_ns()}"
+    for i, p in enumerate(batch_prompts):
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": p}, params, adapters[i] if adapters else None)
+    started: set[str] = set()
+    while len(started) < len(batch_prompts) and engine.has_unfinished():
+        started |= {out.request_id for out in engine.step() if out.outputs[0].token_ids}
+    graphs = engine.runner.graphs
+    before = dict(graphs.num_replays) if graphs is not None else {}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    sync(engine.device)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync(engine.device)
+        wall = (time.perf_counter() - start) * 1000 / steps
+    replays = {f"{k[0]}/{k[1]}": n - before.get(k, 0) for k, n in (graphs.num_replays.items() if graphs else ())
+               if n - before.get(k, 0)}
+    while engine.has_unfinished():
+        engine.step()
+    events = prof.key_averages()
+
+    def device_us(e) -> float:
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) or 0
+
+    kernels = sorted((e for e in events if device_us(e) > 0), key=device_us, reverse=True)
+    busy = sum(device_us(e) for e in kernels) / 1000 / steps
+    top = "; ".join(f"{e.key[:48]} {device_us(e) / 1000 / steps:.2f} ms x{e.count // steps}" for e in kernels[:5])
+    path.write_text(events.table(sort_by="self_cuda_time_total" if engine.device.type == "cuda" else
+                                 "self_cpu_time_total", row_limit=30))
+    return wall, busy, replays, top
 
 
 def section_kv_memory(check: Check) -> None:
@@ -505,8 +594,10 @@ def section_audit(check: Check) -> None:
     engine_ = built_engine(check).engine
     schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
     cases = [SamplingParams(temperature=0, max_tokens=8, logprobs=2),
-             SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=1, n=2, max_tokens=8, repetition_penalty=1.1),
-             SamplingParams(temperature=0, max_tokens=24, structured=StructuredOutputs(json=schema))]
+             SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=1, n=2, max_tokens=8, repetition_penalty=1.1)]
+    grammar = grammar_backend_installed()  # the bare GPU machine has none: the audit then runs without one
+    if grammar:
+        cases.append(SamplingParams(temperature=0, max_tokens=24, structured=StructuredOutputs(json=schema)))
     adapter = check.found.get("adapter")  # one the adapters section loaded, if it ran
     for i, params in enumerate(cases):
         engine_.add_request(f"audit-{i}", {"prompt_token_ids": prompts(1, 16, check.found["vocab"], i)[0]}, params,
@@ -517,15 +608,21 @@ def section_audit(check: Check) -> None:
             if not engine_.has_unfinished():
                 break
             engine_.step()
-    check.report.row("device audit over a mixed workload (sampling, logprobs, forks, grammar, adapter)",
+    what = "sampling, logprobs, forks, grammar, adapter" if grammar else \
+        "sampling, logprobs, forks, adapter; no grammar backend installed"
+    check.report.row(f"device audit over a mixed workload ({what})",
                      f"{len(audit.found)} host tensors fed to device ops" +
                      (f": {'; '.join(sorted(set(audit.found))[:3])}" if audit.found else ""), "0")
+
+
+def grammar_backend_installed() -> bool:
+    return any(importlib.util.find_spec(name) is not None for name in ("llguidance", "xgrammar"))
 
 
 # (name, seconds it needs at least on the real check: skipped when fewer are left in the budget)
 SECTIONS = [(section_environment, 0), (section_bandwidth, 5), (section_kernels, 40), (section_parity, 60),
             (section_large_model, 90), (section_decode, 60), (section_graphs, 20), (section_adapters, 30),
-            (section_kv_memory, 0), (section_audit, 10)]
+            (section_profile, 20), (section_kv_memory, 0), (section_audit, 10)]
 
 
 def run_sections(check: Check, sections=SECTIONS) -> None:
