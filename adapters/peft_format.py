@@ -161,7 +161,7 @@ def _fuse(weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], ran
     """Per-module A/B -> per fused projection A [n * r, in] and B transposed, Bt [r, out_total]
     (zeros where the adapter leaves a slice alone), all views of one buffer in the order a decode
     step reads them: each token streams its own adapter, and one contiguous stream per layer reads
-    ~1.2x faster than separate allocations (TLB and hardware prefetch; benchmarks/multi_lora.py)."""
+    faster than separate allocations (TLB and hardware prefetch; benchmarks/multi_lora.py)."""
     layout = [(layer, fused, parts, fused_offsets(fused, shapes))  # the order a step reads them in
               for layer in sorted({layer for layer, _ in weights})
               for fused, parts in ((fused, fused_parts(fused, shapes)) for fused in FUSED_PROJECTIONS)

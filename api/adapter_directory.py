@@ -16,11 +16,15 @@ from loraplex.api.adapter_roots import AdapterRoots, relative_to
 from loraplex.api.callers import OPEN, Caller
 from loraplex.api.errors import APIError, bad_input, unknown_adapter
 from loraplex.api.model_name import adapter_of
+from loraplex.api.store_loader import StoreLoader
 from loraplex.api.settings import ServerConfig
 from loraplex.platform.engine_client import (AdapterInfo, AdapterInUseError, AdapterMix, EngineClient,
                                              UnknownAdapterError, parse_mix)
 
 log = logging.getLogger(__name__)
+
+
+STORE = "store"  # `_source`: the name is to be looked up in object storage
 
 
 class SharedAdapters(Protocol):
@@ -38,18 +42,25 @@ class SharedAdapters(Protocol):
 
 
 class AdapterDirectory:
-    def __init__(self, client: EngineClient, config: ServerConfig, shared: SharedAdapters | None = None) -> None:
+    def __init__(self, client: EngineClient, config: ServerConfig, shared: SharedAdapters | None = None,
+                 on_store=None) -> None:
+        """`on_store(store)`: told when the object-storage store is made (the metrics read its counts)."""
         self.client, self.config, self.shared = client, config, shared
         self.roots = AdapterRoots(config.adapter_roots)
         self._loading: dict[str, asyncio.Future] = {}  # adapter name -> its one load in flight
+        self.objects = StoreLoader(client, config, self._loading, on_store)  # adapters from object storage
 
     async def infos(self, caller: Caller = OPEN) -> list[AdapterInfo]:
         """The adapters this server answers for (the shared set's, else its own) that `caller` may use."""
         infos = await self.shared.list() if self.shared is not None else self.client.list_adapters()
-        return [info for info in infos if caller.may_use(info.name)]
+        return [info for info in infos if caller.may_use(info.name) and self.objects.usable(info, caller)]
 
-    def _here(self, name: str) -> bool:
-        return bool(name) and name in {a.name for a in self.client.list_adapters()}
+    def _loaded(self, name: str) -> AdapterInfo | None:
+        return next((a for a in self.client.list_adapters() if a.name == name), None) if name else None
+
+    def _here(self, name: str, caller: Caller = OPEN) -> bool:
+        info = self._loaded(name)
+        return info is not None and self.objects.usable(info, caller)
 
     async def resolve(self, model: str, caller: Caller = OPEN) -> str | None:
         """The adapter `model` names, None for the base model; read first if it is not here yet
@@ -69,7 +80,7 @@ class AdapterDirectory:
         """A 404 unless `model` is the base model or an adapter served here that `caller` may use (nothing is
         loaded: for requests that only read the tokenizer)."""
         name = adapter_of(model, self.config.served_model_name)
-        if not caller.may_use(name) or (name is not None and caller.tenant is not None and not self._here(name)):
+        if not caller.may_use(name) or (name is not None and caller.tenant is not None and not self._here(name, caller)):
             raise APIError(404, f"The model `{model}` does not exist.", "model")
 
     async def resolve_mix(self, model: str, weights: list[tuple[str, float]] | None,
@@ -94,16 +105,23 @@ class AdapterDirectory:
         `caller`'s to use)."""
         if not caller.may_use(name):
             raise APIError(404, missing, param)
-        source = await self._source(name)
+        source = await self._source(name, caller)
         if source is None:
             raise APIError(404, missing, param)
-        if source is not True:
+        if source == STORE:
+            await self.objects.fetch_once(name, self.objects.sources_of(caller), missing, param)
+            if not self._here(name, caller):  # the load it waited for was another caller's, from another source
+                raise APIError(404, missing, param)
+        elif source is True:
+            await self.objects.refresh(name)
+        else:
             await self._load_once(name, *source, param)
 
-    async def _source(self, name: str) -> tuple[Path, bool] | bool | None:
-        """True: served here already; (folder, confined): to read first; None: unknown. The
-        shared set decides, also for a copy still held here; else the registry, else (with the
-        resolver on) a PEFT folder of that name directly inside an adapter root."""
+    async def _source(self, name: str, caller: Caller = OPEN) -> tuple[Path, bool] | bool | str | None:
+        """True: served here already; (folder, confined): to read first; STORE: to look up in object storage;
+        None: unknown. The shared set decides, also for a copy still held here; else the registry, else (with
+        the resolver on) a PEFT folder of that name directly inside an adapter root, else (with sources) the
+        caller's object storage."""
         if self.shared is not None and name:
             shared = await self.shared.get(name)
             if shared is None:
@@ -111,10 +129,13 @@ class AdapterDirectory:
             if self._here(name):
                 return True
             return (self.roots.path(shared.path), True) if shared.confined else (Path(shared.path), False)
-        if self._here(name):
-            return True
+        loaded = self._loaded(name)
+        if loaded is not None:
+            return True if self.objects.usable(loaded, caller) else None
         path = self.roots.find(name) if self.config.enable_lora_resolver and name else None
-        return None if path is None else (path, True)
+        if path is not None:
+            return path, True
+        return STORE if name and self.objects.sources_of(caller) else None
 
     async def _load_once(self, name: str, path: Path, confined: bool, param: str) -> None:
         load = self._loading.get(name)

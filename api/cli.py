@@ -80,12 +80,23 @@ def _serve(args: argparse.Namespace) -> int:
     # what the server logs at INFO (where it serves, adapters loaded) is for the user: on stderr
     logging.basicConfig(level=logging.INFO, format="[loraplex] %(message)s")
     if args.ray:
+        if args.adapter_sources or _tenant_sources(args.tenants_file):
+            # replicas resolve names through the shared set alone: refused, not ignored
+            raise SystemExit("loraplex: error: adapters from object storage (--adapter-source, a tenant's "
+                             "adapter_source) are not supported with --ray yet; serve without --ray, or load the "
+                             "adapters through the admin endpoint")
         from loraplex.api.ray_serve import serve_ray
 
         return serve_ray(args)
     from loraplex.api.serve import serve
 
     return serve(args)
+
+
+def _tenant_sources(path: str | None) -> bool:
+    from loraplex.api.tenants import load_tenants
+
+    return bool(path) and any(t.adapter_source for t in load_tenants(path).by_name.values())
 
 
 def _bench_serve(args: argparse.Namespace) -> int:

@@ -54,10 +54,37 @@ class _EngineCollector:
         yield info
 
 
+class _StoreCollector:
+    """Adapters from object storage (`api/adapter_store.py`): the disk cache's hits and misses, downloads, bytes,
+    failed fetches, evictions, and the bytes it holds."""
+
+    HELP = {"cache_hits": "First uses of an adapter served from the disk cache.",
+            "cache_misses": "First uses of an adapter that had to be downloaded.",
+            "downloads": "Adapters downloaded from object storage.",
+            "download_bytes": "Bytes downloaded from object storage.",
+            "fetch_failures": "Object-storage reads that failed (a first use answered 503 or 504; a failed TTL "
+                              "check leaves the loaded version serving).",
+            "evictions": "Adapters removed from the disk cache to keep its size bound."}
+
+    def __init__(self) -> None:
+        self.store = None  # set by the server once it has an AdapterStore
+
+    def collect(self):
+        if self.store is None:
+            return
+        counts = self.store.counts
+        for name, help in self.HELP.items():
+            yield CounterMetricFamily(P + "adapter_store_" + name, help, counts.get(name, 0))
+        yield GaugeMetricFamily(P + "adapter_cache_bytes", "Bytes of fetched adapters on disk.",
+                                self.store.cache.nbytes())
+
+
 class ServerMetrics:
     def __init__(self, stats: Callable[[], EngineStats]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(stats))
+        self.adapter_store = _StoreCollector()
+        self.registry.register(self.adapter_store)
         r = self.registry
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token.",
                               buckets=_LATENCY_BUCKETS, registry=r)

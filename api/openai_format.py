@@ -62,14 +62,16 @@ def model_list(base: str, base_path: str, max_model_len: int, created: int, adap
     return {"object": "list", "data": [card(base, base_path, None), *(card(a.name, a.path, base) for a in adapters)]}
 
 
-def adapter_list(adapters, status: dict | None, served: dict[str, dict[str, int]], paths: bool = False) -> dict:
+def adapter_list(adapters, status: dict | None, served: dict[str, dict[str, int]], paths: bool = False,
+                 origin=None) -> dict:
     """The console's adapter table: shape, residency and traffic of each adapter, and the base
-    model's traffic. `paths`: each adapter's folder, for the admin; else null. `status` None: no
-    residency (a tenant's table: where an adapter is moves with every tenant's traffic), and `served`
-    is the caller's own traffic."""
+    model's traffic. `paths`: each adapter's folder and where it came from (`origin(info)`: an object-storage
+    URL, else "folder"), for the admin; else null. `status` None: no residency (a tenant's table: where an
+    adapter is moves with every tenant's traffic), and `served` is the caller's own traffic."""
     rows = []
     for a in adapters:
-        row = {"id": a.name, "path": a.path if paths else None, "rank": a.rank,
+        source = ((origin(a) if origin else None) or "folder") if paths else None
+        row = {"id": a.name, "path": a.path if paths else None, "source": source, "rank": a.rank,
                "target_modules": list(a.target_modules)}
         if status is not None:
             where = status.get(a.name)

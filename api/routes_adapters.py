@@ -29,7 +29,8 @@ async def adapters(request: Request, state: ServerState = Depends(state_of)):
     caller = caller_of(request)
     infos = await state.adapters.infos(caller)
     if caller.tenant is None:
-        return fmt.adapter_list(infos, state.client.adapter_status(), state.metrics.by_adapter, sees_paths(request))
+        return fmt.adapter_list(infos, state.client.adapter_status(), state.metrics.by_adapter, sees_paths(request),
+                                state.adapters.objects.origin)
     # named for a Ray ingress, which adds up this tenant's traffic from every replica (api/ray_serve.py)
     return {**fmt.adapter_list(infos, None, state.metrics.tenant_served(caller.tenant.name)),
             "tenant": caller.tenant.name}

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from loraplex.api.placement import LOAD_EPSILON
+from loraplex.api.s3_source import parse_url
 from loraplex.grammar.reasoning import PARSERS as REASONING_PARSERS
 from loraplex.grammar.tools import PARSERS as TOOL_CALL_PARSERS
 
@@ -50,6 +51,22 @@ class ServerConfig:
                                                  "none: runtime loading off)", flag="--adapter-root", metavar="DIR")
     enable_lora_resolver: bool = setting(False, "serve an unregistered adapter name by loading the PEFT folder of "
                                                 "that name from an --adapter-root on its first request")
+    adapter_sources: tuple[str, ...] = setting((), "S3-compatible object storage holding adapters: an unknown "
+                                                   "adapter name N is fetched from <prefix>/N/ on its first request "
+                                                   "(repeatable, looked up in order; credentials from the AWS "
+                                                   "environment/config chain)", flag="--adapter-source",
+                                               metavar="s3://BUCKET/PREFIX")
+    s3_endpoint_url: str | None = setting(None, "endpoint of an S3-compatible store (MinIO, R2, GCS's S3 API, ...); "
+                                                "none: AWS S3", metavar="URL")
+    adapter_cache_dir: str | None = setting(None, "where adapters fetched from object storage are kept (verified "
+                                                  "again at start; default: adapter-cache in $LORAPLEX_CACHE or "
+                                                  "~/.cache/loraplex)", metavar="DIR")
+    adapter_cache_size: int = setting(20 * 2**30, "bytes of fetched adapters kept on disk (least recently used out "
+                                                  "first; e.g. 50GiB)", size=True)
+    adapter_source_ttl: float = setting(300.0, "seconds before a loaded adapter's objects are listed again (a "
+                                               "changed ETag: the new version is loaded)")
+    adapter_fetch_timeout: float = setting(30.0, "seconds the object store may take to connect or answer, per attempt")
+    adapter_fetch_attempts: int = setting(3, "attempts per object-store request (exponential backoff between)")
     max_waiting_requests: int | None = setting(1024, "beyond this, 429 with Retry-After")
     max_request_body_bytes: int = setting(4 << 20, "beyond this, 413", size=True)
     request_timeout_s: float | None = setting(None, "seconds; beyond this, 504", flag="--request-timeout")
@@ -85,6 +102,12 @@ class ServerConfig:
             raise ValueError("read_timeout_s, keep_alive_timeout_s and stall_timeout_s must be > 0")
         if self.max_idle_connections < 0 or self.stream_buffer_bytes < 4096:
             raise ValueError("max_idle_connections must be >= 0 and stream_buffer_bytes >= 4096")
+        for url in self.adapter_sources:
+            parse_url(url)
+        if self.adapter_fetch_timeout <= 0 or self.adapter_fetch_attempts < 1 or self.adapter_cache_size < 1 \
+                or self.adapter_source_ttl < 0:
+            raise ValueError("adapter_fetch_timeout and adapter_cache_size must be > 0, adapter_fetch_attempts >= 1, "
+                             "adapter_source_ttl >= 0")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {list(REASONING_PARSERS)}, "
                              f"got {self.reasoning_parser!r}")

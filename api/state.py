@@ -34,8 +34,10 @@ class ServerState:
     def create(cls, client: EngineClient, config: ServerConfig, shared: SharedAdapters | None = None):
         """The state of a server for `config`; a tenants file that cannot be used is a TenantsError."""
         tenants = TenantRegistry(config.tenants_file, (config.admin_api_key, config.metrics_api_key, config.api_key))
-        return cls(client, config, AdapterDirectory(client, config, shared), ServerMetrics(client.stats), tenants,
-                   TenantLimits(share=config.tenant_limit_share), AuditLog(config.audit_log))
+        metrics = ServerMetrics(client.stats)
+        adapters = AdapterDirectory(client, config, shared, lambda store: setattr(metrics.adapter_store, "store", store))
+        return cls(client, config, adapters, metrics, tenants, TenantLimits(share=config.tenant_limit_share),
+                   AuditLog(config.audit_log))
 
     def redacted(self, text: str, caller: Caller = OPEN) -> str:
         """`text` with the server's folders (the model's, the adapter roots, each adapter's, as

@@ -7,7 +7,9 @@ The file (JSON, or TOML by its suffix) maps tenant names to their entries:
                           "weight": 2},
                  "globex": {"api_keys": ["sha256:<hex>"], "adapters": ["globex-*"], "base_model": false,
                             "can_load_adapters": true, "adapter_root": "/srv/adapters/globex",
-                            "prefix_cache": "shared:partners"}}}
+                            "prefix_cache": "shared:partners"},
+                 "initech": {"api_keys": ["sk-initech-1"], "adapters": ["*"],
+                             "adapter_source": "s3://initech-adapters/prod"}}}
 
 A key is given plain or as the hex SHA-256 of the key (`sha256:`); only digests are kept, and a
 presented key is compared with every digest in constant time. A key belongs to one tenant. A bad
@@ -26,8 +28,10 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
 
+from loraplex.api.s3_source import parse_url
+
 FIELDS = {"api_keys", "adapters", "base_model", "requests_per_minute", "tokens_per_minute", "max_concurrent",
-          "weight", "can_load_adapters", "adapter_root", "prefix_cache"}
+          "weight", "can_load_adapters", "adapter_root", "prefix_cache", "adapter_source"}
 
 
 class TenantsError(ValueError):
@@ -47,6 +51,7 @@ class Tenant:
     can_load_adapters: bool = False
     adapter_root: str | None = None  # where its own adapters are loaded from
     prefix_cache: str = "own"  # "own", or "shared:<group>": whose cached prompts its requests may reuse
+    adapter_source: str | None = None  # s3://bucket/prefix: the only object storage its adapter names resolve in
 
     @property
     def cache_namespace(self) -> str:
@@ -145,7 +150,18 @@ def _tenant(name, entry, where: str) -> Tenant:
                   _flag(entry, "base_model", True, where), _count(entry, "requests_per_minute", where),
                   _count(entry, "tokens_per_minute", where), _count(entry, "max_concurrent", where),
                   _weight(entry.get("weight", 1.0), f"{where}.weight"), _flag(entry, "can_load_adapters", False, where),
-                  root, _prefix_cache(entry.get("prefix_cache", "own"), f"{where}.prefix_cache"))
+                  root, _prefix_cache(entry.get("prefix_cache", "own"), f"{where}.prefix_cache"),
+                  _source(entry.get("adapter_source"), f"{where}.adapter_source"))
+
+
+def _source(value, where: str) -> str | None:
+    if value is None:
+        return None
+    try:
+        parse_url(value if isinstance(value, str) else "")
+    except ValueError:
+        raise TenantsError(f"{where}: an object-storage location, s3://bucket/prefix") from None
+    return value.rstrip("/")
 
 
 def _prefix_cache(value, where: str) -> str:

@@ -182,7 +182,7 @@ def pack_bf16_amx(weight: torch.Tensor) -> torch.Tensor:
 def unpack_bf16_amx(packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """`pack_bf16_amx`'s inverse: the weight [N, K]."""
     blocks, groups = packed.shape[:2]
-    pairs = packed.view(torch.int32).view(blocks, groups, 16, 16)  # a pair as one 4-byte element: a 3x faster copy
+    pairs = packed.view(torch.int32).view(blocks, groups, 16, 16)  # a pair as one 4-byte element: a faster copy
     return pairs.permute(0, 3, 1, 2).reshape(blocks * 16, groups * 16)[:out_features].contiguous().view(torch.bfloat16)
 
 
@@ -210,7 +210,7 @@ def f32_matmul_c(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows streamed once, dotted with every token (meant for decode-sized calls)."""
     rows, k = weight.shape
     tokens = x.numel() // k
-    out = x.new_empty(tokens, rows)  # 2-D: a third of torch.empty(shape tuple)'s ~2 us
+    out = x.new_empty(tokens, rows)  # 2-D: cheaper than torch.empty(shape tuple)
     ops.f32_matmul(x, tokens, k, weight, rows, out)  # K not a multiple of 8: RuntimeError ("refused", status -2)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], rows)
 

@@ -5,7 +5,7 @@ parameters, which the loader fills), `process_weights_after_loading` (pack, quan
 
 - `TorchLinear`: `F.linear` on the plain weight (CUDA, `LORAPLEX_KERNELS=torch`, no oneDNN).
 - `PlainF32Linear`: float32 rows as they are; our C kernel streams them for decode-sized calls, MKL's GEMM
-  beyond (BENCHMARKS.md, "float32 weights: plain rows and our kernel"); `dtype=auto` picks it where the probe
+  beyond (docs/benchmarks-history.md, "float32 weights: plain rows and our kernel"); `dtype=auto` picks it where the probe
   measures it faster than oneDNN's packing.
 - `OneDNNLinear`: the weight reordered once into oneDNN's blocked layout (BENCHMARKS.md, "Engine speed").
 - `AMXLinear`: bf16 weights packed into our AMX kernel's B tiles (BENCHMARKS.md, "Dense bf16 weights on AMX").
@@ -182,7 +182,7 @@ def linear_method(config: KernelConfig, in_features: int, quantized: tuple[str, 
 def tile_table_into_head(config: KernelConfig, head: nn.Module, table: torch.Tensor) -> bool:
     """A tied table held once, as the head's AMX tiles: true where the head now serves `rows` (the table's
     own copy can go). An 8-bit head gets the tiles only where the table is exactly its values (a GGUF's
-    Q8_0 blocks): they take its calls of a few tokens and more (BENCHMARKS.md, "q4 in bf16 on AMX")."""
+    Q8_0 blocks): they take its calls of a few tokens and more (docs/benchmarks-history.md, "q4 in bf16 on AMX")."""
     if not amx_packs(config, table.dtype, table.shape[1]):
         return False
     if isinstance(head.method, QuantizedLinear):

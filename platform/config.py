@@ -296,7 +296,7 @@ class EngineConfig:
         from loraplex.kernels.cpu_kernels import native_bf16
 
         # the engine resolves auto by a probe (platform/dtype_probe.py) before anything reads
-        # this; before that, the flags' guess: bf16 without AVX512-BF16/AMX runs 4-7x slower
+        # this; before that, the flags' guess: bf16 without AVX512-BF16/AMX runs several times slower
         return torch.bfloat16 if native_bf16() else torch.float32
 
     @property
@@ -338,7 +338,7 @@ class EngineConfig:
 def quantized_activation_dtype(caps, tune) -> tuple[str, str]:
     """What dtype auto means under --quantization, and why (`caps`: `CpuCaps`, `tune`: `TuneTable`). The weights
     are quantized either way, so this is the activations' and the KV cache's dtype: bfloat16 halves the KV
-    bytes a step reads and is what the AMX tile kernel multiplies (BENCHMARKS.md, "q4 in bf16 on AMX");
+    bytes a step reads and is what the AMX tile kernel multiplies (docs/benchmarks-history.md, "q4 in bf16 on AMX");
     emulated it is slow."""
     if not caps.native_bf16:
         return "float32", "bf16 is emulated on this CPU (no AVX512-BF16 / AMX)"

@@ -91,7 +91,7 @@ class ModelRunner:
         # sized by the first steps (rows and width double as needed) until graphs fix them
         self.block_table = BlockTable(8, 16, kv.block_size, device)
         if device.type == "cpu":
-            cpu_kernels.library()  # build (~1 s, once per machine) now rather than in the first step
+            cpu_kernels.library()  # build (once per machine) now rather than in the first step
 
     def enable_graphs(self, capture: Capture, max_num_seqs: int, max_model_len: int, null_slot: int | None,
                       mix_passes: int = 0) -> None:

@@ -152,3 +152,20 @@ def streamed(chunks) -> tuple[str, dict[int, list[str]], list[str]]:
             have[1] += part.function.arguments or ""
         finishes += [chunk.choices[0].finish_reason] if chunk.choices[0].finish_reason else []
     return content, calls, finishes
+
+
+class StepCounter:
+    """Counts the engine's steps while installed (the engine thread calls `engine.step` through the instance): a
+    measure of work and waiting that a busy machine does not stretch, as it stretches seconds."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.count, self._step = engine, 0, engine.step
+        engine.step = self
+
+    def __call__(self):
+        self.count += 1
+        return self._step()
+
+    def remove(self) -> None:
+        self.engine.step = self._step
+

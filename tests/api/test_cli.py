@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from loraplex.api.cli import main
 
 
@@ -80,3 +82,8 @@ def test_ray_flags_and_a_refused_cluster(tmp_path, capsys):
             args.replica_cpus) == (True, 3, 6, 4, "round-robin", 0.5)
     assert main(["serve", str(tmp_path), "--ray", "--replicas", "3", "--max-replicas", "2"]) == 2
     assert "replicas" in capsys.readouterr().err
+
+
+def test_adapter_sources_with_ray_are_refused_not_ignored(tiny_model_dir):
+    with pytest.raises(SystemExit, match="not supported with --ray"):
+        main(["serve", str(tiny_model_dir), "--ray", "--adapter-source", "s3://bucket/prefix"])

@@ -11,8 +11,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.adapters.registry import AdapterInfo
-from loraplex.api.ray_serve import (AdapterCatalog, ClusterConfig, adapter_named, call_asgi, merge_adapters,
-                                    merge_metrics, merge_stats, merge_usage, scoped_stats, tenant_adapters)
+from loraplex.api.in_process import call_asgi
+from loraplex.api.ray_catalog import AdapterCatalog
+from loraplex.api.ray_ingress import adapter_named
+from loraplex.api.ray_merge import (merge_adapters, merge_metrics, merge_stats, merge_usage, scoped_stats,
+                                    tenant_adapters)
+from loraplex.api.settings import ClusterConfig
 
 
 BASE = "base-model"

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from conftest import assert_all_blocks_free
-from live_server import ADMIN_KEY, assert_error, http, start_server, wait_idle
+from live_server import ADMIN_KEY, StepCounter, assert_error, http, start_server, wait_idle
 
 ACME, GLOBEX, INITECH, LIMITED = "sk-acme-1", "sk-globex-1", "sk-initech-1", "sk-limited-1"
 
@@ -137,19 +137,7 @@ def test_rate_limits_are_429_with_retry_after(tenanted):
     assert any(e["event"] == "rate_limited" and e["tenant"] == "limited" for e in events)
 
 
-class _StepCounter:
-    """Counts the engine's steps (the engine thread calls `engine.step` through the instance)."""
-
-    def __init__(self, engine) -> None:
-        self.count, self._step = 0, engine.step
-        engine.step = self
-
-    def __call__(self):
-        self.count += 1
-        return self._step()
-
-
-def _steps_each(server, counter: _StepCounter, key: str, count: int) -> list[int]:
+def _steps_each(server, counter: StepCounter, key: str, count: int) -> list[int]:
     """Engine steps each of `count` short requests takes, one after another: a measure of waiting that a busy
     machine does not stretch, as it stretches seconds."""
     out = []
@@ -166,7 +154,7 @@ def test_a_flood_cannot_hold_another_tenant_back(tenanted):
     theirs at once. Without the fair share the first waits for the flood's seats (hundreds of steps). Counted in
     steps, not seconds: a step of 8 sequences is slower than a step of one, and wall-clock bounds failed on a
     loaded CI machine."""
-    counter = _StepCounter(tenanted.engine)
+    counter = StepCounter(tenanted.engine)
     try:
         alone = max(_steps_each(tenanted, counter, INITECH, 8))
         results = []
@@ -187,7 +175,7 @@ def test_a_flood_cannot_hold_another_tenant_back(tenanted):
         for t in flood:
             t.join(300)
     finally:
-        tenanted.engine.step = counter._step
+        counter.remove()
     assert results == [200] * 48
     # a few more steps than alone: the flood's steps while the request crosses HTTP; never a seat's 128
     assert statistics.median(during) <= alone + 8 and max(during) <= alone + 40, (alone, during)

@@ -39,6 +39,14 @@ def test_prefix_cache_namespaces_are_the_tenants_own_unless_shared():
     assert tenants.by_name["globex"].cache_namespace == "group:acme"  # a group named like a tenant is not it
 
 
+def test_an_adapter_source_is_read_without_its_trailing_slash():
+    data = json.loads(json.dumps(GOOD))
+    data["tenants"]["acme"]["adapter_source"] = "s3://acme-adapters/prod/"
+    tenants = parse_tenants(data)
+    assert tenants.by_name["acme"].adapter_source == "s3://acme-adapters/prod"
+    assert tenants.by_name["globex"].adapter_source is None
+
+
 def test_toml_is_read_too(tmp_path):
     path = tmp_path / "tenants.toml"
     path.write_text('[tenants.acme]\napi_keys = ["k1"]\nadapters = ["acme-*"]\nweight = 3\n')
@@ -60,6 +68,8 @@ def test_toml_is_read_too(tmp_path):
     (lambda t: t["acme"].update(prefix_cache="shared:"), "tenants.acme.prefix_cache"),
     (lambda t: t["acme"].update(prefix_cache=" shared:x"), "tenants.acme.prefix_cache"),
     (lambda t: t["acme"].update(prefix_cache=True), "tenants.acme.prefix_cache"),
+    (lambda t: t["acme"].update(adapter_source="https://bucket/x"), "tenants.acme.adapter_source"),
+    (lambda t: t["acme"].update(adapter_source=["s3://bucket/x"]), "tenants.acme.adapter_source"),
 ])
 def test_a_bad_file_names_the_entry(change, fragment):
     data = json.loads(json.dumps(GOOD))
