@@ -1,4 +1,4 @@
-"""Every file the project's docs and code name in backticks (`folder/file.py`) exists: a renamed or removed file
+"""Every file the project's docs and code name in backticks (a path such as folder/file.py) exists: a renamed or removed file
 leaves no reference behind that sends a reader nowhere."""
 
 import re
