@@ -22,12 +22,12 @@ import torch
 
 from loraplex.adapters.vocab_weights import VOCAB_KEY, VOCAB_MODULES, BaseTables, read_vocab_weights, vocab_shapes
 from loraplex.platform.config import ModelConfig
-from loraplex.platform.models import FUSED_PROJECTIONS, PHI3_PROJECTIONS, fused_projections
-from loraplex.platform.models.moe import lora_refusal
+from loraplex.platform.models.experts import lora_refusal
+from loraplex.platform.models.family import FUSED_PROJECTIONS, PREFUSED_PROJECTIONS
 
 # peft module name -> (our fused layer, slice index within it), of every family (`_collect` refuses a module
 # the base model does not have: Phi-3's qkv_proj on a Llama, q_proj on a Phi-3)
-TARGETS = {part: (fused, i) for projections in (FUSED_PROJECTIONS, PHI3_PROJECTIONS)
+TARGETS = {part: (fused, i) for projections in (FUSED_PROJECTIONS, PREFUSED_PROJECTIONS)
            for fused, parts in projections.items() for i, part in enumerate(parts)}
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)"
                   r"\.lora_([AB])(?:\.[\w-]+)?\.weight$")
@@ -103,7 +103,7 @@ def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
         config.hidden_size, config.intermediate_size
     shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
               "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-    for fused, parts in fused_projections(config.architecture).items():
+    for fused, parts in config.family.projections.items():
         if parts == (fused,) and fused not in shapes:
             shapes[fused] = (h, sum(shapes[p][1] for p in FUSED_PROJECTIONS[fused]))
     return shapes
@@ -396,7 +396,7 @@ def _collect(tensors: dict[str, torch.Tensor], targets: set[str], rank: int, con
         layer, module, which = int(match[1]), match[2], match[3]
         if module not in targets:
             raise fail(f"weight {key!r} is for {module}, which target_modules does not list")
-        if not any(module in parts for parts in fused_projections(config.architecture).values()):
+        if config.family.fused_of(module) is None:
             raise fail(f"weight {key!r} is for {module}, which a {config.architecture} does not have: wrong base "
                        "model?")
         if layer >= config.num_layers:

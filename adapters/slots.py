@@ -20,12 +20,12 @@ import torch
 
 from typing import Callable
 
+from loraplex.adapters.lora_layers import VocabAdapters
 from loraplex.adapters.peft_format import LoRAWeights, fused_offsets, module_shapes
 from loraplex.adapters.vocab_weights import BaseTables
 from loraplex.kernels.sgmv import LoRATable, StackedLoRA
 from loraplex.platform.config import ModelConfig
-from loraplex.platform.models import FUSED_PROJECTIONS
-from loraplex.platform.models.lora_embedding import VocabAdapters
+from loraplex.platform.models.family import FUSED_PROJECTIONS
 
 
 class LoRASlots:

@@ -26,17 +26,24 @@ from loraplex.kernels.quant import QuantizedWeight
 
 class LinearMethod:
     """A weight format. The layer holds `weight` [N, K] (and `bias`) until `process_weights_after_loading`;
-    `layer.shared_weight` marks a weight another module also reads (a tied embedding table): kept. What a
-    format may keep after processing is None on every layer until then (oneDNN's layout `packed`, AMX tiles
-    `amx_packed`, a `quantized` weight and a tied head's `head_tiles`), so any layer can be asked which."""
+    `layer.shared_weight` marks a weight another module also reads (a tied embedding table): kept. Checkpoint
+    tensors arrive through `load` (the layer's `weight_loader`), so a format sees each weight as the checkpoint
+    holds it; what a format keeps after processing is its own attribute, set by its own `create_weights`."""
 
     name = "plain"
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         layer.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        layer.packed = layer.amx_packed = layer.quantized = layer.head_tiles = None
         layer.shared_weight = False
+
+    def load(self, layer: nn.Module, weight: torch.Tensor, quantized: QuantizedWeight | None = None) -> None:
+        """A checkpoint's weight [N, K] copied in (converted to the layer's dtype); `quantized`: bits a
+        checkpoint already holds for it, which only a quantized format takes."""
+        if quantized is not None:
+            raise ValueError(f"{self.name} weights cannot take quantized bits")
+        _check_shape(layer, weight)
+        layer.weight.copy_(weight)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         pass
@@ -47,6 +54,13 @@ class LinearMethod:
     def dense_weight(self, layer: nn.Module) -> torch.Tensor:
         """The weight as a plain [N, K] tensor (prompt logprobs' slices, tests)."""
         return layer.weight
+
+    def served(self, weight: torch.Tensor) -> torch.Tensor:
+        """A float weight as this format would serve it (an adapter's copy of a head is compared with it)."""
+        return weight
+
+    def rows(self, layer: nn.Module, index: torch.Tensor) -> torch.Tensor:
+        raise TypeError(f"{self.name} weights hold no embedding table")
 
     @staticmethod
     def _drop_weight(layer: nn.Module) -> None:
@@ -81,6 +95,10 @@ class PlainF32Linear(LinearMethod):
 class OneDNNLinear(LinearMethod):
     name = "oneDNN packed"
 
+    def create_weights(self, layer, in_features, out_features, bias):
+        super().create_weights(layer, in_features, out_features, bias)
+        layer.packed = None  # oneDNN's blocked layout, once processed
+
     def process_weights_after_loading(self, layer):
         layer.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach())
         self._drop_weight(layer)
@@ -94,6 +112,10 @@ class OneDNNLinear(LinearMethod):
 
 class AMXLinear(LinearMethod):
     name = "AMX tiles"
+
+    def create_weights(self, layer, in_features, out_features, bias):
+        super().create_weights(layer, in_features, out_features, bias)
+        layer.amx_packed = None  # our kernel's B tiles, once processed
 
     def process_weights_after_loading(self, layer):
         layer.amx_packed = cpu_kernels.pack_bf16_amx(layer.weight.detach())
@@ -123,6 +145,22 @@ class QuantizedLinear(LinearMethod):
     def __init__(self, kind: str, group: int | None, config: KernelConfig) -> None:
         self.kind, self.group, self.config = kind, group, config
 
+    def create_weights(self, layer, in_features, out_features, bias):
+        super().create_weights(layer, in_features, out_features, bias)
+        layer.quantized = layer.head_tiles = None  # the bits; a tied head's bf16 tiles (`share_tiles`)
+
+    def load(self, layer, weight, quantized=None):
+        """The float weight kept until processing (a tied table reads it); the bits quantized from the
+        checkpoint's own numbers, before any rounding to the model's dtype, or the checkpoint's bits (a
+        GGUF's, a GPTQ / AWQ checkpoint's), which must be those numbers."""
+        _check_shape(layer, weight)
+        if quantized is None:
+            quantized = quant.quantize(weight.float(), self.kind, self.group)
+        elif not torch.allclose(quant.dequantize(quantized), weight.detach().float(), rtol=1e-5, atol=1e-6):
+            raise ValueError("quantized bits do not match the checkpoint's float weight: not its source")
+        layer.weight.copy_(weight)
+        layer.quantized = quantized
+
     def process_weights_after_loading(self, layer):
         config = self.config
         weight = layer.quantized if layer.quantized is not None else quant.quantize(layer.weight, self.kind, self.group)
@@ -148,8 +186,16 @@ class QuantizedLinear(LinearMethod):
     def dense_weight(self, layer):
         return quant.dequantize(layer.quantized)
 
+    def served(self, weight):
+        return quant.dequantize(quant.quantize(weight, self.kind, self.group))
+
     def rows(self, layer, index: torch.Tensor) -> torch.Tensor:
         return cpu_kernels.rows_bf16_amx(layer.head_tiles, index)
+
+
+def _check_shape(layer: nn.Module, weight: torch.Tensor) -> None:
+    if tuple(weight.shape) != (layer.out_features, layer.in_features):
+        raise ValueError(f"weight of shape {tuple(weight.shape)} for a {layer.out_features}x{layer.in_features} layer")
 
 
 def can_pack(dtype: torch.dtype, native_bf16: bool) -> bool:

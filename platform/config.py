@@ -47,28 +47,25 @@ class ModelConfig:
     embedding_multiplier: float  # Gemma: sqrt(hidden) (rounded to the model's dtype, as transformers does); Granite's
     residual_multiplier: float  # Granite: each block's output is scaled before the residual add
     logits_scaling: float  # Granite: the logits are divided by it
+    rope_layers: tuple[bool, ...] = ()  # each layer's: rotated by RoPE (SmolLM3 leaves some out); (): every one
     prequantized: tuple[str, int, bool] | None = None  # a GPTQ / AWQ checkpoint: (method, group, v1 zeros)
-    moe: "MoEConfig | None" = None  # experts and routing of a mixture-of-experts model (models/moe.py)
+    moe: "MoEConfig | None" = None  # experts and routing of a mixture-of-experts model (models/experts.py)
+    family: "Family | None" = field(default=None, compare=False, repr=False)  # its declaration (models/family.py)
 
     @staticmethod
     def from_folder(path: str | Path) -> "ModelConfig":
-        from loraplex.platform.models import CONFIG_DEFAULTS, SUPPORTED_ARCHITECTURES
-        from loraplex.platform.models.moe import MoEConfig
+        from loraplex.platform.models.experts import MoEConfig
         from loraplex.platform.models.quantized import checkpoint_quantization
+        from loraplex.platform.models.registry import family_for
 
         raw = json.loads((Path(path) / "config.json").read_text())
-        archs = raw.get("architectures") or [raw.get("model_type", "unknown")]
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported model architecture {arch!r} in {path}; "
-                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-            )
-        raw = {**CONFIG_DEFAULTS.get(arch, {}), **raw}  # what the file leaves out, as transformers fills it in
-        num_heads = raw["num_attention_heads"]
-        head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
+        arch = (raw.get("architectures") or [raw.get("model_type", "unknown")])[0]
         try:
-            family = _family_fields(raw, arch, head_dim)
+            family = family_for(arch)
+            raw = {**family.defaults, **raw}  # what the file leaves out, as transformers fills it in
+            num_heads = raw["num_attention_heads"]
+            head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
+            fields = _family_fields(raw, family, head_dim)
         except ValueError as exc:
             raise ValueError(f"{exc} (in {path})") from None
         return ModelConfig(
@@ -83,79 +80,36 @@ class ModelConfig:
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False))
-            or (arch == "Qwen2MoeForCausalLM" and bool(raw.get("qkv_bias", True))),  # Qwen2-MoE's own key
+            qkv_bias=family.qkv_bias(raw),
             eos_token_ids=_as_tuple(raw.get("eos_token_id")),
-            **family,
+            **fields,
             prequantized=checkpoint_quantization(raw.get("quantization_config")),
-            moe=MoEConfig.from_raw(raw, arch),
+            moe=MoEConfig.from_raw(raw, family.experts, arch),
+            family=family,
         )
 
 
-GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
-QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
-ONE_WINDOW = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")  # every layer slides, if any
-
-
-def _family_fields(raw: dict, arch: str, head_dim: int) -> dict:
-    """The ModelConfig fields in which the families differ (docs/families.md), as transformers' code for
-    each family reads its config; what we would not serve exactly is a ValueError naming it."""
-    from loraplex.platform.models import ACTIVATIONS
+def _family_fields(raw: dict, family: "Family", head_dim: int) -> dict:
+    """The ModelConfig fields in which the families differ: the shared decoder's defaults, then what the family's
+    declaration sets (docs/families.md); what we would not serve exactly is a ValueError naming it."""
+    from loraplex.platform.models.family import ACTIVATIONS
     from loraplex.platform.models.rope import rope_parameters
 
-    gemma, granite = arch in GEMMA, arch == "GraniteForCausalLM"
     if raw.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention (attention to later tokens) is not supported")
     if raw.get("mlp_bias"):
         raise ValueError("mlp_bias (biases on the MLP projections) is not supported")
-    act = raw.get("hidden_activation") if gemma else raw.get("hidden_act", "silu")
+    act = raw.get(family.activation_key, "silu")
     if act not in ACTIVATIONS:
         raise ValueError(f"hidden activation {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
-    types = _layer_types(raw, arch)
-    window = None if arch in QWEN and not raw.get("use_sliding_window") else raw.get("sliding_window")
+    types, window = family.layer_types(raw), family.window(raw)
     windows = tuple(window if kind == "sliding_attention" else None for kind in types)
-    return dict(
-        layer_types=types,
-        rope_parameters=rope_parameters(raw, arch, head_dim),
-        sliding_window=window if any(windows) else None,
-        layer_windows=windows,
-        hidden_act=act,
-        norm_offset=1.0 if gemma else 0.0,
-        post_norms=gemma,
-        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
-        attention_scale=(raw["query_pre_attn_scalar"] ** -0.5 if gemma else
-                         raw.get("attention_multiplier", 1.0) if granite else head_dim ** -0.5),
-        # Gemma 3's transformers code reads attn_logit_softcapping but never applies it: neither do we
-        attn_logit_softcap=raw.get("attn_logit_softcapping") if arch == "Gemma2ForCausalLM" else None,
-        final_logit_softcap=raw.get("final_logit_softcapping") if gemma else None,
-        embedding_multiplier=(raw["hidden_size"] ** 0.5 if gemma else
-                              raw.get("embedding_multiplier", 1.0) if granite else 1.0),
-        residual_multiplier=raw.get("residual_multiplier", 1.0) if granite else 1.0,
-        logits_scaling=raw.get("logits_scaling", 1.0) if granite else 1.0,
-    )
-
-
-def _layer_types(raw: dict, arch: str) -> tuple[str, ...]:
-    """Each layer's attention ("full_attention" or "sliding_attention"), as the family's transformers config
-    lays them out: its `layer_types` where it reads them, else its own pattern."""
-    from loraplex.platform.models.rope import LAYER_TYPES
-
-    n = raw["num_hidden_layers"]
-    if arch in ONE_WINDOW:
-        return ("sliding_attention" if raw.get("sliding_window") else "full_attention",) * n
-    if arch not in QWEN + GEMMA:  # Llama, Granite: no sliding window (the MoE families: models/moe.py's to add)
-        return ("full_attention",) * n
-    if raw.get("layer_types"):
-        types = tuple(raw["layer_types"])
-        if len(types) != n or not set(types) <= set(LAYER_TYPES):
-            raise ValueError(f"layer_types must give one of {LAYER_TYPES} for each of the {n} layers, got {types}")
-        return types
-    if arch in QWEN:
-        slides = raw.get("use_sliding_window") and raw.get("sliding_window")
-        return tuple("sliding_attention" if slides and i >= raw.get("max_window_layers", 28) else "full_attention"
-                     for i in range(n))
-    pattern = 2 if arch == "Gemma2ForCausalLM" else raw["sliding_window_pattern"]  # every pattern-th is global
-    return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n))
+    shared = dict(layer_types=types, rope_parameters=rope_parameters(raw, family.rope_aliases, head_dim),
+                  sliding_window=window if any(windows) else None, layer_windows=windows, hidden_act=act,
+                  norm_offset=0.0, post_norms=False, qk_norm=False, attention_scale=head_dim ** -0.5,
+                  attn_logit_softcap=None, final_logit_softcap=None, embedding_multiplier=1.0,
+                  residual_multiplier=1.0, logits_scaling=1.0)
+    return {**shared, **family.fields(raw, head_dim)}
 
 
 def _as_tuple(value) -> tuple[int, ...]:
@@ -295,7 +249,7 @@ class EngineConfig:
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         from loraplex.kernels.cpu_kernels import native_bf16
 
-        # the engine resolves auto by a probe (platform/dtype_probe.py) before anything reads
+        # the engine resolves auto by a probe (`platform/resolve.py`, `kernels/autotune.py`) before anything reads
         # this; before that, the flags' guess: bf16 without AVX512-BF16/AMX runs several times slower
         return torch.bfloat16 if native_bf16() else torch.float32
 
@@ -308,22 +262,6 @@ class EngineConfig:
     @property
     def torch_kv_dtype(self) -> torch.dtype:
         return self.torch_dtype if self.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[self.kv_cache_dtype]
-
-    def resolve_max_loras(self, model: ModelConfig) -> tuple[int, str]:
-        """Adapters per batch and why: the given value, or as many worst-case adapters (every
-        projection at max_lora_rank) as `lora_memory` holds, capped by max_num_seqs (a batch
-        cannot use more adapters than it has sequences) and max_cpu_loras."""
-        if self.max_loras is not None:
-            return self.max_loras, "set by max_loras"
-        from loraplex.adapters.peft_format import adapter_bytes
-
-        worst = adapter_bytes(model, self.max_lora_rank, self.torch_lora_dtype)
-        fits = max(1, self.lora_memory // worst)
-        chosen = min(fits, self.max_num_seqs, self.max_cpu_loras or fits)
-        return chosen, (f"lora_memory={self.lora_memory / 2**20:.0f} MiB holds {fits} adapters of rank "
-                        f"{self.max_lora_rank} on every projection ({worst / 2**20:.1f} MiB each); "
-                        f"max_num_seqs={self.max_num_seqs}" + (f", max_cpu_loras={self.max_cpu_loras}"
-                                                               if self.max_cpu_loras else ""))
 
     def resolve_max_model_len(self, model: ModelConfig) -> int:
         limit = model.max_position_embeddings

@@ -98,11 +98,13 @@ class DecodeInputs:
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, kv_caches: list, sizes: list[int], max_blocks: int,
+    def __init__(self, model: torch.nn.Module, lora, kv_caches: list, sizes: list[int], max_blocks: int,
                  block_size: int, max_model_len: int, null_slot: int | None, capture: Capture,
                  mix_passes: int = 0) -> None:
-        """`null_slot`: the adapter slot of tokens without one (None: no LoRA graphs); `mix_passes`: the
+        """`lora`: the step's adapter mapping the model's LoRA layers read (`adapters/lora_layers.LoRAContext`);
+        `null_slot`: the adapter slot of tokens without one (None: no LoRA graphs); `mix_passes`: the
         largest adapter mix with graphs of its own (0: steps with mixes run eagerly)."""
+        self.lora = lora
         device = model.embed_tokens.weight.device
         largest = sizes[-1]
         self.sizes, self.null_slot, self.block_size = sizes, null_slot, block_size
@@ -143,7 +145,11 @@ class DecodeGraphs:
             # adapter's A and B per segment, not per token
             lora = self._mix_batch(size) if mode == "mix" else \
                 LoRABatch.grouped(self.lora_slots[:size], self.null_slot) if mode else None
-            self.hidden[:size] = model(self.input_ids[:size], self.positions[:size], kv_caches, meta, lora)
+            self.lora.batch = lora
+            try:
+                self.hidden[:size] = model(self.input_ids[:size], self.positions[:size], kv_caches, meta)
+            finally:
+                self.lora.batch = None
 
         return forward
 

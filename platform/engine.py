@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from loraplex.adapters.lora_layers import attach_lora
 from loraplex.adapters.registry import AdapterRegistry
 from loraplex.grammar.manager import GrammarManager
 from loraplex.kernels.dispatch import to_device
@@ -73,7 +74,7 @@ class Engine:
         self.adapters = AdapterRegistry(model, self.max_loras, config.max_lora_rank, config.max_cpu_loras,
                                         resolved.kernels.lora_dtype, config.lora_memory, device,
                                         resolved.kernels.stacked_lora)
-        self.model.attach_lora(self.adapters.slots)
+        lora = attach_lora(self.model, self.adapters.slots, resolved.kernels)  # the model's LoRA layers wrap its own
         num_blocks = resolved.num_kv_blocks or self._kv_blocks_from_device(memory_start)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  reclaim_window(model.layer_windows))  # all layers sliding: old blocks freed
@@ -84,7 +85,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    self.max_loras, config.lora_cycle_steps, self.eos_token_ids,
                                    self.grammars.new_grammar)
-        self.runner = ModelRunner(self.model, model, self.kv, config.torch_kv_dtype, device)
+        self.runner = ModelRunner(self.model, model, self.kv, config.torch_kv_dtype, lora, device)
         if device.type == "cuda" and not config.enforce_eager:
             self.runner.enable_graphs(CudaCapture(), config.max_num_seqs, self.max_model_len,
                                       self.adapters.slots.null_slot,

@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from loraplex.adapters.lora_layers import LoRAContext
 from loraplex.kernels import cpu_kernels
 from loraplex.kernels.dispatch import to_device
 from loraplex.kernels.paged_attention import PagedAttentionMetadata
@@ -70,7 +71,7 @@ class PromptRows:
     hidden: torch.Tensor
     first: int  # the index of the prompt token the first row predicts
     slot: int  # the request's adapter slot (-1: none), for an adapter that changes the head
-    head: Callable[[torch.Tensor, list[int] | None], torch.Tensor]  # the model's compute_logits
+    head: Callable[[torch.Tensor, list[int] | None], torch.Tensor]  # the runner's compute_logits
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of some of these rows, through the request's adapter's head where it has one."""
@@ -79,8 +80,9 @@ class PromptRows:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, kv: KVCacheManager,
-                 kv_dtype: torch.dtype, device: torch.device = torch.device("cpu")) -> None:
-        self.model = model
+                 kv_dtype: torch.dtype, lora: LoRAContext, device: torch.device = torch.device("cpu")) -> None:
+        """`lora`: the step's adapter mapping that the model's LoRA layers read (`adapters/lora_layers.py`)."""
+        self.model, self.lora = model, lora
         self.kv = kv
         self.device = device
         self.block_size = kv.block_size
@@ -102,8 +104,8 @@ class ModelRunner:
         # a graph's table is as wide as max_model_len; the runner's rows are copied into it as they are
         self.block_table = BlockTable(max_num_seqs, max_blocks, self.block_size, self.device, max_width=max_blocks)
         with torch.inference_mode():  # as the steps that replay them run
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, capture_sizes(max_num_seqs), max_blocks,
-                                       self.block_size, max_model_len, null_slot, capture, mix_passes)
+            self.graphs = DecodeGraphs(self.model, self.lora, self.kv_caches, capture_sizes(max_num_seqs),
+                                       max_blocks, self.block_size, max_model_len, null_slot, capture, mix_passes)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, adapter_slots: dict[str, int] | None = None
@@ -119,24 +121,30 @@ class ModelRunner:
         graphs = self.graphs
         if graphs is not None and step.decode_only \
                 and graphs.fits(len(step.sampled), lora_slots is not None, len(mix_passes or ())) \
-                and not self._embedding_adapted(lora_slots):
+                and not self.lora.changes_embedding(lora_slots):  # no graph holds a table per slot
             hidden = graphs.run(DecodeInputs(step.token_ids, step.positions, step.slots, self.block_table,
                                              step.table_rows, step.seq_lens, lora_slots, mix_passes))
-            return self.model.logits(hidden, lora_slots), step.sampled, []  # one token per request: rows = tokens
+            return self.logits(hidden, lora_slots), step.sampled, []  # one token per request: rows = tokens
         hidden = self._forward(step, lora_slots, mix_passes)
         prompt_hidden = [PromptRows(req, hidden[rows], first, lora_slots[rows.start] if lora_slots else -1,
-                                    self.model.compute_logits) for req, rows, first in step.prompt_rows]
+                                    self.compute_logits) for req, rows, first in step.prompt_rows]
         if not step.sampled:
             return hidden.new_empty(0, 0), [], prompt_hidden
         last_rows = to_device(torch.tensor(step.last_rows, dtype=torch.long, device="cpu"), self.device)
         row_slots = [lora_slots[row] for row in step.last_rows] if lora_slots else None
-        return self.model.logits(hidden[last_rows], row_slots), step.sampled, prompt_hidden
+        return self.logits(hidden[last_rows], row_slots), step.sampled, prompt_hidden
 
-    def _embedding_adapted(self, lora_slots: list[int] | None) -> bool:
-        """Whether a token's adapter changes the embedding: a decode graph has no embedding adapter captured
-        in it (a full table per slot cannot be stacked on the device), so such steps run eagerly."""
-        adapters = getattr(self.model.embed_tokens, "adapters", None)
-        return adapters is not None and adapters.used_by(lora_slots)
+    def logits(self, hidden: torch.Tensor, slots: list[int] | None) -> torch.Tensor:
+        """The model's logits of these rows (model dtype), each through its adapter's head where it changes it
+        (`slots`: each row's, -1: none; None: the base head for every row)."""
+        self.lora.rows = slots
+        try:
+            return self.model.logits(hidden)
+        finally:
+            self.lora.rows = None
+
+    def compute_logits(self, hidden: torch.Tensor, slots: list[int] | None) -> torch.Tensor:
+        return self.logits(hidden, slots).float()
 
     @staticmethod
     def _mix_passes(sched: SchedulerOutput, adapter_slots: dict[str, int]
@@ -179,7 +187,11 @@ class ModelRunner:
             lora = LoRABatch.build_passes(mix_passes, self.device)
         else:
             lora = LoRABatch.build(lora_slots, self.device) if lora_slots is not None else None
-        return self.model(put(step.token_ids), put(step.positions), self.kv_caches, meta, lora)
+        self.lora.batch = lora
+        try:
+            return self.model(put(step.token_ids), put(step.positions), self.kv_caches, meta)
+        finally:
+            self.lora.batch = None
 
     def _prepare(self, sched: SchedulerOutput) -> "StepInputs":
         bs = self.block_size

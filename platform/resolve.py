@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.adapters.peft_format import adapter_bytes
 from loraplex.kernels import autotune
 from loraplex.kernels.dispatch import CpuCaps, KernelConfig, kernel_config, machine, resolve_backend
 from loraplex.kernels.linear_methods import can_pack
@@ -42,7 +43,7 @@ def resolve(config: EngineConfig) -> ResolvedConfig:
     _check_lora_dtype(config, device, backend)
     kernels = kernel_config(device, config.torch_dtype, config.torch_kv_dtype, config.torch_lora_dtype,
                             config.pack_weights, config.quantization, found, config.prefill_attention)
-    max_loras, why = config.resolve_max_loras(model)
+    max_loras, why = _max_loras(config, model)
     notes.append(f"adapters: max_loras={max_loras} per batch ({why}); CPU cache bounded by "
                  f"lora_memory={config.lora_memory / 2**20:.0f} MiB")
     notes.append(f"kernels: {backend} on {device}, dtype {str(kernels.dtype).removeprefix('torch.')}, KV "
@@ -50,6 +51,21 @@ def resolve(config: EngineConfig) -> ResolvedConfig:
     notes += [f"autotune: {line}" for line in tune.lines()]
     return ResolvedConfig(config, model, device, kernels, config.resolve_max_model_len(model), max_loras,
                           _num_kv_blocks(config, model, device), tuple(notes))
+
+
+def _max_loras(config: EngineConfig, model: ModelConfig) -> tuple[int, str]:
+    """Adapters per batch and why: the given value, or as many worst-case adapters (every
+    projection at max_lora_rank) as `lora_memory` holds, capped by max_num_seqs (a batch
+    cannot use more adapters than it has sequences) and max_cpu_loras."""
+    if config.max_loras is not None:
+        return config.max_loras, "set by max_loras"
+    worst = adapter_bytes(model, config.max_lora_rank, config.torch_lora_dtype)
+    fits = max(1, config.lora_memory // worst)
+    chosen = min(fits, config.max_num_seqs, config.max_cpu_loras or fits)
+    return chosen, (f"lora_memory={config.lora_memory / 2**20:.0f} MiB holds {fits} adapters of rank "
+                    f"{config.max_lora_rank} on every projection ({worst / 2**20:.1f} MiB each); "
+                    f"max_num_seqs={config.max_num_seqs}" + (f", max_cpu_loras={config.max_cpu_loras}"
+                                                             if config.max_cpu_loras else ""))
 
 
 def _quantization(config: EngineConfig, model: ModelConfig, device: torch.device, notes: list[str]) -> EngineConfig:

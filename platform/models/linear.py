@@ -19,6 +19,11 @@ class Linear(nn.Module):
         self.method.create_weights(self, in_features, out_features, bias)
         self.apply_method = self.method.apply
 
+    @torch.no_grad()
+    def weight_loader(self, weight: torch.Tensor, quantized=None) -> None:
+        """A checkpoint's weight, through the format (`quantized`: bits the checkpoint holds for it)."""
+        self.method.load(self, weight, quantized)
+
     def process_weights_after_loading(self) -> None:
         """Once, after the last dtype / device move: pack, quantize or tile the loaded weight."""
         self.method.process_weights_after_loading(self)
@@ -28,6 +33,14 @@ class Linear(nn.Module):
 
     def dense_weight(self) -> torch.Tensor:
         return self.method.dense_weight(self)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows of the weight where the format holds a tied table (its tiles) with no copy of its own."""
+        return self.method.rows(self, index)
+
+    def served(self, weight: torch.Tensor) -> torch.Tensor:
+        """A float weight as this layer's format would serve it (quantized: rounded)."""
+        return self.method.served(weight)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, {self.method.name}"

@@ -1,11 +1,11 @@
-"""`--quantization`: a loaded model's linear layers switched to quantized weights.
+"""`--quantization`: which quantized format each linear layer takes, and the bits a checkpoint already holds.
 
 `q4`: every projection in 4-bit groups of 32 and `lm_head` in 8-bit groups of 32 (the layout of
 llama.cpp's Q4_1 files). From the GGUF the folder was converted from, the blocks are taken as
 they are (GGUF's q/k row order undone, each checked against the folder's float weights: the
-same numbers or a refusal); otherwise quantized at load. `int8`: every projection and
-`lm_head` per output channel. Adapters stay float32 on top (`LoRALinear`). GPTQ and AWQ
-checkpoints (4-bit, groups of a multiple of 32) are read into the same q4 format, bits kept.
+same numbers or a refusal, in the layer's `weight_loader`); otherwise quantized at load. `int8`: every
+projection and `lm_head` per output channel. Adapters stay float on top (`adapters/lora_layers.py`). GPTQ and
+AWQ checkpoints (4-bit, groups of a multiple of 32) are read into the same q4 format, bits kept.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from loraplex.kernels.quant import QuantizedWeight, concat, dequantize, from_gguf, q4_from_values, quantize, rows
+from loraplex.kernels.quant import QuantizedWeight, dequantize, from_gguf, q4_from_values, rows
 from loraplex.platform.config import ModelConfig
-from loraplex.platform.models import FUSED_PROJECTIONS
+from loraplex.platform.models.family import PROJECTION_BLOCKS
 
 GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
@@ -32,31 +32,7 @@ def head_format(method: str) -> tuple[str, int | None] | None:
     return {"none": None, "q4": ("q8", 32), "int8": ("q8", None)}[method]
 
 
-def quantize_model(model, method: str, gguf: Path | None = None, blocks: dict | None = None) -> None:
-    """Each linear layer's quantized weight set from the float32 weights, before any rounding to the model's
-    dtype; the layers' `QuantizedLinear` keep it when their weights are processed. `blocks`: q4 weights already
-    read (a GPTQ / AWQ checkpoint's), kept as they are."""
-    config: ModelConfig = model.config
-    if blocks is None and method == "q4" and gguf is not None:
-        blocks = _gguf_blocks(gguf, config)
-    for i, layer in enumerate(model.layers):
-        for fused, parts in FUSED_PROJECTIONS.items():
-            module = getattr(layer.self_attn if fused in ("qkv_proj", "o_proj") else layer.mlp, fused)
-            if blocks is not None:
-                weight = concat([blocks[(i, p)] for p in parts])
-                _check_same(weight, module.weight, f"layer {i} {fused}")
-            else:
-                weight = quantize(module.weight, *projection_format(method))
-            module.quantized = weight
-    if blocks is not None and "lm_head" in blocks:
-        head = blocks["lm_head"]
-        _check_same(head, model.lm_head.weight, "lm_head")
-    else:
-        head = quantize(model.lm_head.weight, *head_format(method))
-    model.lm_head.quantized = head
-
-
-def _gguf_blocks(path: Path, config: ModelConfig) -> dict:
+def gguf_blocks(path: Path, config: ModelConfig) -> dict:
     """(layer, projection) -> its Q4_1 blocks in our row order; "lm_head" -> the Q8_0 output
     (or tied embedding) blocks."""
     from gguf import GGUFReader
@@ -85,11 +61,6 @@ def _unpermute(num_rows: int, num_heads: int) -> torch.Tensor:
     """Row index undoing llama.cpp's q/k permutation (transformers' reverse_permute_weights)."""
     index = torch.arange(num_rows)
     return index.reshape(num_heads, num_rows // num_heads // 2, 2).swapaxes(2, 1).reshape(num_rows)
-
-
-def _check_same(weight: QuantizedWeight, dense: torch.Tensor, what: str) -> None:
-    if not torch.allclose(dequantize(weight), dense.detach().float(), rtol=1e-5, atol=1e-6):
-        raise ValueError(f"GGUF blocks of {what} do not match the model folder's weights: not its source")
 
 
 # ---- GPTQ / AWQ checkpoints: 4-bit groups kept as q4 --------------------------------------------
@@ -121,12 +92,12 @@ def checkpoint_quantization(config: dict | None) -> tuple[str, int, bool] | None
 def read_prequantized(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict:
     """(layer, projection) -> q4 weight, taken out of a GPTQ / AWQ checkpoint's tensors; each
     projection's dequantized float weight is put back under its usual name, so the float model
-    loads as the checkpoint's and the bits are then kept (`quantize_model(blocks=...)`)."""
+    loads as the checkpoint's and the bits are then kept (each layer's `weight_loader`)."""
     method, group, v1_zeros = config.prequantized
     out = {}
     for i in range(config.num_layers):
-        for fused, parts in FUSED_PROJECTIONS.items():
-            block = "self_attn" if fused in ("qkv_proj", "o_proj") else "mlp"
+        for fused, parts in config.family.projections.items():
+            block = PROJECTION_BLOCKS[fused]
             for proj in parts:
                 prefix = f"model.layers.{i}.{block}.{proj}."
                 if prefix + "qweight" not in tensors:

@@ -11,18 +11,22 @@ from __future__ import annotations
 import json
 import math
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
+from loraplex.platform.models.family import LAYER_TYPES
+
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
-LAYER_TYPES = ("full_attention", "sliding_attention")
 _REQUIRED = {"default": (), "linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
              "yarn": (), "longrope": ("short_factor", "long_factor")}
 
 
-def rope_parameters(raw: dict, arch: str, head_dim: int) -> dict[str, dict]:
+def rope_parameters(raw: dict, aliases: Mapping[str, str], head_dim: int) -> dict[str, dict]:
     """Layer type -> its RoPE parameters (`rope_type`, `rope_theta` and the type's own keys), filled in as
-    transformers' configs fill them in. `raw`: the config.json over the family's defaults."""
+    transformers' configs fill them in. `raw`: the config.json over the family's defaults; `aliases`: the
+    family's older names of RoPE types."""
     given = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     nested = any(key in given for key in LAYER_TYPES)  # transformers 5, one RoPE per layer type (Gemma 3)
     if nested:
@@ -33,14 +37,13 @@ def rope_parameters(raw: dict, arch: str, head_dim: int) -> dict[str, dict]:
         per_type = {kind: dict(given) for kind in LAYER_TYPES}
     if "rope_local_base_freq" in raw:  # Gemma 3's local layers turn at their own base
         per_type["sliding_attention"].setdefault("rope_theta", raw["rope_local_base_freq"])
-    return {kind: _standardize(params, raw, arch, head_dim, nested) for kind, params in per_type.items()}
+    return {kind: _standardize(params, raw, aliases, head_dim, nested) for kind, params in per_type.items()}
 
 
-def _standardize(params: dict, raw: dict, arch: str, head_dim: int, nested: bool) -> dict:
+def _standardize(params: dict, raw: dict, aliases: Mapping[str, str], head_dim: int, nested: bool) -> dict:
     rope_type = params.get("rope_type") or params.get("type") or "default"
     params.pop("type", None)
-    if arch == "Phi3ForCausalLM" and rope_type in ("su", "yarn"):
-        rope_type = "longrope"  # Phi-3's older names for LongRoPE, as transformers reads them
+    rope_type = aliases.get(rope_type, rope_type)  # as transformers reads the family's older names
     params["rope_type"] = rope_type
     params.setdefault("rope_theta", float(raw.get("rope_theta", 10000.0)))
     if rope_type not in ROPE_TYPES:
@@ -137,6 +140,9 @@ def _longrope(powers: torch.Tensor, params: dict, max_len: int) -> tuple[torch.T
     return 1.0 / (torch.tensor(ext, dtype=torch.float32) * powers), attention_factor
 
 
+NO_ROTATION = {"rope_type": "none"}  # a layer RoPE leaves out (SmolLM3's NoPE layers)
+
+
 class RotaryEmbedding(nn.Module):
     """The cos/sin table of each distinct RoPE the layers use (Gemma 3: a local and a global one), over
     positions [0, max_len), with each layer's table."""
@@ -145,8 +151,9 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         keys: dict[str, int] = {}
         self.layer_table: list[int] = []
-        for kind in config.layer_types:
-            params = config.rope_parameters[kind]
+        rotated = config.rope_layers or (True,) * config.num_layers
+        for kind, rotates in zip(config.layer_types, rotated):
+            params = config.rope_parameters[kind] if rotates else NO_ROTATION
             key = json.dumps(params, sort_keys=True)
             if key not in keys:
                 keys[key] = len(keys)
@@ -155,6 +162,10 @@ class RotaryEmbedding(nn.Module):
         self.num_tables = len(keys)
 
     def _add_table(self, index: int, params: dict, dim: int, max_len: int) -> None:
+        if params is NO_ROTATION:  # cos 1, sin 0: each layer's own RoPE kernel leaves q and k as they are
+            self.register_buffer(f"cos{index}", torch.ones(max_len, dim), persistent=False)
+            self.register_buffer(f"sin{index}", torch.zeros(max_len, dim), persistent=False)
+            return
         inv, attention_factor = inv_freq(params, dim, max_len)
         freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv)
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -224,8 +224,10 @@ class EagerGraphs:
         from loraplex.platform.model_runner import StepInputs
 
         self.replays += 1
+        from loraplex.adapters.lora_layers import VocabAdapters
+
         embed = self.runner.model.embed_tokens
-        held, embed.adapters = embed.adapters, None
+        held, embed.adapters = embed.adapters, VocabAdapters.empty(len(embed.adapters.lora))
         try:
             n = len(step.token_ids)
             inputs = StepInputs(step.token_ids, step.positions, step.slots, step.table_rows, step.seq_lens,

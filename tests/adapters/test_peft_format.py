@@ -9,7 +9,7 @@ import torch
 from conftest import make_peft_adapter, make_tiny_model
 from loraplex.adapters.peft_format import AdapterError, adapter_bytes, read_peft_adapter
 from loraplex.platform.config import ModelConfig
-from loraplex.platform.models import FUSED_PROJECTIONS
+from loraplex.platform.models.family import FUSED_PROJECTIONS
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ and eager prefill around it give the eager engine's tokens."""
 import pytest
 import torch
 
+from loraplex.adapters.lora_layers import LoRAContext
 from loraplex.kernels import dispatch
 from loraplex.platform import LLM, SamplingParams
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -103,7 +104,7 @@ class _StubModel(torch.nn.Module):
         self.config = type("Config", (), {"hidden_size": 4})()
         self.seen = []
 
-    def forward(self, ids, positions, kv_caches, meta, lora):
+    def forward(self, ids, positions, kv_caches, meta):
         self.seen.append((meta.block_tables.clone(), meta.slot_mapping.clone(), meta.seq_lens.clone()))
         return self.embed_tokens(ids)
 
@@ -131,7 +132,7 @@ def test_a_graph_step_copies_each_input_once_from_persistent_buffers():
         req.num_computed_tokens = req.num_tokens - 1
     table = BlockTable(8, 10, 4, torch.device("cpu"), max_width=10)
     model = _StubModel()
-    graphs = DecodeGraphs(model, [], capture_sizes(8), 10, 4, 40, None, lambda forward: forward)
+    graphs = DecodeGraphs(model, LoRAContext(), [], capture_sizes(8), 10, 4, 40, None, lambda forward: forward)
     rows = table.update(kv.req_blocks, requests)
     step = DecodeInputs([1, 2, 3], [r.num_tokens - 1 for r in requests], [5, 6, 7], table, rows,
                         [r.num_tokens for r in requests], None)

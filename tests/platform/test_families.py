@@ -1,4 +1,5 @@
-"""The model families of #40 (Qwen3, Gemma 2, Gemma 3, Phi-3, Granite; YaRN and LongRoPE) against transformers
+"""The model families of #40 (Qwen3, Gemma 2, Gemma 3, Phi-3, Granite; YaRN and LongRoPE) and of #50 (OLMo 2, SmolLM3:
+each added as one declaration) against transformers
 (float32 logits, greedy tokens) and peft (an adapter on every projection), on 2-layer random checkpoints whose
 features are all switched on with values that change the numbers (docs/families.md)."""
 
@@ -42,6 +43,10 @@ VARIANTS = {
                                         sliding_window=48), {}, 70),
     "granite": ("granite", dict(embedding_multiplier=3.0, attention_multiplier=0.05, residual_multiplier=0.5,
                                 logits_scaling=4.0), {}, 70),
+    "olmo2": ("olmo2", {}, {}, 70),
+    # the second layer without RoPE, and (use_sliding_window) so the one that slides
+    "smollm3": ("smollm3", dict(use_sliding_window=True, sliding_window=WINDOW, no_rope_layers=[1, 0],
+                                tie_word_embeddings=True), {}, 70),
 }
 PHI3_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 
@@ -145,6 +150,34 @@ def test_layer_windows_and_ropes_per_family(checkpoint, tmp_path):
     assert ModelConfig.from_folder(checkpoint("qwen3")).layer_windows == (None, WINDOW)  # from max_window_layers
     assert ModelConfig.from_folder(checkpoint("phi3-longrope-long")).layer_windows == (48, 48)
     assert ModelConfig.from_folder(checkpoint("granite")).layer_windows == (None, None)
+    smollm3 = ModelConfig.from_folder(checkpoint("smollm3"))
+    assert smollm3.layer_windows == (None, WINDOW) and smollm3.rope_layers == (True, False)
+    by_interval = ModelConfig.from_folder(config_with(tmp_path, checkpoint("smollm3"), no_rope_layers=None,
+                                                      layer_types=None, num_hidden_layers=8))
+    assert by_interval.rope_layers == (True, True, True, False) * 2  # transformers' default: every 4th has none
+    assert by_interval.layer_windows == (None, None, None, WINDOW) * 2
+
+
+def test_a_layer_without_rope_reads_no_rotation(checkpoint):
+    """SmolLM3's NoPE layer: its table is the identity, the other layer's turns (one table each)."""
+    from loraplex.platform.models.rope import RotaryEmbedding
+
+    rope = RotaryEmbedding(ModelConfig.from_folder(checkpoint("smollm3")), 64)
+    (cos0, sin0), (cos1, sin1) = rope.at(torch.arange(64), torch.float32)
+    assert torch.equal(cos1, torch.ones_like(cos1)) and torch.equal(sin1, torch.zeros_like(sin1))
+    assert not torch.equal(sin0, sin1)
+
+
+def test_every_family_is_declared_once():
+    """Each architecture maps to exactly one declaration, and each declaration to its architectures only."""
+    from loraplex.platform.models.families import DECLARED
+    from loraplex.platform.models.registry import FAMILIES, family_for
+
+    names = [arch for family in FAMILIES.values() for arch in family.architectures]
+    assert len({family.name for family in FAMILIES.values()}) == len(DECLARED) + 2  # + OLMo 2, SmolLM3
+    assert all(family_for(arch).architectures.count(arch) == 1 for arch in names)
+    with pytest.raises(ValueError, match="unsupported model architecture 'GPT2LMHeadModel'.*Olmo2ForCausalLM"):
+        family_for("GPT2LMHeadModel")
 
 
 @pytest.mark.parametrize("changes,named", [

@@ -99,3 +99,26 @@ def test_a_shared_weight_is_kept_when_packed():
     linear.shared_weight = True
     linear.process_weights_after_loading()
     assert linear.weight is not None and linear.packed is not None
+
+
+def test_weights_arrive_through_their_format():
+    """A checkpoint's weight lands through the layer's format: a float format copies it and refuses bits, a
+    quantized one quantizes the checkpoint's own numbers (or keeps bits that are them); each layer carries only
+    its own format's attributes."""
+    from loraplex.kernels import quant
+
+    weight = torch.randn(48, 64, generator=torch.Generator().manual_seed(1))
+    plain = Linear(64, 48, False, CPU)
+    plain.weight_loader(weight)
+    assert torch.equal(plain.weight, weight) and not hasattr(plain, "quantized")
+    with pytest.raises(ValueError, match="cannot take quantized bits"):
+        plain.weight_loader(weight, quant.quantize(weight, "q4", 32))
+    with pytest.raises(ValueError, match=r"weight of shape \(64, 48\) for a 48x64 layer"):
+        plain.weight_loader(weight.T)
+    q4 = Linear(64, 48, False, CPU, ("q4", 32))
+    q4.weight_loader(weight)
+    assert torch.equal(quant.dequantize(q4.quantized), quant.dequantize(quant.quantize(weight, "q4", 32)))
+    assert not hasattr(q4, "packed") and not hasattr(q4, "amx_packed")
+    other = quant.quantize(torch.randn(48, 64), "q4", 32)
+    with pytest.raises(ValueError, match="do not match the checkpoint's float weight"):
+        q4.weight_loader(quant.dequantize(quant.quantize(weight, "q4", 32)), other)

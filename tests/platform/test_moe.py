@@ -10,8 +10,9 @@ from conftest import make_peft_adapter, make_tiny_model, peft_greedy
 from loraplex.platform import LLM, SamplingParams
 from loraplex.platform.config import EngineConfig, ModelConfig
 from loraplex.platform.engine import Engine
-from loraplex.platform.models import SUPPORTED_ARCHITECTURES
-from loraplex.platform.models.moe import SparseMoEBlock, lora_refusal
+from loraplex.platform.models.registry import FAMILIES as SUPPORTED_ARCHITECTURES
+from loraplex.platform.models.experts import lora_refusal
+from loraplex.platform.models.moe import SparseMoEBlock
 from test_model import prompt_logits
 
 # 4 experts, top-2; Qwen2-MoE: a shared expert and a dense layer 1, weights not renormalised;
@@ -117,11 +118,12 @@ def test_adapter_on_experts_or_router_is_refused_by_name(models, family, tmp_pat
 def test_lora_refusal_reads_layers():
     """A dense MLP module is fine in a dense layer and refused in a sparse one (a wrong base's adapter),
     as are per-expert keys of older checkpoints; dense models refuse nothing here."""
-    from loraplex.platform.models.moe import MoEConfig
+    from loraplex.platform.models.experts import MoEConfig
+    from loraplex.platform.models.families import QWEN3_MOE
 
     raw = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, num_hidden_layers=2,
                decoder_sparse_step=2)
-    config = type("Config", (), {"moe": MoEConfig.from_raw(raw, "Qwen3MoeForCausalLM"),
+    config = type("Config", (), {"moe": MoEConfig.from_raw(raw, QWEN3_MOE.experts, "Qwen3MoeForCausalLM"),
                                  "architecture": "Qwen3MoeForCausalLM"})()
     key = "base_model.model.model.layers.{}.mlp.{}.lora_A.weight"
     assert lora_refusal(config, {"target_modules": ["gate_proj", "q_proj"]}, [key.format(0, "gate_proj")]) is None

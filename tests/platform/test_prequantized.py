@@ -19,7 +19,7 @@ from loraplex.kernels.quant import dequantize
 from loraplex.platform import LLM, SamplingParams
 from loraplex.platform.config import EngineConfig, ModelConfig
 from loraplex.platform.engine import Engine
-from loraplex.platform.models import FUSED_PROJECTIONS
+from loraplex.platform.models.family import FUSED_PROJECTIONS
 from test_model import prompt_logits
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's pack: nibble i holds column 8c + AWQ_ORDER[i]

@@ -24,7 +24,7 @@ from test_model import prompt_logits
 def dequantized_folder(engine: Engine, src, dst):
     """A HF folder like `src` whose linear weights are the engine's dequantized ones (the float
     model the quantized one stands for)."""
-    from loraplex.platform.models import FUSED_PROJECTIONS
+    from loraplex.platform.models.family import FUSED_PROJECTIONS
 
     from safetensors import safe_open
 
@@ -63,7 +63,7 @@ def test_quantized_logits_are_the_dequantized_models(tmp_path, method, tied, den
     engine = Engine(EngineConfig(model=str(folder), num_kv_blocks=16, quantization=method, dtype="float32"))
     linears = [m for m in engine.model.modules() if isinstance(m, Linear)]
     assert all(m.quantized is not None for m in linears)
-    assert all(m.weight is None for m in linears if m is not engine.model.lm_head)  # no float copy kept
+    assert all(m.weight is None for m in linears if m is not engine.model.lm_head.base_layer)  # no float copy kept
     reference = Engine(EngineConfig(model=str(dequantized_folder(engine, folder, tmp_path / "ref")),
                                     dtype="float32", num_kv_blocks=16))
     if tied:  # the embedding table is the float one in both; only the head is quantized
@@ -170,7 +170,7 @@ def test_q4_on_amx_is_served_from_tile_order(tmp_path, monkeypatch):
     config = EngineConfig(model=str(folder), num_kv_blocks=16, quantization="q4", dtype="bfloat16")
     tiles = Engine(config)
     projections = [m.quantized for m in tiles.model.modules()
-                   if isinstance(m, Linear) and m is not tiles.model.lm_head]
+                   if isinstance(m, Linear) and m is not tiles.model.lm_head.base_layer]
     assert projections and all(w.tiles for w in projections)
     monkeypatch.setattr(quant, "for_this_cpu", lambda w, amx: w)
     by_rows = Engine(config)
@@ -218,7 +218,7 @@ def test_gguf_blocks_that_are_not_the_folders_weights_are_refused(tmp_path, tiny
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="do not match the model folder"):
+    with pytest.raises(ValueError, match="qkv_proj: quantized bits do not match the checkpoint.s float weight"):
         load_model(tiny_model_dir, config, kernel_config(torch.device("cpu"), torch.float32, quantization="q4"), 64,
                    gguf=path)
 
