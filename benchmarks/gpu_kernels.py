@@ -23,9 +23,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from loraplex.kernels import dispatch
 from loraplex.kernels.custom_ops import PagedAttention
-from loraplex.kernels.dispatch import KernelConfig
+from loraplex.kernels.dispatch import Backend, KernelConfig
 from loraplex.kernels.paged_attention import PagedAttentionMetadata, paged_attention
 from loraplex.kernels.sgmv import LoRABatch, sgmv_expand, sgmv_shrink
 
@@ -57,11 +56,6 @@ def cuda_time(fn, iters: int = 100, warmup: int = 5, flush: torch.Tensor | None 
     return times[len(times) // 2]
 
 
-def with_backend(name, fn):
-    with dispatch.forced_backend(name):
-        return fn()
-
-
 def sgmv_case(num_tokens, num_adapters, rank, hidden, widths, dtype):
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(num_tokens, hidden, device="cuda", dtype=dtype, generator=g)
@@ -78,14 +72,14 @@ def check_sgmv(dtype) -> None:
     x, a, b, ranks, scales, batch, offsets = sgmv_case(300, 16, 32, 1024, [1024, 256, 256], dtype)
     n = len(offsets) - 1
 
-    def run():
+    def run(backend: Backend):
         h = torch.zeros(x.shape[0], a.shape[1], device="cuda")
-        sgmv_shrink(x, a, ranks, batch, h, n)
+        sgmv_shrink(x, a, ranks, batch, h, n, backend=backend)
         y = torch.zeros(x.shape[0], offsets[-1], device="cuda", dtype=dtype)
-        sgmv_expand(h, b, ranks, scales, batch, y, offsets)
+        sgmv_expand(h, b, ranks, scales, batch, y, offsets, backend=backend)
         return h, y
 
-    (h_ref, y_ref), (h_tri, y_tri) = with_backend("torch", run), with_backend("triton", run)
+    (h_ref, y_ref), (h_tri, y_tri) = run(Backend.NATIVE), run(Backend.TRITON)
     torch.testing.assert_close(h_tri, h_ref, atol=5e-2, rtol=5e-2)
     torch.testing.assert_close(y_tri.float(), y_ref.float(), atol=5e-2, rtol=5e-2)
     print(f"sgmv {dtype}: triton == reference")
@@ -145,8 +139,8 @@ def attention_case(batch, q_len, ctx, heads, kv_heads, dim, block_size, dtype, d
 def check_attention(dtype) -> None:
     for q_len, ctx in ((1, 300), (37, 100)):
         q, kc, vc, meta, _ = attention_case(6, q_len, ctx, HEADS, KV_HEADS, HEAD_DIM, 16, dtype)
-        ref = with_backend("torch", lambda: paged_attention(q, kc, vc, meta, HEAD_DIM ** -0.5))
-        tri = with_backend("triton", lambda: paged_attention(q, kc, vc, meta, HEAD_DIM ** -0.5))
+        ref = paged_attention(q, kc, vc, meta, HEAD_DIM ** -0.5, backend=Backend.NATIVE)
+        tri = paged_attention(q, kc, vc, meta, HEAD_DIM ** -0.5, backend=Backend.TRITON)
         torch.testing.assert_close(tri.float(), ref.float(), atol=2e-2, rtol=2e-2)
     print(f"paged attention {dtype}: triton == reference (decode and prefill chunks)")
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import time
 
@@ -180,20 +181,25 @@ def main() -> None:
 def ablation(args) -> None:
     """Each speed step's effect, side by side in one process: the variants take turns for
     `--rounds` rounds and each cell is the median of its rounds' median decode steps."""
-    from loraplex.kernels.dispatch import forced_backend
-
     engine_args = dict(dtype=args.dtype, max_model_len=1024, max_num_seqs=max(args.batch_sizes),
                        max_num_batched_tokens=4096, num_kv_blocks=max(args.batch_sizes) * 20,
                        enable_prefix_caching=False)
-    plain, packed = LLM(args.model, pack_weights=False, **engine_args), LLM(args.model, **engine_args)
-    half_kv = LLM(args.model, kv_cache_dtype="float16", **engine_args)
-    fp8_kv = LLM(args.model, kv_cache_dtype="fp8", **engine_args)
-    variants = [("plain weights, PyTorch attention", plain, "torch"),
-                ("+ prepacked weights", packed, "torch"),
+
+    def engine(setting: str, **extra) -> LLM:
+        """An engine whose kernels are chosen under LORAPLEX_KERNELS=setting (read once, as it is built)."""
+        os.environ["LORAPLEX_KERNELS"] = setting
+        try:
+            return LLM(args.model, **engine_args, **extra)
+        finally:
+            os.environ.pop("LORAPLEX_KERNELS")
+
+    packed = engine("auto")
+    variants = [("plain weights, PyTorch attention", engine("torch", pack_weights=False), "torch"),
+                ("+ prepacked weights", engine("torch"), "torch"),
                 ("+ C kernels (attention in place)", packed, "auto"),
-                ("C kernels, plain weights", plain, "auto"),  # float32: our decode kernel on the rows
-                ("+ kv_cache_dtype=float16 (opt-in)", half_kv, "auto"),
-                ("+ kv_cache_dtype=fp8 (opt-in)", fp8_kv, "auto")]
+                ("C kernels, plain weights", engine("auto", pack_weights=False), "auto"),  # float32: our rows kernel
+                ("+ kv_cache_dtype=float16 (opt-in)", engine("auto", kv_cache_dtype="float16"), "auto"),
+                ("+ kv_cache_dtype=fp8 (opt-in)", engine("auto", kv_cache_dtype="fp8"), "auto")]
     print(f"dtype={packed.engine.config.torch_dtype} new_tokens={args.new_tokens} threads={torch.get_num_threads()}")
     print(f"{'batch':>5} | " + " | ".join(f"{name:>32}" for name, _, _ in variants) + " | (median decode step ms, x first)")
     for batch in args.batch_sizes:
@@ -201,10 +207,9 @@ def ablation(args) -> None:
         warm = make_prompts(packed.get_tokenizer(), 1, seed=-1)
         runs: dict[str, list[float]] = {name: [] for name, _, _ in variants}
         for _ in range(args.rounds):  # variants interleaved, so drift hits each alike
-            for name, llm, backend in variants:
-                with forced_backend(backend):
-                    bench_loraplex(llm, warm, 4)  # warm-up
-                    runs[name].append(bench_loraplex(llm, prompts, args.new_tokens)["step_ms"])
+            for name, llm, _ in variants:
+                bench_loraplex(llm, warm, 4)  # warm-up
+                runs[name].append(bench_loraplex(llm, prompts, args.new_tokens)["step_ms"])
         medians = [statistics.median(runs[name]) for name, _, _ in variants]
         print(f"{batch:>5} | " + " | ".join(f"{ms:>24.1f} ({ms / medians[0]:.2f}x)" for ms in medians), flush=True)
 

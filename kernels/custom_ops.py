@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraplex.kernels import cpu_kernels
-from loraplex.kernels.dispatch import KernelConfig
+from loraplex.kernels.dispatch import Backend, KernelConfig, PrefillAttention
 from loraplex.kernels.paged_attention import PagedAttentionMetadata, attention_kernel, kv_writer
 from loraplex.kernels.sgmv import lora_kernel
 
@@ -20,9 +20,9 @@ LAYER_DTYPES = (torch.float32, torch.bfloat16)  # what the C layer ops read and 
 class CustomOp(nn.Module):
     def __init__(self, config: KernelConfig) -> None:
         super().__init__()
-        if config.backend == "cpu" and self.cpu_kernel_takes(config):
+        if config.backend == Backend.CPU and self.cpu_kernel_takes(config):
             self.forward = self.forward_cpu
-        elif config.backend == "triton":
+        elif config.backend == Backend.TRITON:
             self.forward = self.forward_cuda
         else:
             self.forward = self.forward_native
@@ -107,9 +107,8 @@ class RopeKVWrite(CustomOp):
         return q
 
 
-PREFILL_ATTENTION = ("auto", "triton", "sdpa")  # what a layer runs for a step of fresh prompts on CUDA
 # auto's pick: the paged kernel until benchmarks/gpu_check.py ("prefill attention") measures SDPA faster
-PREFILL_AUTO = "triton"
+PREFILL_AUTO = PrefillAttention.TRITON
 
 
 class PagedAttention(nn.Module):
@@ -118,13 +117,13 @@ class PagedAttention(nn.Module):
     k <= q and q - k < W (None: every k <= q); `softcap` c: the scaled scores become c tanh(s / c) before
     masking (Gemma 2). Both are bound into the kernel here, so a layer without them runs the plain one.
 
-    `prefill` ("auto" | "triton" | "sdpa", chosen once at engine build): on the Triton backend, "sdpa" sends steps
+    `prefill` (a `PrefillAttention`, chosen once at engine build): on the Triton backend, "sdpa" sends steps
     whose requests are all first chunks without a prefix hit to torch SDPA (`is_causal`, no mask: its flash
     backend), everything else to the paged kernel. SDPA cannot cap scores nor slide a window: such a layer
     keeps the paged kernel."""
 
     def __init__(self, scale: float, config: KernelConfig, sliding_window: int | None = None,
-                 softcap: float | None = None, prefill: str = "triton") -> None:
+                 softcap: float | None = None, prefill: PrefillAttention = PrefillAttention.TRITON) -> None:
         super().__init__()
         self.scale = scale
         self.sliding_window, self.softcap = sliding_window, softcap
@@ -143,12 +142,13 @@ class PagedAttention(nn.Module):
         return self.kernel(q, k_cache, v_cache, meta, self.scale)
 
 
-def sdpa_prefill_applies(config: KernelConfig, prefill: str, sliding_window: int | None,
+def sdpa_prefill_applies(config: KernelConfig, prefill: PrefillAttention, sliding_window: int | None,
                          softcap: float | None) -> bool:
     """Whether a layer takes the SDPA prefill path; decided once when it is built."""
-    if prefill not in PREFILL_ATTENTION:
-        raise ValueError(f"prefill attention must be one of {PREFILL_ATTENTION}, got {prefill!r}")
-    if (PREFILL_AUTO if prefill == "auto" else prefill) == "triton" or config.backend != "triton":
+    if prefill not in list(PrefillAttention):
+        raise ValueError(f"prefill attention must be one of {', '.join(PrefillAttention)}, got {prefill!r}")
+    chosen = PREFILL_AUTO if prefill == PrefillAttention.AUTO else prefill
+    if chosen == PrefillAttention.TRITON or config.backend != Backend.TRITON:
         return False
     # SDPA takes no window without a mask and caps no scores: such layers (Gemma 2) keep the paged kernel
     return sliding_window is None and softcap is None

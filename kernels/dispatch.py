@@ -1,42 +1,46 @@
 """Which kernels run: decided once per model (`kernel_config`), from the device, this CPU and the
-`LORAPLEX_KERNELS=auto|triton|torch` setting (or `set_backend` / `forced_backend`, read when a model is built).
+`LORAPLEX_KERNELS=auto|triton|torch` setting, read when a config is resolved (`resolve_backend`), never per call.
+`KernelConfig` is the only source: every fused op and weight format picks its implementation from one in
+`__init__`; tests and benchmarks build one, or name a `Backend` for the kernels' convenience entry points.
 
 Forcing Triton on CPU tensors works only under `TRITON_INTERPRET=1`, which is how the tests check the kernels
-without a GPU. `use_triton` / `use_cpu_kernel` serve the kernels' own convenience entry points (tests,
-benchmarks); models never ask them per call.
+without a GPU.
 """
 
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import torch
 
 from loraplex.kernels import autotune
 from loraplex.kernels.autotune import TuneTable
 
-BACKENDS = ("auto", "triton", "torch")
-_backend = os.environ.get("LORAPLEX_KERNELS", "auto")
+SETTINGS = ("auto", "triton", "torch")  # what LORAPLEX_KERNELS may say
 
 
-def set_backend(name: str) -> None:
-    global _backend
-    if name not in BACKENDS:
-        raise ValueError(f"kernel backend must be one of {BACKENDS}, got {name!r}")
-    _backend = name
+class Backend(StrEnum):
+    CPU = "cpu"  # our C kernels where they apply
+    TRITON = "triton"  # CUDA, or forced under TRITON_INTERPRET=1
+    NATIVE = "native"  # PyTorch ops only: LORAPLEX_KERNELS=torch, no C compiler, or CUDA without Triton
 
 
-@contextmanager
-def forced_backend(name: str):
-    """Run a block with one backend forced, then restore whatever was set before."""
-    previous = _backend
-    set_backend(name)
-    try:
-        yield
-    finally:
-        set_backend(previous)
+class PrefillAttention(StrEnum):
+    """What a layer runs for a CUDA step of fresh prompts: the paged Triton kernel, torch SDPA, or auto."""
+
+    AUTO = "auto"
+    TRITON = "triton"
+    SDPA = "sdpa"
+
+
+def kernels_setting() -> str:
+    """`LORAPLEX_KERNELS`, read when a config is resolved."""
+    setting = os.environ.get("LORAPLEX_KERNELS", "auto")
+    if setting not in SETTINGS:
+        raise ValueError(f"LORAPLEX_KERNELS must be one of {SETTINGS}, got {setting!r}")
+    return setting
 
 
 def triton_available() -> bool:
@@ -45,27 +49,6 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def use_triton(tensor: torch.Tensor) -> bool:
-    if _backend == "torch":
-        return False
-    if _backend == "triton":
-        if not triton_available():
-            raise RuntimeError("LORAPLEX_KERNELS=triton but triton is not installed")
-        if tensor.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError("Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 on CPU")
-        return True
-    return tensor.device.type == "cuda" and triton_available()
-
-
-def use_cpu_kernel(tensor: torch.Tensor) -> bool:
-    """The C kernels (built on first use) on CPU tensors, unless a backend is forced."""
-    return _backend == "auto" and tensor.device.type == "cpu"
-
-
-def backend() -> str:
-    return _backend
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -113,10 +96,9 @@ class KernelConfig:
     """Which kernels a model runs, decided once before it is built: every fused op and weight format picks
     its implementation from this in `__init__` (or when its weights are processed), never per call.
 
-    backend: "cpu" (our C kernels where they apply), "triton" (CUDA, or forced under TRITON_INTERPRET=1), or
-    "native" (PyTorch ops only: `LORAPLEX_KERNELS=torch`, no C compiler, or CUDA without Triton)."""
+    `backend` and `prefill_attention` may be given as their strings; they are held as their enums."""
 
-    backend: str = "native"
+    backend: Backend = Backend.NATIVE
     device_type: str = "cpu"
     dtype: torch.dtype = torch.float32
     kv_dtype: torch.dtype = torch.float32
@@ -125,46 +107,62 @@ class KernelConfig:
     quantization: str = "none"
     caps: CpuCaps = field(default_factory=CpuCaps)
     tune: TuneTable = field(default_factory=TuneTable)
-    prefill_attention: str = "auto"  # CUDA prefill: "triton" (paged), "sdpa", "auto"
+    prefill_attention: PrefillAttention = PrefillAttention.AUTO
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "backend", Backend(self.backend))
+        object.__setattr__(self, "prefill_attention", PrefillAttention(self.prefill_attention))
 
     @property
     def stacked_lora(self) -> bool:
         """Adapters copied into stacked device slots (the Triton kernels), else read in place (CPU)."""
-        return self.device_type == "cuda" or self.backend == "triton"
+        return self.device_type == "cuda" or self.backend == Backend.TRITON
 
 
-def resolve_backend(device: torch.device) -> str:
-    """The backend for a model on `device`: the forced one (`LORAPLEX_KERNELS`, `set_backend`), else Triton on
+def resolve_backend(device: torch.device, setting: str | None = None) -> Backend:
+    """The backend for a model on `device`: the forced one (`setting`, else `LORAPLEX_KERNELS`), else Triton on
     CUDA and our C kernels on CPU where each is available."""
     from loraplex.kernels import cpu_kernels
 
-    if _backend == "torch":
-        return "native"
-    if _backend == "triton":
+    setting = setting or kernels_setting()
+    if setting == "torch":
+        return Backend.NATIVE
+    if setting == "triton":
         if not triton_available():
             raise RuntimeError("LORAPLEX_KERNELS=triton but triton is not installed")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError("Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 on CPU")
-        return "triton"
+        return Backend.TRITON
     if device.type == "cuda":
-        return "triton" if triton_available() else "native"
-    return "cpu" if cpu_kernels.library() is not None else "native"
+        return Backend.TRITON if triton_available() else Backend.NATIVE
+    return Backend.CPU if cpu_kernels.library() is not None else Backend.NATIVE
 
 
-def machine(device: torch.device) -> tuple[str, CpuCaps, TuneTable]:
+def machine(device: torch.device) -> tuple[Backend, CpuCaps, TuneTable]:
     """The backend for `device`, this CPU's capabilities and the autotune table (measured where our C kernels
     run), read now."""
     backend = resolve_backend(device)
     caps = CpuCaps.detect() if device.type == "cpu" else CpuCaps()
-    if backend != "cpu":
+    if backend != Backend.CPU:
         return backend, caps, autotune.DEFAULT
     return backend, caps, autotune.resolve(caps.native_bf16, caps.dpbf16, caps.amx)
 
 
 def kernel_config(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
                   lora_dtype: torch.dtype | None = None, pack_weights: bool = True, quantization: str = "none",
-                  found: tuple[str, CpuCaps, TuneTable] | None = None, prefill_attention: str = "auto") -> KernelConfig:
+                  found: tuple[Backend, CpuCaps, TuneTable] | None = None,
+                  prefill_attention: str = PrefillAttention.AUTO) -> KernelConfig:
     """A `KernelConfig` for a model on `device`; `found`: what `machine(device)` returned, if already read."""
     backend, caps, tune = found or machine(device)
     return KernelConfig(backend, device.type, dtype, kv_dtype or dtype, lora_dtype or dtype,
-                        pack_weights and device.type == "cpu", quantization, caps, tune, prefill_attention)
+                        pack_weights and device.type == "cpu", quantization, caps, tune,
+                        PrefillAttention(prefill_attention))
+
+
+def convenience_config(tensor: torch.Tensor, backend: Backend | None = None, **fields) -> KernelConfig:
+    """A `KernelConfig` for a kernel's convenience entry point (tests, benchmarks): `backend`, else what a model
+    on the tensor's device would resolve now."""
+    backend = Backend(backend or resolve_backend(tensor.device))
+    caps = CpuCaps.detect() if backend == Backend.CPU else CpuCaps()
+    return KernelConfig(backend=backend, device_type=tensor.device.type, dtype=tensor.dtype, caps=caps,
+                        tune=autotune.DEFAULT, **fields)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraplex.kernels import cpu_kernels, quant
-from loraplex.kernels.dispatch import CpuCaps, KernelConfig
+from loraplex.kernels.dispatch import Backend, CpuCaps, KernelConfig
 from loraplex.kernels.quant import QuantizedWeight
 
 
@@ -167,7 +167,7 @@ class QuantizedLinear(LinearMethod):
         if weight.shape != (layer.out_features, layer.in_features):
             raise ValueError(f"quantized weight of shape {weight.shape} for a {layer.out_features}x"
                              f"{layer.in_features} layer")
-        cpu = config.backend == "cpu"
+        cpu = config.backend == Backend.CPU
         layer.quantized = quant.for_this_cpu(weight, cpu and config.caps.amx)
         layer.plan = quant.plan(layer.quantized, config.tune, config.caps if cpu else CpuCaps())
         self._drop_weight(layer)
@@ -207,7 +207,7 @@ def can_pack(dtype: torch.dtype, native_bf16: bool) -> bool:
 
 def amx_packs(config: KernelConfig, dtype: torch.dtype, in_features: int) -> bool:
     """Whether a weight of `dtype` goes to our AMX bf16 kernel (else, packed, to oneDNN)."""
-    return config.backend == "cpu" and config.caps.amx and dtype == torch.bfloat16 and in_features % 32 == 0
+    return config.backend == Backend.CPU and config.caps.amx and dtype == torch.bfloat16 and in_features % 32 == 0
 
 
 def linear_method(config: KernelConfig, in_features: int, quantized: tuple[str, int | None] | None = None
@@ -220,7 +220,7 @@ def linear_method(config: KernelConfig, in_features: int, quantized: tuple[str, 
         return TorchLinear()
     if config.pack_weights and can_pack(config.dtype, config.caps.native_bf16):
         return AMXLinear() if amx_packs(config, config.dtype, in_features) else OneDNNLinear()
-    if config.backend == "cpu" and config.dtype == torch.float32 and in_features % 8 == 0:
+    if config.backend == Backend.CPU and config.dtype == torch.float32 and in_features % 8 == 0:
         return PlainF32Linear(config.tune.f32_kernel_tokens)
     return TorchLinear()
 

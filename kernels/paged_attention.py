@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from loraplex.kernels import cpu_kernels
 from loraplex.kernels.autotune import TuneTable
-from loraplex.kernels.dispatch import CpuCaps, KernelConfig, use_cpu_kernel, use_triton
+from loraplex.kernels.dispatch import Backend, KernelConfig, convenience_config
 
 # Query chunks up to this length take the C kernel on CPU; longer ones (prefill) the gathered SDPA, which
 # runs the many-query case as blocked GEMMs (a model reads it from its `TuneTable`).
@@ -187,64 +187,69 @@ def softcapped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     return (weights @ values[:, :, None]).view(batch, num_heads, num_queries, head_dim)
 
 
-def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
-    """Convenience dispatch on the backend setting (tests, benchmarks); a model picks once (`kv_writer`)."""
-    kv_writer(KernelConfig(backend="triton" if use_triton(key) else "native"))(key, value, k_cache, v_cache,
-                                                                               slot_mapping)
+def write_kv(key, value, k_cache, v_cache, slot_mapping, backend: Backend | None = None) -> None:
+    """Convenience entry point (tests, benchmarks): `backend`, else what a model here would resolve; a model picks
+    once (`kv_writer`)."""
+    kv_writer(convenience_config(key, backend))(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(query, k_cache, v_cache, meta: PagedAttentionMetadata, scale: float,
-                    sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-    """Convenience dispatch on the backend setting (tests, benchmarks); a model picks once (`attention_kernel`)."""
-    backend = "triton" if use_triton(query) else "cpu" if use_cpu_kernel(query) else "native"
-    caps = CpuCaps.detect() if backend == "cpu" else CpuCaps()
-    config = KernelConfig(backend=backend, dtype=query.dtype, kv_dtype=k_cache.dtype, caps=caps)
+                    sliding_window: int | None = None, softcap: float | None = None,
+                    backend: Backend | None = None) -> torch.Tensor:
+    """Convenience entry point (tests, benchmarks): `backend`, else what a model here would resolve; a model picks
+    once (`attention_kernel`)."""
+    config = convenience_config(query, backend, kv_dtype=k_cache.dtype)
     return attention_kernel(config, sliding_window, softcap)(query, k_cache, v_cache, meta, scale)
 
 
 def kv_writer(config: KernelConfig):
     """`(key, value, k_cache, v_cache, slot_mapping) -> None` for a model's backend, chosen once."""
-    if config.backend == "triton":
+    if config.backend == Backend.TRITON:
         from loraplex.kernels.paged_attention_triton import write_kv_triton
 
         return write_kv_triton
     return write_kv_reference
 
 
+@dataclass(frozen=True)
+class AttentionBounds:
+    """A layer's sliding window (None: its whole context) and soft cap on the scores (None: none), checked: a
+    window of at least one position, a positive finite cap."""
+
+    sliding_window: int | None = None
+    softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        window, cap = self.sliding_window, self.softcap
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"sliding_window must be a positive int or None, got {window!r}")
+        if cap is not None and not (isinstance(cap, (int, float)) and 0 < cap < math.inf):
+            raise ValueError(f"softcap must be a positive finite number or None, got {cap!r}")
+        object.__setattr__(self, "softcap", None if cap is None else float(cap))
+
+
 def attention_kernel(config: KernelConfig, sliding_window: int | None = None, softcap: float | None = None):
     """`(query, k_cache, v_cache, meta, scale) -> out` for a model's backend and dtypes, chosen once: Triton;
     on CPU the C kernel for short query chunks (where it reads the model's and the cache's dtypes) and the
-    reference for the rest; else the reference. A sliding window and a soft cap are bound in here: without
-    them each backend's function is the one it always was."""
-    options = attention_options(sliding_window, softcap)
-    if config.backend == "triton":
+    reference for the rest; else the reference. The layer's window and soft cap are bound in here."""
+    bounds = AttentionBounds(sliding_window, softcap)
+    if config.backend == Backend.TRITON:
         from loraplex.kernels.paged_attention_triton import paged_attention_triton, sm_count
 
         def triton(query, k_cache, v_cache, meta, scale):
             return paged_attention_triton(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                          meta.query_start_loc, meta.max_query_len, scale, *options,
+                                          meta.query_start_loc, meta.max_query_len, scale,
+                                          sliding_window=bounds.sliding_window, softcap=bounds.softcap,
                                           max_seq_len=meta.max_seq_len, num_sms=sm_count(query.device))
         return triton
-    if config.backend == "cpu" and config.dtype in (torch.float32, torch.bfloat16) and \
+    if config.backend == Backend.CPU and config.dtype in (torch.float32, torch.bfloat16) and \
             c_kernel_reads_kv(config.kv_dtype, config.caps.f16c):
         max_short = config.tune.attention_kernel_query_len
         return lambda query, k_cache, v_cache, meta, scale: _paged_attention_cpu(query, k_cache, v_cache, meta,
-                                                                                  scale, max_short, *options)
-    return functools.partial(paged_attention_reference, sliding_window=sliding_window, softcap=softcap) \
-        if options else paged_attention_reference
-
-
-def attention_options(sliding_window: int | None, softcap: float | None) -> tuple:
-    """() without a window or a cap (the kernels' calls stay as they were), else (sliding_window, softcap),
-    checked: a window of at least one position, a positive finite cap."""
-    if sliding_window is None and softcap is None:
-        return ()
-    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
-                                       or sliding_window < 1):
-        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
-    if softcap is not None and not (isinstance(softcap, (int, float)) and 0 < softcap < math.inf):
-        raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
-    return sliding_window, None if softcap is None else float(softcap)
+                                                                                  scale, bounds, max_short)
+    if bounds == AttentionBounds():
+        return paged_attention_reference  # without a window or cap: the plain kernel itself
+    return functools.partial(paged_attention_reference, sliding_window=bounds.sliding_window, softcap=bounds.softcap)
 
 
 def c_kernel_reads_kv(kv_dtype: torch.dtype, f16c: bool) -> bool:
@@ -253,20 +258,25 @@ def c_kernel_reads_kv(kv_dtype: torch.dtype, f16c: bool) -> bool:
 
 
 def _paged_attention_cpu(query, k_cache, v_cache, meta: PagedAttentionMetadata, scale: float,
-                         max_short: int = CPU_KERNEL_MAX_QUERY_LEN, *options) -> torch.Tensor:
-    """Short-query requests through the C kernel, the others through the reference; `options`: () or
-    (sliding_window, softcap), passed to both."""
+                         bounds: AttentionBounds = AttentionBounds(), max_short: int = CPU_KERNEL_MAX_QUERY_LEN
+                         ) -> torch.Tensor:
+    """Short-query requests through the C kernel, the others through the reference, both within `bounds`."""
     short, long = meta.cpu_parts(max_short)
+    window, cap = bounds.sliding_window, bounds.softcap
 
     def c_kernel(q, part):
         return cpu_kernels.paged_attention_c(q, k_cache, v_cache, part.meta.block_tables, part.meta.seq_lens,
-                                             part.meta.query_start_loc, part.token_request, scale, *options)
+                                             part.meta.query_start_loc, part.token_request, scale,
+                                             sliding_window=window, softcap=cap)
+
+    def reference(q, part_meta):
+        return paged_attention_reference(q, k_cache, v_cache, part_meta, scale, sliding_window=window, softcap=cap)
 
     if long is None:
         return c_kernel(query, short)
     if short is None:
-        return paged_attention_reference(query, k_cache, v_cache, meta, scale, *options)
+        return reference(query, meta)
     out = torch.empty_like(query)
     out[short.rows] = c_kernel(query[short.rows], short)
-    out[long.rows] = paged_attention_reference(query[long.rows], k_cache, v_cache, long.meta, scale, *options)
+    out[long.rows] = reference(query[long.rows], long.meta)
     return out

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from loraplex.kernels.dispatch import PrefillAttention
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = {"auto": None, "float16": torch.float16, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 LORA_DTYPES = {name: (dtype, torch.bfloat16) if dtype == torch.float32 else (dtype,)  # what the LoRA paths multiply
@@ -152,7 +154,7 @@ class EngineConfig:
                                               "(no prefix hit): triton (the paged kernel) or sdpa (torch SDPA, "
                                               "causal: its flash backend; not with soft-capped layers; windowed "
                                               "layers keep the paged kernel); auto: triton until the GPU check "
-                                              "measures SDPA faster", choices=["auto", "triton", "sdpa"])
+                                              "measures SDPA faster", choices=list(PrefillAttention))
     enforce_eager: bool = _setting(False, "CUDA: no CUDA graphs (decode batches are captured per padded batch "
                                           "size by default)")
     enable_prefix_caching: bool = _setting(True, "reuse the KV of shared prompt prefixes")
@@ -212,8 +214,9 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.quantization != "none" and self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"quantization {self.quantization} runs float32 or bfloat16 activations, not {self.dtype}")
-        if self.prefill_attention not in ("auto", "triton", "sdpa"):
-            raise ValueError(f"prefill_attention must be auto, triton or sdpa, got {self.prefill_attention!r}")
+        if self.prefill_attention not in list(PrefillAttention):
+            raise ValueError(f"prefill_attention must be one of {', '.join(PrefillAttention)}, got "
+                             f"{self.prefill_attention!r}")
         if self.lora_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"lora_dtype must be auto, float32 or bfloat16, got {self.lora_dtype!r}")
         if self.dtype != "auto" and self.lora_dtype != "auto" and self.torch_lora_dtype not in LORA_DTYPES[self.dtype]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 
 import numpy as np
 import torch
@@ -97,6 +98,14 @@ class DecodeInputs:
     mix_passes: list[tuple[list[int], list[float]]] | None = None  # a step with mixes: (slots, weights) per pass
 
 
+class GraphMode(StrEnum):
+    """What a decode graph holds: the base model only, one adapter per token, or adapter mixes' weighted passes."""
+
+    BASE = "base"
+    LORA = "lora"
+    MIX = "mix"
+
+
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, lora, kv_caches: list, sizes: list[int], max_blocks: int,
                  block_size: int, max_model_len: int, null_slot: int | None, capture: Capture,
@@ -127,14 +136,15 @@ class DecodeGraphs:
         self.pass_weights = torch.zeros(self.mix_passes, largest, dtype=torch.float32, device=device)
         self._pass_staging = torch.zeros(2, self.mix_passes, largest, dtype=torch.float32, device="cpu",
                                          pin_memory=pin)
-        self.num_replays: Counter[tuple[int, bool | str]] = Counter()
-        self._graphs: dict[tuple[int, bool | str], Callable[[], None]] = {}
-        modes = (False, True, "mix") if self.mix_passes else (False, True) if null_slot is not None else (False,)
+        self.num_replays: Counter[tuple[int, GraphMode]] = Counter()
+        self._graphs: dict[tuple[int, GraphMode], Callable[[], None]] = {}
+        modes = tuple(GraphMode) if self.mix_passes else \
+            (GraphMode.BASE, GraphMode.LORA) if null_slot is not None else (GraphMode.BASE,)
         for size in reversed(sizes):  # largest first: smaller graphs reuse its memory
             for mode in modes:
                 self._graphs[size, mode] = capture(self._forward(model, kv_caches, size, mode, max_model_len))
 
-    def _forward(self, model, kv_caches, size: int, mode: bool | str, max_model_len: int) -> Callable[[], None]:
+    def _forward(self, model, kv_caches, size: int, mode: GraphMode, max_model_len: int) -> Callable[[], None]:
         meta = PagedAttentionMetadata(self.slot_mapping[:size], self.block_tables[:size], self.seq_lens[:size],
                                       self.query_start_loc[:size + 1], max_query_len=1, max_seq_len=max_model_len,
                                       block_size=self.block_size)
@@ -143,8 +153,8 @@ class DecodeGraphs:
             meta._reference = meta._cpu_parts = None  # derived views are recomputed, as a graph would
             # tokens grouped by slot inside the graph (a sort on the device each replay): one read of an
             # adapter's A and B per segment, not per token
-            lora = self._mix_batch(size) if mode == "mix" else \
-                LoRABatch.grouped(self.lora_slots[:size], self.null_slot) if mode else None
+            lora = self._mix_batch(size) if mode == GraphMode.MIX else \
+                LoRABatch.grouped(self.lora_slots[:size], self.null_slot) if mode == GraphMode.LORA else None
             self.lora.batch = lora
             try:
                 self.hidden[:size] = model(self.input_ids[:size], self.positions[:size], kv_caches, meta)
@@ -180,8 +190,8 @@ class DecodeGraphs:
         staged[:, n:size] = PADDING
         self.inputs.copy_(self._staging, non_blocking=True)
         step.table.commit(step.table_rows, self.block_tables)
-        mode = "mix" if step.mix_passes is not None else with_lora
-        if mode == "mix":
+        mode = GraphMode.MIX if step.mix_passes is not None else GraphMode.LORA if with_lora else GraphMode.BASE
+        if mode == GraphMode.MIX:
             self._stage_passes(step.mix_passes, n)
         elif with_lora:
             slots = self._lora_staging.numpy()

@@ -12,7 +12,7 @@ import torch
 
 from loraplex.adapters.peft_format import adapter_bytes
 from loraplex.kernels import autotune
-from loraplex.kernels.dispatch import CpuCaps, KernelConfig, kernel_config, machine, resolve_backend
+from loraplex.kernels.dispatch import Backend, CpuCaps, KernelConfig, kernel_config, machine, resolve_backend
 from loraplex.kernels.linear_methods import can_pack
 from loraplex.platform.config import EngineConfig, ModelConfig, quantized_activation_dtype
 from loraplex.platform.device import normalize_device
@@ -77,14 +77,14 @@ def _quantization(config: EngineConfig, model: ModelConfig, device: torch.device
     return config
 
 
-def _check_device(config: EngineConfig, device: torch.device, backend: str) -> None:
-    if config.kv_cache_dtype.startswith("fp8") and (device.type != "cpu" or backend == "triton"):
+def _check_device(config: EngineConfig, device: torch.device, backend: Backend) -> None:
+    if config.kv_cache_dtype.startswith("fp8") and (device.type != "cpu" or backend == Backend.TRITON):
         raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype} runs the CPU kernels (not the Triton ones yet); "
                          f"on {device} use kv_cache_dtype auto or float16")
 
 
-def _check_lora_dtype(config: EngineConfig, device: torch.device, backend: str) -> None:
-    stacked = device.type == "cuda" or backend == "triton"  # the Triton kernels read adapters in the model's dtype
+def _check_lora_dtype(config: EngineConfig, device: torch.device, backend: Backend) -> None:
+    stacked = device.type == "cuda" or backend == Backend.TRITON  # the Triton kernels read adapters in the model's dtype
     if stacked and config.torch_lora_dtype != config.torch_dtype:
         raise ValueError(f"lora_dtype {config.torch_lora_dtype} under dtype {config.torch_dtype} on the Triton / "
                          "CUDA path: adapters there are in the model's dtype")

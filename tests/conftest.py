@@ -81,6 +81,21 @@ FAMILY_CLASSES = {
 }
 
 
+@contextlib.contextmanager
+def forced_kernels(setting: str):
+    """`LORAPLEX_KERNELS=setting` for a block: what every config resolved inside it reads (engines, and the
+    kernels' convenience entry points), once each; the previous setting back after."""
+    previous = os.environ.get("LORAPLEX_KERNELS")
+    os.environ["LORAPLEX_KERNELS"] = setting
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("LORAPLEX_KERNELS", None)
+        else:
+            os.environ["LORAPLEX_KERNELS"] = previous
+
+
 def make_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """A 2-layer random model of the given family, saved like any Hugging Face checkpoint."""
     import transformers

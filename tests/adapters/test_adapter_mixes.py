@@ -5,6 +5,8 @@ requests of different mixes, plain adapters and the base model in one batch."""
 import pytest
 import torch
 
+from conftest import forced_kernels
+
 from loraplex.kernels import cpu_kernels, dispatch
 from loraplex.kernels.sgmv import (LoRABatch, LoRATable, StackedLoRA, sgmv_lora_stacked_reference,
                                    sgmv_lora_table_torch)
@@ -86,7 +88,7 @@ def test_triton_expand_takes_token_weights():
     from loraplex.kernels.sgmv import sgmv_lora_stacked_triton
 
     table, stacked, slots, weights, x, y0 = _case(4, num_tokens=19)
-    with dispatch.forced_backend("triton"):
+    with forced_kernels("triton"):
         weighted = sgmv_lora_stacked_triton(x, stacked, LoRABatch.build(slots, token_weights=weights), y0.clone())
         plain = sgmv_lora_stacked_triton(x, stacked, LoRABatch.build(slots), y0.clone())
     torch.testing.assert_close(weighted, _dense(table, slots, weights, x, y0), atol=2e-3, rtol=2e-3)
@@ -187,7 +189,7 @@ def test_mixes_in_one_batch_match_peft_weighted_adapters(tiny_model_dir, mix_ada
     kernel = cpu_kernels.sgmv_lora_table_c
     monkeypatch.setattr(cpu_kernels, "sgmv_lora_table_c",
                         lambda *args: weighted_c_calls.append(args[5] is not None) or kernel(*args))
-    with dispatch.forced_backend(backend):
+    with forced_kernels(backend):
         llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_loras=3, lora_modules=mix_adapters)
         assert llm.engine.adapters.slots.stacked == (backend == "triton")
         assert _run_one_batch(llm, PROMPTS, REQUEST_ADAPTERS) == peft_mix_tokens

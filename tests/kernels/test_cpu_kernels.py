@@ -6,7 +6,7 @@ import torch
 
 from loraplex.kernels import cpu_kernels, dispatch
 from loraplex.kernels.paged_attention import CPU_KERNEL_MAX_QUERY_LEN, paged_attention
-from conftest import tuned
+from conftest import forced_kernels, tuned
 from paged_case import make_case
 
 needs_kernel = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler here")
@@ -23,7 +23,7 @@ CASES = [
 
 
 def reference(query, kc, vc, meta, scale):
-    with dispatch.forced_backend("torch"):
+    with forced_kernels("torch"):
         return paged_attention(query, kc, vc, meta, scale)
 
 
@@ -33,7 +33,7 @@ def test_cpu_dispatch_matches_reference(seed, qlens, clens, heads, kv_heads, dim
     query, kc, vc, meta, _, _ = make_case(seed, qlens, clens, heads, kv_heads, dim, bs, torch.float32)
     calls = []
     kernel = cpu_kernels.paged_attention_c
-    monkeypatch.setattr(cpu_kernels, "paged_attention_c", lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setattr(cpu_kernels, "paged_attention_c", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     out = paged_attention(query, kc, vc, meta, dim ** -0.5)
     torch.testing.assert_close(out, reference(query, kc, vc, meta, dim ** -0.5), atol=1e-5, rtol=1e-5)
     assert len(calls) == int(min(qlens) <= CPU_KERNEL_MAX_QUERY_LEN)  # the kernel ran where it should
@@ -59,7 +59,7 @@ def test_bf16_kv_is_read_in_place_with_fp32_math(seed, qlens, clens, heads, kv_h
     query, kc, vc, meta, _, _ = make_case(seed, qlens, clens, heads, kv_heads, dim, bs, torch.bfloat16)
     calls = []
     kernel = cpu_kernels.paged_attention_c
-    monkeypatch.setattr(cpu_kernels, "paged_attention_c", lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setattr(cpu_kernels, "paged_attention_c", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     out = paged_attention(query, kc, vc, meta, dim ** -0.5)
     assert out.dtype == torch.bfloat16 and calls == [1]
     exact = reference(query.float(), kc.float(), vc.float(), meta, dim ** -0.5)
@@ -78,7 +78,7 @@ def test_fp8_kv_is_read_in_place(seed, qlens, clens, heads, kv_heads, dim, bs, d
     kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
     calls = []
     kernel = cpu_kernels.paged_attention_c
-    monkeypatch.setattr(cpu_kernels, "paged_attention_c", lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setattr(cpu_kernels, "paged_attention_c", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     out = paged_attention(query, kc, vc, meta, dim ** -0.5)
     assert out.dtype == dtype and calls == [1]
     exact = reference(query.float(), kc.float(), vc.float(), meta, dim ** -0.5)

@@ -3,7 +3,7 @@ CPU) gives the same greedy tokens as the PyTorch path."""
 
 import pytest
 
-from loraplex.kernels import dispatch
+from conftest import forced_kernels
 from loraplex.platform import LLM, SamplingParams
 
 pytest.importorskip("triton")
@@ -14,12 +14,13 @@ def test_engine_tokens_match_across_kernel_backends(tiny_model_dir, block_size):
     """Block size 4 too: the Triton kernel tiles KV across blocks (tl.dot needs tiles of >= 16 positions)."""
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 21, 40)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=32 * 16 // block_size, block_size=block_size,
-              max_num_batched_tokens=24, enable_prefix_caching=False)
     results = {}
     for backend in ("torch", "triton"):
-        with dispatch.forced_backend(backend):
-            results[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        with forced_kernels(backend):  # read as the engine is built: its kernels are chosen then
+            llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=32 * 16 // block_size,
+                      block_size=block_size, max_num_batched_tokens=24, enable_prefix_caching=False)
+        assert llm.engine.resolved.kernels.backend == ("native" if backend == "torch" else "triton")
+        results[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert results["triton"] == results["torch"]
 
 
@@ -35,7 +36,7 @@ def test_stacked_adapter_slots_on_triton_match_peft(tiny_model_dir, tiny_adapter
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     results = {}
     for backend in ("torch", "triton"):
-        with dispatch.forced_backend(backend):
+        with forced_kernels(backend):
             llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_loras=2,
                       lora_modules={"a0": str(tiny_adapters[0]), "a1": str(tiny_adapters[1])})
             assert llm.engine.adapters.slots.stacked == (backend == "triton")

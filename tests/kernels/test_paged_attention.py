@@ -3,6 +3,8 @@ reference against plain causal attention on contiguous K/V."""
 
 import pytest
 import torch
+
+from conftest import forced_kernels
 import torch.nn.functional as F
 import triton
 
@@ -22,7 +24,7 @@ TOL = {torch.float32: dict(atol=2e-3, rtol=2e-3), torch.float16: dict(atol=1e-2,
 
 
 def attend(backend, query, k_cache, v_cache, meta, scale):
-    with dispatch.forced_backend(backend):
+    with forced_kernels(backend):
         return paged_attention(query.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), meta, scale).cpu()
 
 
@@ -30,7 +32,7 @@ def write_both(key, value, slots, dtype):
     """(k_cache, v_cache) after write_kv on each backend: torch first, then triton."""
     out = []
     for backend in ("torch", "triton"):
-        with dispatch.forced_backend(backend):
+        with forced_kernels(backend):
             kc = torch.zeros(2, 16, 2, 16, dtype=dtype, device=DEVICE)
             vc = torch.zeros_like(kc)
             write_kv(key.to(DEVICE), value.to(DEVICE), kc, vc, slots.to(DEVICE))
@@ -130,7 +132,7 @@ def test_window_and_softcap_in_bfloat16(backend, seed, qlens, clens, heads, kv_h
 
 
 def attend_with(backend, query, kc, vc, meta, scale, window, cap):
-    with dispatch.forced_backend(backend):
+    with forced_kernels(backend):
         return paged_attention(query.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), meta, scale, window, cap).cpu()
 
 

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from conftest import forced_kernels
+
 from lora_case import lora_case
 
 from loraplex.kernels import dispatch
@@ -19,7 +21,7 @@ case = lora_case
 
 
 def run(backend, slots, ranks, x, a, b, scales, offsets, y0):
-    with dispatch.forced_backend(backend):
+    with forced_kernels(backend):
         batch = LoRABatch.build(slots, DEVICE)
         n = len(offsets) - 1
         h = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=DEVICE)
@@ -127,14 +129,19 @@ def test_table_refuses_weights_that_do_not_fit_it():
     assert table.ranks == [0, 0] and table.a[1] is None and int(table.a_ptrs[1]) == 0
 
 
-def test_forced_backend_restores_the_previous_choice():
-    dispatch.set_backend("torch")
-    try:
-        with dispatch.forced_backend("triton"):
-            assert dispatch._backend == "triton"
-        assert dispatch._backend == "torch"
-    finally:
-        dispatch.set_backend("auto")
+def test_the_kernels_setting_is_read_when_a_config_is_resolved(monkeypatch):
+    """LORAPLEX_KERNELS counts where a config is resolved; a config built holds its choice, as enums."""
+    cpu = torch.device("cpu")
+    with forced_kernels("torch"):
+        config = dispatch.kernel_config(cpu, torch.float32, prefill_attention="sdpa")
+        with forced_kernels("triton"):
+            assert dispatch.resolve_backend(cpu) is dispatch.Backend.TRITON
+        assert dispatch.resolve_backend(cpu) is dispatch.Backend.NATIVE
+    assert config.backend is dispatch.Backend.NATIVE and config.prefill_attention is dispatch.PrefillAttention.SDPA
+    assert dispatch.KernelConfig(backend="triton").backend is dispatch.Backend.TRITON
+    monkeypatch.setenv("LORAPLEX_KERNELS", "cuda")
+    with pytest.raises(ValueError, match="LORAPLEX_KERNELS must be one of"):
+        dispatch.resolve_backend(cpu)
 
 
 def test_contiguous_segments_add_in_place_and_match_the_reference():
@@ -205,7 +212,7 @@ def test_split_k_under_the_graph_layout(monkeypatch):
     for n in (1, 3):
         slots = torch.tensor([2 if t < 0 else t for t in s[:n]], dtype=torch.int32)  # 2: the null slot
         batch = LoRABatch.per_token(torch.arange(n), torch.arange(n + 1, dtype=torch.int32), slots)
-        with dispatch.forced_backend("triton"):
+        with forced_kernels("triton"):
             got = sgmv_lora_stacked_triton(x[:n], table, batch, y0[:n].clone())
         torch.testing.assert_close(got, reference(x[:n], a, b, ranks, scales, offsets, s[:n], y0[:n]),
                                    atol=1e-4, rtol=1e-4)
@@ -232,7 +239,7 @@ def test_graph_batch_grouped_by_slot_on_device():
         batch = LoRABatch.grouped(slots.to(DEVICE), 3)
     assert batch.token_order.tolist() == [2, 0, 3, 5, 1, 4] and batch.seg_starts.tolist() == [0, 1, 1, 4, 6]
     assert batch.seg_slots.tolist() == [0, 1, 2, 3] and batch.num_segments == 4 and batch.max_seg_len == 6
-    with dispatch.forced_backend("triton"):
+    with forced_kernels("triton"):
         got = sgmv_lora_stacked_triton(x.to(DEVICE), table, batch, y0.clone().to(DEVICE)).cpu()
     torch.testing.assert_close(got, reference(x, a, b, ranks, scales, offsets, s, y0), atol=1e-4, rtol=1e-4)
 

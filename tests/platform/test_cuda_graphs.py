@@ -6,13 +6,14 @@ and eager prefill around it give the eager engine's tokens."""
 import pytest
 import torch
 
+from conftest import forced_kernels
+
 from loraplex.adapters.lora_layers import LoRAContext
-from loraplex.kernels import dispatch
 from loraplex.platform import LLM, SamplingParams
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from loraplex.platform.block_table import BlockTable
-from loraplex.platform.cuda_graphs import DecodeGraphs, DecodeInputs, FakeCapture, capture_sizes, padded_size
+from loraplex.platform.cuda_graphs import DecodeGraphs, DecodeInputs, FakeCapture, GraphMode, capture_sizes, padded_size
 from loraplex.platform.device import HostSyncError, NoHostSync
 from loraplex.platform.kv_cache_manager import KVCacheManager
 from loraplex.platform.request import Request
@@ -50,7 +51,7 @@ def _generate(llm, prompts, names):
 def test_decode_graphs_give_the_eager_tokens(tiny_model_dir, tiny_adapters):
     prompts = [list(range(3 + i, 3 + i + n)) for i, n in enumerate((5, 9, 14, 7, 11))]
     names = ["a0", None, "a1", "a0", None]
-    with dispatch.forced_backend("triton"):
+    with forced_kernels("triton"):
         llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_num_seqs=8, max_loras=2,
                   lora_modules={"a0": str(tiny_adapters[0]), "a1": str(tiny_adapters[1])})
         eager = {n: _generate(llm, prompts[:n], names[:n]) for n in (1, 3, 5)}
@@ -64,14 +65,15 @@ def test_decode_graphs_give_the_eager_tokens(tiny_model_dir, tiny_adapters):
     assert graphed == eager
     replays = runner.graphs.num_replays
     # 3 and 5 requests run padded to 4 and 8; adapter steps and base-only steps take their own graph
-    assert replays[4, True] and replays[8, True] and replays[1, True] and replays[2, False]
+    lora, base = GraphMode.LORA, GraphMode.BASE
+    assert replays[4, lora] and replays[8, lora] and replays[1, lora] and replays[2, base]
     assert not any(size not in capture_sizes(8) for size, _ in replays)
     # graphs without LoRA (no null slot): steps with adapters run eagerly, never the base graph
-    with dispatch.forced_backend("triton"):
+    with forced_kernels("triton"):
         runner.enable_graphs(FakeCapture(), 8, llm.engine.max_model_len, None)
         assert _generate(llm, prompts[:3], names[:3]) == eager[3]
         assert _generate(llm, prompts[:2], [None, None]) == base_only
-    assert not any(with_lora for _, with_lora in runner.graphs.num_replays) and runner.graphs.num_replays
+    assert not any(mode == GraphMode.LORA for _, mode in runner.graphs.num_replays) and runner.graphs.num_replays
 
 
 def test_adapter_mixes_replay_graphs_of_their_own(tiny_model_dir, tiny_adapters):
@@ -80,7 +82,7 @@ def test_adapter_mixes_replay_graphs_of_their_own(tiny_model_dir, tiny_adapters)
     prompts = [{"prompt_token_ids": list(range(3, 8))}, {"prompt_token_ids": list(range(4, 13))}]
     mixes = [[("a0", 0.7), ("a1", -0.3)], [("a0", 0.5)]]
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    with dispatch.forced_backend("triton"):
+    with forced_kernels("triton"):
         llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=32, max_num_seqs=2, max_loras=2,
                   lora_modules={f"a{i}": str(tiny_adapters[i]) for i in range(2)})
         eager = [o.outputs[0].token_ids for o in llm.generate(prompts, params, adapter=mixes)]
@@ -90,7 +92,7 @@ def test_adapter_mixes_replay_graphs_of_their_own(tiny_model_dir, tiny_adapters)
         assert capture.captured == 3 * len(capture_sizes(2))  # base, LoRA, mixes
         graphed = [o.outputs[0].token_ids for o in llm.generate(prompts, params, adapter=mixes)]
     assert graphed == eager
-    assert runner.graphs.num_replays[2, "mix"] == 2  # both decode steps
+    assert runner.graphs.num_replays[2, GraphMode.MIX] == 2  # both decode steps
     assert runner.graphs.fits(2, True, 2) and not runner.graphs.fits(2, True, 3)
 
 

@@ -5,8 +5,9 @@ works on CPU and breaks on CUDA)."""
 import pytest
 import torch
 
+from conftest import forced_kernels
+
 from loraplex.grammar.backend import StructuredOutputs
-from loraplex.kernels import dispatch
 from loraplex.platform import LLM, SamplingParams
 from loraplex.platform.config import EngineConfig
 from loraplex.platform.device import DeviceAudit, DeviceAuditError, DeviceMemory, kv_blocks_for
@@ -76,7 +77,7 @@ def test_no_step_tensor_without_a_device(tiny_model_dir, tiny_adapters, kernels)
     `auto`: the CPU engine's (C kernels, adapters read in place)."""
     from loraplex.platform.cuda_graphs import FakeCapture
 
-    with dispatch.forced_backend(kernels):
+    with forced_kernels(kernels):
         llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32", num_kv_blocks=64, max_num_seqs=8,
                   max_loras=2, lora_modules={"a0": str(tiny_adapters[0]), "a1": str(tiny_adapters[1])})
         engine = llm.engine
@@ -125,7 +126,7 @@ def test_an_eager_step_reads_nothing_back(tiny_model_dir, tiny_adapters):
                             repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.2, n=2),
              SamplingParams(temperature=1.0, seed=1, max_tokens=5, logit_bias={7: 3.0}, min_tokens=3),
              SamplingParams(temperature=0, max_tokens=12, min_tokens=2, structured=StructuredOutputs(json=schema))]
-    with dispatch.forced_backend("triton"):
+    with forced_kernels("triton"):
         llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32", num_kv_blocks=64, max_num_seqs=8,
                   max_loras=2, max_num_batched_tokens=16, lora_modules={"a0": str(tiny_adapters[0])})
         engine = llm.engine

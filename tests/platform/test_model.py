@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import make_tiny_model
+from conftest import forced_kernels, make_tiny_model
 from loraplex.platform.config import EngineConfig
 from loraplex.platform.engine import Engine
 from loraplex.platform.request import SamplingParams
@@ -153,7 +153,8 @@ def test_bf16_weights_on_amx_are_packed_for_the_tile_kernel(tmp_path, arch, over
     plain, model = engines[False].model, engines[True].model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     on_tiles = [m.in_features % 32 == 0 for m in linears]
-    assert any(on_tiles) and all((getattr(m, "amx_packed", None) is not None) == tiles and (getattr(m, "packed", None) is None) == tiles
+    assert any(on_tiles) and all((getattr(m, "amx_packed", None) is not None) == tiles
+                                 and (getattr(m, "packed", None) is None) == tiles
                                  for m, tiles in zip(linears, on_tiles))
     assert all(m.weight is None for m in linears if m is not model.lm_head.base_layer)
     assert torch.equal(model.layers[0].mlp.down_proj.dense_weight(), plain.layers[0].mlp.down_proj.weight)
@@ -169,7 +170,6 @@ def test_fused_layer_kernels_run_and_match_the_pytorch_ops(tiny_model_dir, dtype
     calls; the logits equal those of the PyTorch ops they replace (float32: to rounding order;
     bfloat16: they round where those ops round)."""
     from loraplex.kernels import cpu_kernels
-    from loraplex.kernels.dispatch import forced_backend
 
     if cpu_kernels.library() is None:
         pytest.skip("no C compiler here")
@@ -183,7 +183,7 @@ def test_fused_layer_kernels_run_and_match_the_pytorch_ops(tiny_model_dir, dtype
     layers = engine.model.config.num_layers
     assert calls.count("rope_write_kv_c") == calls.count("silu_mul_c") == 3 * layers  # 3 chunks of 16 / 16 / 5
     assert calls.count("add_rms_norm_c") == 3 * (2 * layers + 1)
-    with forced_backend("torch"):  # the PyTorch ops, chosen when the engine is built
+    with forced_kernels("torch"):  # the PyTorch ops, chosen when the engine is built
         plain_engine = Engine(EngineConfig(model=str(tiny_model_dir), dtype=dtype, num_kv_blocks=16))
     plain = prompt_logits(plain_engine, ids, 16).float()
     assert len(calls) == 3 * (4 * layers + 1)  # the torch engine made none

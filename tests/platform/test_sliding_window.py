@@ -6,8 +6,7 @@ forks and preemption leave the tokens unchanged."""
 import pytest
 import torch
 
-from conftest import assert_all_blocks_free, make_tiny_model, peft_greedy
-from loraplex.kernels import dispatch
+from conftest import assert_all_blocks_free, forced_kernels, make_tiny_model, peft_greedy
 from loraplex.platform import LLM, SamplingParams
 from loraplex.platform.config import EngineConfig
 from loraplex.platform.engine import Engine
@@ -46,7 +45,7 @@ def test_logits_match_transformers_past_the_window(mistral_dir, backend, chunks)
     short chunks, the reference for long ones; the PyTorch path; Triton's interpreter), in float32."""
     from transformers import AutoModelForCausalLM
 
-    with dispatch.forced_backend(backend):
+    with forced_kernels(backend):
         engine = Engine(EngineConfig(model=str(mistral_dir), dtype="float32", num_kv_blocks=32, block_size=BLOCK))
     assert engine.kv.sliding_window == WINDOW and engine.max_model_len == 512  # not capped to the window
     ids = torch.tensor([random_ids(7, 40)])
@@ -56,7 +55,7 @@ def test_logits_match_transformers_past_the_window(mistral_dir, backend, chunks)
                                                           sliding_window=None)(ids).logits[0]
     assert not torch.allclose(expected[WINDOW:], unwindowed[WINDOW:], atol=1e-2)  # the window matters here
     for chunk in chunks:
-        with dispatch.forced_backend(backend):
+        with forced_kernels(backend):
             got = prompt_logits(engine, ids[0].tolist(), chunk)
         torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
     assert_all_blocks_free(engine)
