@@ -48,6 +48,7 @@ class Wrapper(nn.Module):
     def __init__(self, base: nn.Module, context: LoRAContext) -> None:
         super().__init__()
         self.base_layer, self.context = base, context
+        self.__dict__["base"] = base  # the same module, read on the hot path without nn.Module's attribute lookup
 
     def __getattr__(self, name: str):
         try:
@@ -68,7 +69,7 @@ class LoRALinear(Wrapper):
         self.add_lora = LoRADelta(kernels)  # the layout of `lora` follows the same config
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.apply_base(self.base_layer, x)
+        y = self.apply_base(self.base, x)
         batch = self.context.batch
         if batch is None:
             return y
@@ -119,7 +120,7 @@ class LoRAEmbedding(Wrapper):
         self.adapters = adapters
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = self.base_layer(input_ids)  # a fresh tensor, changed in place below
+        rows = self.base(input_ids)  # a fresh tensor, changed in place below
         batch, adapters = self.context.batch, self.adapters
         if batch is None or not adapters.num_active:
             return rows
@@ -148,7 +149,7 @@ class LoRAHead(Wrapper):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         slots, adapters = self.context.rows, self.adapters
         if not adapters.used_by(slots):
-            return self.apply_base(self.base_layer, x)
+            return self.apply_base(self.base, x)
         return self._per_slot(x, slots, adapters)
 
     def _per_slot(self, x: torch.Tensor, slots: list[int], adapters: VocabAdapters) -> torch.Tensor:
@@ -157,13 +158,13 @@ class LoRAHead(Wrapper):
             groups.setdefault(slot if adapters.active(slot) else -1, []).append(row)
         own = {s: rows for s, rows in groups.items() if s >= 0 and adapters.weights[s] is not None}
         if not own:
-            y = self.apply_base(self.base_layer, x)
+            y = self.apply_base(self.base, x)
         else:
             y = x.new_empty(x.shape[0], self.base_layer.out_features)
             base_rows = [r for s, rows in groups.items() if s not in own for r in rows]
             if base_rows:
                 index = _index(base_rows, x)
-                y.index_copy_(0, index, self.apply_base(self.base_layer, x.index_select(0, index)).to(y.dtype))
+                y.index_copy_(0, index, self.apply_base(self.base, x.index_select(0, index)).to(y.dtype))
         for slot, rows in groups.items():
             if slot >= 0:
                 _add_slot(x, y, _index(rows, x), adapters, slot)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from loraplex.kernels.custom_ops import PagedAttention
 from loraplex.kernels.dispatch import Backend, KernelConfig
-from loraplex.kernels.paged_attention import PagedAttentionMetadata, paged_attention
+from loraplex.kernels.paged_attention import PagedAttentionMetadata, attention_kernel
 from loraplex.kernels.sgmv import LoRABatch, sgmv_expand, sgmv_shrink
 
 L2_FLUSH_BYTES = 256 << 20  # several times any current L2 (H100 / H200: 50 MiB)
@@ -73,10 +73,11 @@ def check_sgmv(dtype) -> None:
     n = len(offsets) - 1
 
     def run(backend: Backend):
+        config = KernelConfig(backend=backend, device_type="cuda", dtype=dtype)
         h = torch.zeros(x.shape[0], a.shape[1], device="cuda")
-        sgmv_shrink(x, a, ranks, batch, h, n, backend=backend)
+        sgmv_shrink(config, x, a, ranks, batch, h, n)
         y = torch.zeros(x.shape[0], offsets[-1], device="cuda", dtype=dtype)
-        sgmv_expand(h, b, ranks, scales, batch, y, offsets, backend=backend)
+        sgmv_expand(config, h, b, ranks, scales, batch, y, offsets)
         return h, y
 
     (h_ref, y_ref), (h_tri, y_tri) = run(Backend.NATIVE), run(Backend.TRITON)
@@ -137,10 +138,12 @@ def attention_case(batch, q_len, ctx, heads, kv_heads, dim, block_size, dtype, d
 
 
 def check_attention(dtype) -> None:
+    reference, triton = (attention_kernel(KernelConfig(backend=backend, device_type="cuda", dtype=dtype,
+                                                       kv_dtype=dtype)) for backend in (Backend.NATIVE, Backend.TRITON))
     for q_len, ctx in ((1, 300), (37, 100)):
         q, kc, vc, meta, _ = attention_case(6, q_len, ctx, HEADS, KV_HEADS, HEAD_DIM, 16, dtype)
-        ref = paged_attention(q, kc, vc, meta, HEAD_DIM ** -0.5, backend=Backend.NATIVE)
-        tri = paged_attention(q, kc, vc, meta, HEAD_DIM ** -0.5, backend=Backend.TRITON)
+        ref = reference(q, kc, vc, meta, HEAD_DIM ** -0.5)
+        tri = triton(q, kc, vc, meta, HEAD_DIM ** -0.5)
         torch.testing.assert_close(tri.float(), ref.float(), atol=2e-2, rtol=2e-2)
     print(f"paged attention {dtype}: triton == reference (decode and prefill chunks)")
 
@@ -171,7 +174,7 @@ def bench_attention(flush: torch.Tensor | None = None) -> list[dict]:
     print(f"\nPaged attention (Triton) vs SDPA on contiguous K/V, {HEADS} heads / {KV_HEADS} KV heads, dim "
           f"{HEAD_DIM}, bf16")
     print(f"{'batch':>5} {'q':>4} {'ctx':>6} | {'paged us':>9} {'sdpa us':>9} {'ratio':>6}")
-    kernel = PagedAttention(HEAD_DIM ** -0.5, KernelConfig(backend="triton", device_type="cuda",
+    kernel = PagedAttention(HEAD_DIM ** -0.5, KernelConfig(backend=Backend.TRITON, device_type="cuda",
                                                            dtype=torch.bfloat16, kv_dtype=torch.bfloat16))
     rows = []
     for batch, q_len, ctx in ((64, 1, 1024), (64, 1, 4096), (8, 512, 0), (8, 512, 2048)):
@@ -185,7 +188,7 @@ def bench_attention(flush: torch.Tensor | None = None) -> list[dict]:
 
 def bench_prefill(flush: torch.Tensor | None = None, cases=((1, 512), (1, 2048), (1, 8192), (4, 2048))) -> list[dict]:
     """Fresh prompts through the engine's two prefill choices, each a `PagedAttention` built once."""
-    config = KernelConfig(backend="triton", device_type="cuda", dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
+    config = KernelConfig(backend=Backend.TRITON, device_type="cuda", dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
     layers = {name: PagedAttention(HEAD_DIM ** -0.5, config, prefill=name) for name in ("triton", "sdpa")}
     print(f"\nPrefill attention, fresh prompts: paged Triton vs SDPA (is_causal), {HEADS}/{KV_HEADS} heads, bf16")
     print(f"{'batch':>5} {'len':>6} | {'triton us':>9} {'sdpa us':>9} {'sdpa speed-up':>13}")

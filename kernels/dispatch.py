@@ -1,10 +1,11 @@
 """Which kernels run: decided once per model (`kernel_config`), from the device, this CPU and the
 `LORAPLEX_KERNELS=auto|triton|torch` setting, read when a config is resolved (`resolve_backend`), never per call.
 `KernelConfig` is the only source: every fused op and weight format picks its implementation from one in
-`__init__`; tests and benchmarks build one, or name a `Backend` for the kernels' convenience entry points.
+`__init__`. Tests and benchmarks build one too (`kernel_config(..., backend=...)` to name the backend) and hand
+it to the kernels' entry points, or build the op from it.
 
 Forcing Triton on CPU tensors works only under `TRITON_INTERPRET=1`, which is how the tests check the kernels
-without a GPU.
+without a GPU; it is checked once, when the config is resolved.
 """
 
 from __future__ import annotations
@@ -128,41 +129,51 @@ def resolve_backend(device: torch.device, setting: str | None = None) -> Backend
     if setting == "torch":
         return Backend.NATIVE
     if setting == "triton":
-        if not triton_available():
-            raise RuntimeError("LORAPLEX_KERNELS=triton but triton is not installed")
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError("Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 on CPU")
-        return Backend.TRITON
+        return checked_backend(device, Backend.TRITON)
     if device.type == "cuda":
         return Backend.TRITON if triton_available() else Backend.NATIVE
     return Backend.CPU if cpu_kernels.library() is not None else Backend.NATIVE
 
 
-def machine(device: torch.device) -> tuple[Backend, CpuCaps, TuneTable]:
-    """The backend for `device`, this CPU's capabilities and the autotune table (measured where our C kernels
-    run), read now."""
-    backend = resolve_backend(device)
+def checked_backend(device: torch.device, backend: Backend | str) -> Backend:
+    """`backend`, named by a test, a benchmark or `LORAPLEX_KERNELS`, if it can run on `device`."""
+    from loraplex.kernels import cpu_kernels
+
+    backend = Backend(backend)
+    if backend == Backend.TRITON:
+        if not triton_available():
+            raise RuntimeError("the Triton backend needs triton, which is not installed")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 on CPU")
+    elif backend == Backend.CPU and device.type != "cpu":
+        raise RuntimeError(f"our C kernels run on CPU tensors, not on {device}")
+    elif backend == Backend.CPU and cpu_kernels.library() is None:
+        raise RuntimeError("our C kernels were not built here (no C compiler)")
+    return backend
+
+
+def machine(device: torch.device, backend: Backend | str | None = None) -> tuple[Backend, CpuCaps, TuneTable]:
+    """The backend for `device` (`backend` if named, checked; else resolved), this CPU's capabilities and the
+    autotune table (measured where our C kernels run), read now."""
+    backend = resolve_backend(device) if backend is None else checked_backend(device, backend)
     caps = CpuCaps.detect() if device.type == "cpu" else CpuCaps()
     if backend != Backend.CPU:
         return backend, caps, autotune.DEFAULT
     return backend, caps, autotune.resolve(caps.native_bf16, caps.dpbf16, caps.amx)
 
 
-def kernel_config(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
+def kernel_config(device: torch.device | str, dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
                   lora_dtype: torch.dtype | None = None, pack_weights: bool = True, quantization: str = "none",
                   found: tuple[Backend, CpuCaps, TuneTable] | None = None,
-                  prefill_attention: str = PrefillAttention.AUTO) -> KernelConfig:
-    """A `KernelConfig` for a model on `device`; `found`: what `machine(device)` returned, if already read."""
-    backend, caps, tune = found or machine(device)
+                  prefill_attention: PrefillAttention | str = PrefillAttention.AUTO,
+                  backend: Backend | str | None = None) -> KernelConfig:
+    """A `KernelConfig` for a model on `device`; `found`: what `machine(device)` returned, if already read;
+    `backend`: this backend rather than the one the machine resolves (tests and benchmarks; checked the same way
+    as `LORAPLEX_KERNELS=triton`)."""
+    if found is not None and backend is not None:
+        raise ValueError("kernel_config takes a backend found by `machine` or one named, not both")
+    device = torch.device(device)
+    backend, caps, tune = found or machine(device, backend)
     return KernelConfig(backend, device.type, dtype, kv_dtype or dtype, lora_dtype or dtype,
                         pack_weights and device.type == "cpu", quantization, caps, tune,
                         PrefillAttention(prefill_attention))
-
-
-def convenience_config(tensor: torch.Tensor, backend: Backend | None = None, **fields) -> KernelConfig:
-    """A `KernelConfig` for a kernel's convenience entry point (tests, benchmarks): `backend`, else what a model
-    on the tensor's device would resolve now."""
-    backend = Backend(backend or resolve_backend(tensor.device))
-    caps = CpuCaps.detect() if backend == Backend.CPU else CpuCaps()
-    return KernelConfig(backend=backend, device_type=tensor.device.type, dtype=tensor.dtype, caps=caps,
-                        tune=autotune.DEFAULT, **fields)

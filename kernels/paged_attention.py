@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from loraplex.kernels import cpu_kernels
 from loraplex.kernels.autotune import TuneTable
-from loraplex.kernels.dispatch import Backend, KernelConfig, convenience_config
+from loraplex.kernels.dispatch import Backend, KernelConfig
 
 # Query chunks up to this length take the C kernel on CPU; longer ones (prefill) the gathered SDPA, which
 # runs the many-query case as blocked GEMMs (a model reads it from its `TuneTable`).
@@ -187,23 +187,9 @@ def softcapped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     return (weights @ values[:, :, None]).view(batch, num_heads, num_queries, head_dim)
 
 
-def write_kv(key, value, k_cache, v_cache, slot_mapping, backend: Backend | None = None) -> None:
-    """Convenience entry point (tests, benchmarks): `backend`, else what a model here would resolve; a model picks
-    once (`kv_writer`)."""
-    kv_writer(convenience_config(key, backend))(key, value, k_cache, v_cache, slot_mapping)
-
-
-def paged_attention(query, k_cache, v_cache, meta: PagedAttentionMetadata, scale: float,
-                    sliding_window: int | None = None, softcap: float | None = None,
-                    backend: Backend | None = None) -> torch.Tensor:
-    """Convenience entry point (tests, benchmarks): `backend`, else what a model here would resolve; a model picks
-    once (`attention_kernel`)."""
-    config = convenience_config(query, backend, kv_dtype=k_cache.dtype)
-    return attention_kernel(config, sliding_window, softcap)(query, k_cache, v_cache, meta, scale)
-
-
 def kv_writer(config: KernelConfig):
-    """`(key, value, k_cache, v_cache, slot_mapping) -> None` for a model's backend, chosen once."""
+    """`(key, value, k_cache, v_cache, slot_mapping) -> None` for a model's backend, chosen once (tests and
+    benchmarks call it the same way, on a config they build)."""
     if config.backend == Backend.TRITON:
         from loraplex.kernels.paged_attention_triton import write_kv_triton
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from loraplex.kernels import cpu_kernels
-from loraplex.kernels.dispatch import Backend, KernelConfig, convenience_config, to_device
+from loraplex.kernels.dispatch import Backend, KernelConfig, to_device
 
 
 @dataclass
@@ -246,18 +246,11 @@ class LoRATable:
         self.scales_arr[slot] = 0.0
 
 
-def sgmv_lora_table(x: torch.Tensor, table: LoRATable, batch: LoRABatch, y: torch.Tensor,
-                    backend: Backend | None = None) -> torch.Tensor:
-    """y += scale[s] * (x A[s]^T) Bt[s] for each token's slot s, on the CPU: one LoRA layer, with the kernels
-    `backend` names (else what a model here would resolve; tests and benchmarks: a model picks once,
-    `lora_kernel`)."""
-    return lora_kernel(convenience_config(x, backend, lora_dtype=table.dtype))(x, table, batch, y)
-
-
 def lora_kernel(config: KernelConfig):
-    """The multi-LoRA delta `(x, slots, batch, y) -> y` a model runs, chosen once: the Triton SGMV kernels on
-    stacked slots (CUDA, or forced), their reference on stacked slots elsewhere; on CPU tables, the C kernel
-    while a batch's segments are short (`TuneTable.lora_kernel_mean_segment_*`) and per-segment GEMMs else."""
+    """The multi-LoRA delta `(x, slots, batch, y) -> y` a model (or a test) runs, chosen once: the Triton SGMV
+    kernels on stacked slots (CUDA, or forced), their reference on stacked slots elsewhere; on CPU tables, the C
+    kernel while a batch's segments are short (`TuneTable.lora_kernel_mean_segment_*`) and per-segment GEMMs
+    else."""
     if config.stacked_lora:
         return sgmv_lora_stacked_triton if config.backend == Backend.TRITON else sgmv_lora_stacked_reference
     c_pair = config.dtype in cpu_kernels.SGMV_DTYPES and (config.dtype, config.lora_dtype) in cpu_kernels.SGMV_KINDS
@@ -363,15 +356,6 @@ class StackedLoRA:
         self.host_ranks[slot], self.host_scales[slot] = 0, 0.0
 
 
-def sgmv_lora_stacked(x: torch.Tensor, table: StackedLoRA, batch: LoRABatch, y: torch.Tensor,
-                      backend: Backend | None = None) -> torch.Tensor:
-    """y += scale[s] * (x A[s]^T) B[s]^T per token, over the stacked layout (Triton where `backend` is, or where
-    a model here would resolve it, else the reference; a model picks once, `lora_kernel`)."""
-    if convenience_config(x, backend).backend == Backend.TRITON:
-        return sgmv_lora_stacked_triton(x, table, batch, y)
-    return sgmv_lora_stacked_reference(x, table, batch, y)
-
-
 def sgmv_lora_stacked_triton(x: torch.Tensor, table: StackedLoRA, batch: LoRABatch, y: torch.Tensor
                              ) -> torch.Tensor:
     """Shrink into an fp32 buffer, expand into y. Both read only the columns below each token's rank that the
@@ -391,20 +375,18 @@ def sgmv_lora_stacked_reference(x: torch.Tensor, table: StackedLoRA, batch: LoRA
     return sgmv_expand_reference(h, table.b, table.host_ranks, table.host_scales, batch, y, table.offsets)
 
 
-# ---- convenience entry points (stacked layout: Triton on CUDA, the reference elsewhere; tests, benchmarks) ------------------------
+# ---- entry points on raw stacked weights (tests, benchmarks): Triton where the config says, else the reference ----
 
-def sgmv_shrink(x, lora_a, ranks, batch: LoRABatch, out, num_slices: int = 1,
-                backend: Backend | None = None):
-    if convenience_config(x, backend).backend == Backend.TRITON:
+def sgmv_shrink(config: KernelConfig, x, lora_a, ranks, batch: LoRABatch, out, num_slices: int = 1):
+    if config.backend == Backend.TRITON:
         from loraplex.kernels.sgmv_triton import sgmv_shrink_triton
 
         return sgmv_shrink_triton(x, lora_a, _as_tensor(ranks, torch.int32, x.device), batch, out, num_slices)
     return sgmv_shrink_reference(x, lora_a, ranks, batch, out, num_slices)
 
 
-def sgmv_expand(h, lora_b, ranks, scales, batch: LoRABatch, y, slice_offsets: list[int],
-                backend: Backend | None = None):
-    if convenience_config(y, backend).backend == Backend.TRITON:
+def sgmv_expand(config: KernelConfig, h, lora_b, ranks, scales, batch: LoRABatch, y, slice_offsets: list[int]):
+    if config.backend == Backend.TRITON:
         from loraplex.kernels.sgmv_triton import sgmv_expand_triton
 
         return sgmv_expand_triton(h, lora_b, _as_tensor(ranks, torch.int32, y.device),

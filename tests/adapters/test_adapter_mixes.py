@@ -88,9 +88,8 @@ def test_triton_expand_takes_token_weights():
     from loraplex.kernels.sgmv import sgmv_lora_stacked_triton
 
     table, stacked, slots, weights, x, y0 = _case(4, num_tokens=19)
-    with forced_kernels("triton"):
-        weighted = sgmv_lora_stacked_triton(x, stacked, LoRABatch.build(slots, token_weights=weights), y0.clone())
-        plain = sgmv_lora_stacked_triton(x, stacked, LoRABatch.build(slots), y0.clone())
+    weighted = sgmv_lora_stacked_triton(x, stacked, LoRABatch.build(slots, token_weights=weights), y0.clone())
+    plain = sgmv_lora_stacked_triton(x, stacked, LoRABatch.build(slots), y0.clone())
     torch.testing.assert_close(weighted, _dense(table, slots, weights, x, y0), atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(plain, _dense(table, slots, [1.0] * len(slots), x, y0), atol=2e-3, rtol=2e-3)
 

@@ -4,9 +4,11 @@ CPU dispatch that splits a batch between them, and the fallback when no compiler
 import pytest
 import torch
 
-from loraplex.kernels import cpu_kernels, dispatch
-from loraplex.kernels.paged_attention import CPU_KERNEL_MAX_QUERY_LEN, paged_attention
-from conftest import forced_kernels, tuned
+from loraplex.kernels import cpu_kernels
+from loraplex.kernels.paged_attention import CPU_KERNEL_MAX_QUERY_LEN, attention_kernel
+from loraplex.kernels.sgmv import lora_kernel
+from conftest import tuned
+from kernel_case import configured
 from paged_case import make_case
 
 needs_kernel = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler here")
@@ -22,9 +24,18 @@ CASES = [
 ]
 
 
+def paged_attention(query, kc, vc, meta, scale, setting="auto"):
+    """The attention a model here runs for these dtypes (`setting`: a `LORAPLEX_KERNELS` value)."""
+    return attention_kernel(configured(setting, "cpu", query.dtype, kv_dtype=kc.dtype))(query, kc, vc, meta, scale)
+
+
 def reference(query, kc, vc, meta, scale):
-    with forced_kernels("torch"):
-        return paged_attention(query, kc, vc, meta, scale)
+    return paged_attention(query, kc, vc, meta, scale, "torch")
+
+
+def sgmv_lora_table(x, table, batch, y):
+    """The multi-LoRA delta a model here runs for x's dtype and the table's."""
+    return lora_kernel(configured("auto", "cpu", x.dtype, lora_dtype=table.dtype))(x, table, batch, y)
 
 
 @needs_kernel
@@ -145,7 +156,7 @@ def test_c_sgmv_matches_reference(seed, tokens, slots, max_rank, widths, dtype, 
     """The C kernel reads each adapter in place, in its own rank, in float32 and bfloat16."""
     from lora_case import lora_case, reference, table_from_stacked
 
-    from loraplex.kernels.sgmv import LoRABatch, sgmv_lora_table
+    from loraplex.kernels.sgmv import LoRABatch
 
     s, ranks, x, a, b, scales, offsets = lora_case(seed, tokens, slots, max_rank, 64, widths, dtype,
                                                    min_rank=0 if seed == 4 else 1)
@@ -169,7 +180,7 @@ def test_bf16_adapters_under_float32_activations(c_kernel, monkeypatch):
     PyTorch path widen the weights, so the result is the float32 one on the same (bf16) values."""
     from lora_case import lora_case, reference, table_from_stacked
 
-    from loraplex.kernels.sgmv import LoRABatch, sgmv_lora_table
+    from loraplex.kernels.sgmv import LoRABatch
 
     s, ranks, x, a, b, scales, offsets = lora_case(0, 16, 16, 16, 64, [96, 32, 32], torch.float32)
     a, b = a.bfloat16().float(), b.bfloat16().float()  # the values bf16 holds exactly
@@ -217,7 +228,7 @@ def test_c_sgmv_takes_an_adapters_tokens_together_in_any_group_size(dtype, weigh
 @needs_kernel
 def test_c_sgmv_bf16_rounds_to_nearest_even_like_torch():
     """One token, one rank-1 adapter with unit weights: the kernel's only error is the final rounding."""
-    from loraplex.kernels.sgmv import LoRABatch, LoRATable, sgmv_lora_table
+    from loraplex.kernels.sgmv import LoRABatch, LoRATable
 
     y0 = torch.tensor([[1.0, 1.0, -3.0, 256.0]], dtype=torch.bfloat16)
     deltas = torch.tensor([2 ** -8, 3 * 2 ** -8, 2 ** -20, 1.0])  # ties, above a tie, tiny, exact
@@ -237,7 +248,7 @@ def test_c_sgmv_is_skipped_for_long_segments_and_non_contiguous_outputs(dtype, s
     refuses (the kernel would write wrong rows), never a silent fallback."""
     from lora_case import lora_case, table_from_stacked
 
-    from loraplex.kernels.sgmv import LoRABatch, sgmv_lora_table
+    from loraplex.kernels.sgmv import LoRABatch
 
     calls = []
     kernel = cpu_kernels.sgmv_lora_table_c

@@ -4,16 +4,16 @@ reference against plain causal attention on contiguous K/V."""
 import pytest
 import torch
 
-from conftest import forced_kernels
 import torch.nn.functional as F
 import triton
 
-from loraplex.kernels import cpu_kernels, dispatch
+from loraplex.kernels import cpu_kernels
 from loraplex.kernels.custom_ops import PagedAttention
 from loraplex.kernels.dispatch import KernelConfig
 from loraplex.kernels import paged_attention_triton
-from loraplex.kernels.paged_attention import (PagedAttentionMetadata, paged_attention, paged_attention_reference,
-                                               write_kv)
+from loraplex.kernels.paged_attention import (PagedAttentionMetadata, attention_kernel, kv_writer,
+                                               paged_attention_reference)
+from kernel_case import configured
 from paged_case import dense_attention, make_case, poison_before_window
 from compile_case import RecordGrid
 
@@ -24,19 +24,18 @@ TOL = {torch.float32: dict(atol=2e-3, rtol=2e-3), torch.float16: dict(atol=1e-2,
 
 
 def attend(backend, query, k_cache, v_cache, meta, scale):
-    with forced_kernels(backend):
-        return paged_attention(query.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), meta, scale).cpu()
+    return attend_with(backend, query, k_cache, v_cache, meta, scale, None, None)
 
 
 def write_both(key, value, slots, dtype):
-    """(k_cache, v_cache) after write_kv on each backend: torch first, then triton."""
+    """(k_cache, v_cache) after the KV write of each backend: torch first, then triton."""
     out = []
     for backend in ("torch", "triton"):
-        with forced_kernels(backend):
-            kc = torch.zeros(2, 16, 2, 16, dtype=dtype, device=DEVICE)
-            vc = torch.zeros_like(kc)
-            write_kv(key.to(DEVICE), value.to(DEVICE), kc, vc, slots.to(DEVICE))
-            out.append((kc.cpu(), vc.cpu()))
+        write = kv_writer(configured(backend, DEVICE, key.dtype, kv_dtype=dtype))
+        kc = torch.zeros(2, 16, 2, 16, dtype=dtype, device=DEVICE)
+        vc = torch.zeros_like(kc)
+        write(key.to(DEVICE), value.to(DEVICE), kc, vc, slots.to(DEVICE))
+        out.append((kc.cpu(), vc.cpu()))
     return out
 
 
@@ -132,8 +131,9 @@ def test_window_and_softcap_in_bfloat16(backend, seed, qlens, clens, heads, kv_h
 
 
 def attend_with(backend, query, kc, vc, meta, scale, window, cap):
-    with forced_kernels(backend):
-        return paged_attention(query.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), meta, scale, window, cap).cpu()
+    """The attention a layer with this window and cap runs under `backend` (a `LORAPLEX_KERNELS` setting)."""
+    kernel = attention_kernel(configured(backend, DEVICE, query.dtype, kv_dtype=kc.dtype), window, cap)
+    return kernel(query.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), meta, scale).cpu()
 
 
 @pytest.mark.parametrize("backend", WINDOW_BACKENDS)

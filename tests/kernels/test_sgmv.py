@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import forced_kernels
-
+from kernel_case import configured
 from lora_case import lora_case
 
 from loraplex.kernels import dispatch
@@ -21,14 +21,15 @@ case = lora_case
 
 
 def run(backend, slots, ranks, x, a, b, scales, offsets, y0):
-    with forced_kernels(backend):
-        batch = LoRABatch.build(slots, DEVICE)
-        n = len(offsets) - 1
-        h = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=DEVICE)
-        sgmv_shrink(x.to(DEVICE), a.to(DEVICE), ranks, batch, h, num_slices=n)
-        y = y0.clone().to(DEVICE)
-        sgmv_expand(h, b.to(DEVICE), ranks, scales, batch, y, offsets)
-        return h.cpu(), y.cpu()
+    """(h, y) of the stacked shrink and expand under `backend` (a `LORAPLEX_KERNELS` setting)."""
+    config = configured(backend, DEVICE, x.dtype)
+    batch = LoRABatch.build(slots, DEVICE)
+    n = len(offsets) - 1
+    h = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=DEVICE)
+    sgmv_shrink(config, x.to(DEVICE), a.to(DEVICE), ranks, batch, h, num_slices=n)
+    y = y0.clone().to(DEVICE)
+    sgmv_expand(config, h, b.to(DEVICE), ranks, scales, batch, y, offsets)
+    return h.cpu(), y.cpu()
 
 
 CASES = [
@@ -144,6 +145,21 @@ def test_the_kernels_setting_is_read_when_a_config_is_resolved(monkeypatch):
         dispatch.resolve_backend(cpu)
 
 
+def test_a_named_backend_replaces_the_setting_and_is_checked_when_built(monkeypatch):
+    """Tests and benchmarks name the backend a config holds: the setting is not read, and the backend must run
+    on the device (Triton on CPU tensors only under the interpreter), checked once, when the config is built."""
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("LORAPLEX_KERNELS", "torch")
+    assert dispatch.kernel_config(cpu, torch.float32, backend="triton").backend is dispatch.Backend.TRITON
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        dispatch.kernel_config(cpu, torch.float32, backend=dispatch.Backend.TRITON)
+    with pytest.raises(RuntimeError, match="C kernels"):
+        dispatch.kernel_config("meta", torch.float32, backend=dispatch.Backend.CPU)
+    with pytest.raises(ValueError, match="not both"):
+        dispatch.kernel_config(cpu, torch.float32, found=dispatch.machine(cpu), backend=dispatch.Backend.NATIVE)
+
+
 def test_contiguous_segments_add_in_place_and_match_the_reference():
     """Prefill chunks: each adapter's rows are one contiguous range, read and written in place."""
     from lora_case import reference, table_from_stacked
@@ -212,8 +228,7 @@ def test_split_k_under_the_graph_layout(monkeypatch):
     for n in (1, 3):
         slots = torch.tensor([2 if t < 0 else t for t in s[:n]], dtype=torch.int32)  # 2: the null slot
         batch = LoRABatch.per_token(torch.arange(n), torch.arange(n + 1, dtype=torch.int32), slots)
-        with forced_kernels("triton"):
-            got = sgmv_lora_stacked_triton(x[:n], table, batch, y0[:n].clone())
+        got = sgmv_lora_stacked_triton(x[:n], table, batch, y0[:n].clone())
         torch.testing.assert_close(got, reference(x[:n], a, b, ranks, scales, offsets, s[:n], y0[:n]),
                                    atol=1e-4, rtol=1e-4)
     assert [g[:2] for g in grids] == [(1, 1), (3, 1)] and all(g[2] > 2 for g in grids)
@@ -239,8 +254,7 @@ def test_graph_batch_grouped_by_slot_on_device():
         batch = LoRABatch.grouped(slots.to(DEVICE), 3)
     assert batch.token_order.tolist() == [2, 0, 3, 5, 1, 4] and batch.seg_starts.tolist() == [0, 1, 1, 4, 6]
     assert batch.seg_slots.tolist() == [0, 1, 2, 3] and batch.num_segments == 4 and batch.max_seg_len == 6
-    with forced_kernels("triton"):
-        got = sgmv_lora_stacked_triton(x.to(DEVICE), table, batch, y0.clone().to(DEVICE)).cpu()
+    got = sgmv_lora_stacked_triton(x.to(DEVICE), table, batch, y0.clone().to(DEVICE)).cpu()
     torch.testing.assert_close(got, reference(x, a, b, ranks, scales, offsets, s, y0), atol=1e-4, rtol=1e-4)
 
 

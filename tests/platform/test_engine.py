@@ -240,14 +240,13 @@ def test_fp8_kv_cache_holds_a_byte_a_value_and_stays_close(tiny_model_dir, model
 
 
 def test_bad_kv_cache_dtype_is_refused(tiny_model_dir, monkeypatch):
-    from loraplex.kernels import dispatch
     from loraplex.platform.config import EngineConfig
     from loraplex.platform.engine import Engine
 
     for bad in ("fp8_e5m2", "int4"):
         with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
             EngineConfig(model="x", kv_cache_dtype=bad)
-    monkeypatch.setattr(dispatch, "resolve_backend", lambda device: "triton")
+    monkeypatch.setenv("LORAPLEX_KERNELS", "triton")  # read once, as the engine resolves its config
     with pytest.raises(ValueError, match="kv_cache_dtype fp8 runs the CPU kernels"):
         Engine(EngineConfig(model=str(tiny_model_dir), kv_cache_dtype="fp8", num_kv_blocks=8))
 

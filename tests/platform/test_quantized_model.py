@@ -188,9 +188,7 @@ def test_lora_dtype_is_the_models_or_bf16_under_float32(tiny_model_dir, monkeypa
         config(dtype="bfloat16", lora_dtype="float32")
     with pytest.raises(ValueError, match="lora_dtype must be"):
         config(lora_dtype="int8")
-    from loraplex.kernels import dispatch
-
-    monkeypatch.setattr(dispatch, "resolve_backend", lambda device: "triton")  # adapters stacked per dtype there
+    monkeypatch.setenv("LORAPLEX_KERNELS", "triton")  # adapters stacked per dtype there
     with pytest.raises(ValueError, match="Triton / CUDA path"):
         Engine(config(dtype="float32", lora_dtype="bfloat16"))
 
