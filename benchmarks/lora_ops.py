@@ -18,7 +18,8 @@ import time
 import torch
 
 from loraplex.kernels import cpu_kernels
-from loraplex.kernels.sgmv import (LoRABatch, LoRATable, sgmv_expand_reference, sgmv_lora_table, sgmv_lora_table_torch,
+from loraplex.kernels.dispatch import kernel_config
+from loraplex.kernels.sgmv import (LoRABatch, LoRATable, lora_kernel, sgmv_expand_reference, sgmv_lora_table_torch,
                                    sgmv_shrink_reference)
 
 # SmolLM2-135M's fused qkv projection: 576 -> 576 (q) + 192 (k) + 192 (v)
@@ -71,9 +72,9 @@ def rank_grouped(x, a, b, ranks, scales, batch, y, offsets, n):
                 y[idx, lo:hi] += scales[slot] * (xa[:, i * r:(i + 1) * r] @ b[slot, lo:hi, :r].T)
 
 
-def chosen_cpu_path(x, a, b, ranks, scales, batch, y, offsets, n, table=None):
-    """What the engine runs on CPU: `kernels/sgmv.py`'s dispatch over a LoRATable."""
-    sgmv_lora_table(x, table, batch, y)
+def chosen_cpu_path(x, a, b, ranks, scales, batch, y, offsets, n, table=None, kernel=None):
+    """What the engine runs on CPU: `kernels/sgmv.py`'s dispatch over a LoRATable (`lora_kernel`, chosen once)."""
+    kernel(x, table, batch, y)
 
 
 def pytorch_cpu_path(x, a, b, ranks, scales, batch, y, offsets, n, table=None):
@@ -108,6 +109,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
+    chosen = lora_kernel(kernel_config(torch.device("cpu"), dtype))
     torch.manual_seed(0)
     out = sum(WIDTHS)
     offsets = [0, WIDTHS[0], WIDTHS[0] + WIDTHS[1], out]
@@ -131,7 +133,8 @@ def main() -> None:
             for name, fn in CANDIDATES.items():
                 y = torch.zeros(T, out, dtype=dtype)
                 kw = {"slots_t": slots_t} if name in ("gather+bmm", "dense-all-slots") else \
-                    {"table": table} if name in ("dispatch (chosen)", "C kernel", "pytorch path") else {}
+                    {"table": table, "kernel": chosen} if name == "dispatch (chosen)" else \
+                    {"table": table} if name in ("C kernel", "pytorch path") else {}
                 t = timeit(lambda: fn(x, a, b, ranks, scales, batch, y, offsets, n, **kw), args.repeats)
                 cells.append(f"{t * 1e3:>7.3f}ms {t / base:>5.2f}x")
             print(f"{num_adapters:>8} {T:>5} {base * 1e3:>8.3f} | " + " ".join(cells), flush=True)

@@ -79,7 +79,7 @@ def engine_config() -> dispatch.KernelConfig:
 def make_weight(n: int, k: int, gen: torch.Generator, config: dispatch.KernelConfig) -> Weight:
     """As `QuantizedLinear.process_weights_after_loading` keeps and plans it, plus torch's formats."""
     full = torch.randn(n, k, generator=gen) * 0.02
-    q4 = quant.for_this_cpu(quant.quantize(full, "q4"), config.backend == "cpu" and config.caps.amx)
+    q4 = quant.for_this_cpu(quant.quantize(full, "q4"), config.backend == dispatch.Backend.CPU and config.caps.amx)
     q8 = quant.quantize(full, "q8")
     plan = lambda w: quant.plan(w, config.tune, config.caps)  # noqa: E731
     packed, scales_zeros = torch_int4(q4)

@@ -83,8 +83,9 @@ FAMILY_CLASSES = {
 
 @contextlib.contextmanager
 def forced_kernels(setting: str):
-    """`LORAPLEX_KERNELS=setting` for a block: what every config resolved inside it reads (engines, and the
-    kernels' convenience entry points), once each; the previous setting back after."""
+    """`LORAPLEX_KERNELS=setting` for a block: what every engine built inside it reads, once, as it resolves its
+    config (kernel tests build their config instead: tests/kernels/kernel_case.py); the previous setting back
+    after."""
     previous = os.environ.get("LORAPLEX_KERNELS")
     os.environ["LORAPLEX_KERNELS"] = setting
     try:

@@ -7,7 +7,7 @@ import torch
 
 from conftest import forced_kernels
 
-from loraplex.kernels import cpu_kernels, dispatch
+from loraplex.kernels import cpu_kernels
 from loraplex.kernels.sgmv import (LoRABatch, LoRATable, StackedLoRA, sgmv_lora_stacked_reference,
                                    sgmv_lora_table_torch)
 
