@@ -14,6 +14,7 @@ mapping, like punica's wrapper), which the model runner sets around a forward pa
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,15 @@ class LoRAContext:
         self.batch: LoRABatch | None = None
         self.rows: list[int] | None = None
         self.embedding: VocabAdapters | None = None  # set by `attach_lora`
+
+    @contextmanager
+    def mapping(self, batch: LoRABatch | None = None, rows: list[int] | None = None):
+        """The mapping of one forward pass (`batch`) or one logits call (`rows`), cleared after it."""
+        self.batch, self.rows = batch, rows
+        try:
+            yield
+        finally:
+            self.batch = self.rows = None
 
     def changes_embedding(self, slots: list[int] | None) -> bool:
         """Whether a token's adapter changes the embedding (a decode graph holds no embedding adapter)."""

@@ -155,11 +155,8 @@ class DecodeGraphs:
             # adapter's A and B per segment, not per token
             lora = self._mix_batch(size) if mode == GraphMode.MIX else \
                 LoRABatch.grouped(self.lora_slots[:size], self.null_slot) if mode == GraphMode.LORA else None
-            self.lora.batch = lora
-            try:
+            with self.lora.mapping(batch=lora):
                 self.hidden[:size] = model(self.input_ids[:size], self.positions[:size], kv_caches, meta)
-            finally:
-                self.lora.batch = None
 
         return forward
 

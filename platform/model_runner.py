@@ -137,11 +137,8 @@ class ModelRunner:
     def logits(self, hidden: torch.Tensor, slots: list[int] | None) -> torch.Tensor:
         """The model's logits of these rows (model dtype), each through its adapter's head where it changes it
         (`slots`: each row's, -1: none; None: the base head for every row)."""
-        self.lora.rows = slots
-        try:
+        with self.lora.mapping(rows=slots):
             return self.model.logits(hidden)
-        finally:
-            self.lora.rows = None
 
     def compute_logits(self, hidden: torch.Tensor, slots: list[int] | None) -> torch.Tensor:
         return self.logits(hidden, slots).float()
@@ -187,11 +184,8 @@ class ModelRunner:
             lora = LoRABatch.build_passes(mix_passes, self.device)
         else:
             lora = LoRABatch.build(lora_slots, self.device) if lora_slots is not None else None
-        self.lora.batch = lora
-        try:
+        with self.lora.mapping(batch=lora):
             return self.model(put(step.token_ids), put(step.positions), self.kv_caches, meta)
-        finally:
-            self.lora.batch = None
 
     def _prepare(self, sched: SchedulerOutput) -> "StepInputs":
         bs = self.block_size

@@ -78,7 +78,7 @@ def _convert(gguf: Path, out: Path) -> None:
     config.pop("quantization_config", None)
     config.pop("_name_or_path", None)
     config.pop("_model_name_or_path", None)
-    config["architectures"] = ["LlamaForCausalLM"]
+    config["architectures"] = [type(model).__name__]  # the class transformers built from the GGUF
     config["torch_dtype"] = config["dtype"] = "float32"
     rope = config.get("rope_parameters") or {}
     if "rope_theta" in rope:  # also the transformers 4.x spelling, for other readers

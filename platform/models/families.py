@@ -1,10 +1,12 @@
-"""The families that run the shared Llama decoder (`llama.py`), each one declaration (docs/families.md): what
-its config.json means for the decoder, as transformers' config and model classes for the family read it."""
+"""Every family, each one declaration (docs/families.md): what its config.json means for the decoder, as
+transformers' config and model classes for the family read it. All run the shared decoder (`llama.py`); a family
+whose layers differ names its decoder layer, written beside it (`olmo2.py`)."""
 
 from __future__ import annotations
 
 from loraplex.platform.models.family import (PREFUSED_PROJECTIONS, Experts, Family, given_layer_types,
                                              one_window)
+from loraplex.platform.models.olmo2 import Olmo2DecoderLayer
 
 
 def qwen_layer_types(raw: dict) -> tuple[str, ...]:
@@ -66,6 +68,31 @@ def qwen2_moe_bias(raw: dict) -> bool:
     return bool(raw.get("qkv_bias", True)) or bool(raw.get("attention_bias", False))  # Qwen2-MoE's own key
 
 
+def smollm3_rope_layers(raw: dict) -> tuple[bool, ...]:
+    """SmolLM3: each layer's, rotated by RoPE (`no_rope_layers`: 0 for a layer without it; by default every
+    `no_rope_layer_interval`-th has none)."""
+    n = raw["num_hidden_layers"]
+    given = raw.get("no_rope_layers")
+    if given is None:
+        return tuple(bool((i + 1) % raw["no_rope_layer_interval"]) for i in range(n))
+    if len(given) != n:
+        raise ValueError(f"no_rope_layers must give 0 or 1 for each of the {n} layers, got {given}")
+    return tuple(bool(flag) for flag in given)
+
+
+def smollm3_layer_types(raw: dict) -> tuple[str, ...]:
+    """With use_sliding_window, exactly the layers without RoPE slide, as transformers' SmolLM3 config lays them out."""
+    given = given_layer_types(raw)
+    if given is not None:
+        return given
+    slides = raw.get("use_sliding_window") and raw.get("sliding_window") is not None
+    return tuple("sliding_attention" if slides and not rotated else "full_attention" for rotated in smollm3_rope_layers(raw))
+
+
+def smollm3_fields(raw: dict, head_dim: int) -> dict:
+    return {"rope_layers": smollm3_rope_layers(raw)}
+
+
 GEMMA_DEFAULTS = {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
                   "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True}
 QWEN_EXPERTS = dict(size_key="moe_intermediate_size", names=("gate_proj", "up_proj", "down_proj"), windows=False)
@@ -100,4 +127,8 @@ QWEN3_MOE = Family("qwen3_moe", ("Qwen3MoeForCausalLM",), fields=qk_norm,
                    experts=Experts(defaults={"num_experts": 128, "num_experts_per_tok": 8,
                                              "moe_intermediate_size": 768}, **QWEN_EXPERTS))
 
-DECLARED = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, GRANITE, MIXTRAL, QWEN2_MOE, QWEN3_MOE)
+OLMO2 = Family("olmo2", ("Olmo2ForCausalLM",), decoder_layer=Olmo2DecoderLayer)
+SMOLLM3 = Family("smollm3", ("SmolLM3ForCausalLM",), defaults={"no_rope_layer_interval": 4, "tie_word_embeddings": True},
+                 layer_types=smollm3_layer_types, window=qwen_window, fields=smollm3_fields)
+
+DECLARED = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, GRANITE, MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMO2, SMOLLM3)

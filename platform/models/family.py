@@ -3,8 +3,8 @@ checkpoint names map onto our fused projections, which modules LoRA may target, 
 layer it runs. Weight loading, quantization, LoRA attach and PEFT key parsing read the declaration; nothing
 outside a family's declaration decides by architecture string (`registry.py` maps the strings to families).
 
-The declarations themselves live in `families.py` (the families that run the shared Llama decoder) and in one
-module per family whose layers differ (`olmo2.py`).
+The declarations themselves live in `families.py`; a family whose layers differ has its decoder layer in a module
+of its own (`olmo2.py`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ PREFUSED_PROJECTIONS = MappingProxyType({fused: (fused,) for fused in FUSED_PROJ
 PROJECTION_BLOCKS = MappingProxyType({"qkv_proj": "self_attn", "o_proj": "self_attn",
                                       "gate_up_proj": "mlp", "down_proj": "mlp"})
 
-VOCAB_MODULES = ("embed_tokens", "lm_head")  # the vocabulary-sized modules an adapter may change
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP gate's, by transformers' names
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -95,11 +94,6 @@ class Family:
     rope_aliases: Mapping = field(default_factory=dict)  # older rope_type names -> transformers' current ones
     experts: Experts | None = None
     decoder_layer: type | None = None  # the decoder layer class (None: the shared Llama decoder's)
-
-    @property
-    def lora_modules(self) -> tuple[str, ...]:
-        """The modules an adapter may target: each projection's checkpoint modules, the embedding and the head."""
-        return tuple(part for parts in self.projections.values() for part in parts) + VOCAB_MODULES
 
     def fused_of(self, module: str) -> tuple[str, int] | None:
         """(our fused projection, the module's index in it) of a checkpoint / peft module name; None if none."""

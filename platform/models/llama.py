@@ -1,7 +1,8 @@
-"""Llama-family decoder over a paged KV cache: Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, Granite (what
-each family changes is a `ModelConfig` field: docs/families.md).
+"""The shared decoder over a paged KV cache (`DecoderModel`), which every family runs: what a family changes is
+a `ModelConfig` field its declaration sets, or a decoder layer of its own (`families.py`, docs/families.md).
 
-q/k/v and gate/up are fused into one matmul each; weights load straight from safetensors.
+q/k/v and gate/up are fused into one matmul each; weights load straight from safetensors, each linear layer's
+through its format. The model knows no adapters: LoRA layers wrap its modules (`adapters/lora_layers.py`).
 """
 
 from __future__ import annotations
@@ -14,16 +15,16 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from loraplex.kernels.custom_ops import PagedAttention, RMSNorm, RopeKVWrite, SiluAndMul
 from loraplex.kernels.dispatch import KernelConfig
 from loraplex.kernels.linear_methods import tile_table_into_head
 from loraplex.kernels.paged_attention import PagedAttentionMetadata
+from loraplex.kernels.quant import concat
 from loraplex.platform.config import ModelConfig
-from loraplex.kernels.custom_ops import PagedAttention, RMSNorm, RopeKVWrite, SiluAndMul
-from loraplex.platform.models.linear import Linear
 from loraplex.platform.models.experts import is_sparse_layer
 from loraplex.platform.models.family import PROJECTION_BLOCKS
+from loraplex.platform.models.linear import Linear
 from loraplex.platform.models.moe import SparseMoEBlock
-from loraplex.kernels.quant import concat
 from loraplex.platform.models.quantized import gguf_blocks, head_format, projection_format, read_prequantized
 from loraplex.platform.models.rope import RotaryEmbedding
 
@@ -137,7 +138,7 @@ class VocabEmbedding(nn.Embedding):
         return self.read_rows(input_ids)
 
 
-class LlamaForCausalLM(nn.Module):
+class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, max_len: int, kernels: KernelConfig | None = None) -> None:
         super().__init__()
         kernels = kernels or KernelConfig()
@@ -195,12 +196,12 @@ class LlamaForCausalLM(nn.Module):
         """Every checkpoint tensor into its parameter; each linear layer's through its format's `weight_loader`.
         `blocks`: quantized bits the checkpoint (or its GGUF) holds, by (layer, module) and "lm_head"."""
         tensors = _read_safetensors(Path(folder)) if tensors is None else tensors
-        loader = _Loader(self, tensors, folder, blocks or {})
+        loader = _Loader(dict(self.named_parameters()), tensors, folder, blocks or {})
         embedding = loader.take("model.embed_tokens.weight")
         loader.put("embed_tokens.weight", embedding)
         loader.put("norm.weight", loader.take("model.norm.weight"))
         head = embedding if self.config.tie_word_embeddings else loader.take("lm_head.weight")
-        loader.linear("lm_head", self.lm_head, head, (blocks or {}).get("lm_head"))
+        loader.linear("lm_head", self.lm_head, head, loader.blocks.get("lm_head"))
         for i, layer in enumerate(self.layers):
             self._load_layer(loader, i, layer)
         tensors.pop("lm_head.weight", None)  # tied checkpoints may still carry a copy
@@ -235,9 +236,9 @@ class _Loader:
     """One checkpoint's tensors taken by name (each once), parameters filled and counted: what is left over or
     never filled is an error naming it."""
 
-    def __init__(self, model: nn.Module, tensors: dict[str, torch.Tensor], folder, blocks: dict) -> None:
-        self.model, self.tensors, self.folder, self.blocks = model, tensors, folder, blocks
-        self.params = dict(model.named_parameters())
+    def __init__(self, params: dict[str, nn.Parameter], tensors: dict[str, torch.Tensor], folder, blocks: dict
+                 ) -> None:
+        self.params, self.tensors, self.folder, self.blocks = params, tensors, folder, blocks
         self.loaded: set[str] = set()
 
     def take(self, name: str) -> torch.Tensor:
@@ -291,13 +292,13 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(folder: str | Path, config: ModelConfig, kernels: KernelConfig, max_len: int,
-               gguf: Path | None = None, device: torch.device = torch.device("cpu")) -> LlamaForCausalLM:
+               gguf: Path | None = None, device: torch.device = torch.device("cpu")) -> DecoderModel:
     """The model in `kernels.dtype` on `device`, each linear layer's weight processed into its format. Built in
     that dtype on that device, each checkpoint tensor converted as it is copied in: a float32 model converted
     after would hold twice the weights (an 8B model: 32 GB to load into 16). A quantized format quantizes each
     weight from the checkpoint's own numbers as it arrives (or keeps the GGUF's / GPTQ / AWQ bits, checked)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_len, kernels)
+        model = DecoderModel(config, max_len, kernels)
     model = model.to(kernels.dtype).to_empty(device=device)  # on meta the dtype costs nothing
     model.rope = RotaryEmbedding(config, max_len).to(device=device, dtype=kernels.dtype)  # computed, not loaded
     tensors = _read_safetensors(Path(folder))

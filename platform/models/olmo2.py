@@ -1,4 +1,4 @@
-"""OLMo 2, declared: the Llama decoder's projections and MLP, with its own layer. Each block's output is normalized
+"""OLMo 2's decoder layer (its declaration: `families.py`): the shared decoder's projections and MLP, in its own layer. Each block's output is normalized
 before it joins the residual stream (post-attention and post-MLP norms, no norm before either), and q and k are
 RMS-normalized over the whole projection (every head together) before RoPE, as transformers' Olmo2 does."""
 
@@ -10,7 +10,6 @@ from torch import nn
 from loraplex.kernels.custom_ops import RMSNorm
 from loraplex.kernels.dispatch import KernelConfig
 from loraplex.platform.config import ModelConfig
-from loraplex.platform.models.family import Family
 from loraplex.platform.models.llama import MLP, Attention
 
 
@@ -43,5 +42,3 @@ class Olmo2DecoderLayer(nn.Module):
         x = x + self.post_attention_layernorm(self.self_attn(x, rope, kv_cache, meta))
         return self.post_feedforward_layernorm(self.mlp(x)), x
 
-
-OLMO2 = Family("olmo2", ("Olmo2ForCausalLM",), decoder_layer=Olmo2DecoderLayer)

@@ -72,12 +72,12 @@ def test_the_engine_setting_reaches_every_layer(tiny_model_dir):
 
     import torch
 
-    from loraplex.platform.models.llama import LlamaForCausalLM
+    from loraplex.platform.models.llama import DecoderModel
 
     resolved = resolve(EngineConfig(model=str(tiny_model_dir), prefill_attention="sdpa"))
     assert resolved.kernels.prefill_attention == "sdpa"
     with torch.device("meta"):
-        model = LlamaForCausalLM(resolved.model, 64, dataclasses.replace(resolved.kernels, backend="triton"))
+        model = DecoderModel(resolved.model, 64, dataclasses.replace(resolved.kernels, backend="triton"))
     assert all(vars(layer.self_attn.attn).get("forward") is not None for layer in model.layers)
 
 
