@@ -1,5 +1,6 @@
 """Prometheus metrics with vLLM's names under our prefix. Engine state (queues, KV usage,
-prefix-cache hits, adapters) is read from the engine's latest stats snapshot at scrape time;
+prefix-cache hits, adapters, speculative decoding's counters) is read from the engine's latest stats snapshot at
+scrape time;
 latencies and token counts are recorded by the server as requests stream. Each tenant's console
 numbers (`TenantNumbers`) are kept apart, from its own requests only."""
 
@@ -52,6 +53,31 @@ class _EngineCollector:
                                  labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
         info.add_metric([",".join(s.running_adapters), ",".join(s.waiting_adapters), str(s.max_loras)], time.time())
         yield info
+        if s.spec_decode is not None:  # without --speculative-config the series do not exist (as in vLLM)
+            yield from _spec_families(s)
+
+
+# vLLM's spec-decode counters: (name, help, SpecCounters attribute)
+_SPEC_COUNTERS = (("num_drafts", "Verify steps of a request that had drafts.", "num_drafts"),
+                  ("num_draft_tokens", "Draft tokens verified.", "num_draft_tokens"),
+                  ("num_accepted_tokens", "Draft tokens accepted.", "num_accepted_tokens"))
+
+
+def _spec_families(s: EngineStats):
+    """Engine-wide counters, accepted per draft position, and per adapter (a mix counts for each adapter)."""
+    for name, help, attr in _SPEC_COUNTERS:
+        yield CounterMetricFamily(P + "spec_decode_" + name, help, getattr(s.spec_decode, attr))
+    per_pos = CounterMetricFamily(P + "spec_decode_num_accepted_tokens_per_pos", "Drafts whose token at this "
+                                  "position was accepted.", labels=["position"])
+    for position, accepted in enumerate(s.spec_decode.accepted_per_position):
+        per_pos.add_metric([str(position)], accepted)
+    yield per_pos
+    for name, help, attr in _SPEC_COUNTERS:
+        family = CounterMetricFamily(P + "spec_decode_adapter_" + name, help[:-1] + ", per LoRA adapter.",
+                                     labels=["lora_name"])
+        for adapter, counters in sorted(s.spec_decode_by_adapter.items()):
+            family.add_metric([adapter], getattr(counters, attr))
+        yield family
 
 
 class _StoreCollector:
@@ -180,7 +206,8 @@ class ServerMetrics:
         return {"time": time.time(), "num_requests_running": s.num_running, "num_requests_waiting": s.num_waiting,
                 "kv_cache_usage_perc": s.kv_usage, "max_loras": s.max_loras,
                 "running_adapters": list(s.running_adapters), "waiting_adapters": list(s.waiting_adapters),
-                **totals, "ttft_ms": _percentiles(self.recent_ttft), "itl_ms": _percentiles(self.recent_itl)}
+                **totals, "ttft_ms": _percentiles(self.recent_ttft), "itl_ms": _percentiles(self.recent_itl),
+                "spec_decode": spec_decode_json(s)}
 
     def tenant_snapshot(self, tenant: str) -> dict:
         """A tenant's `GET /v1/stats`: the same fields, each from its own requests only (its requests in
@@ -190,6 +217,16 @@ class ServerMetrics:
         totals = self.by_tenant.get(tenant, {})
         return {"time": time.time(), **own.in_flight(), **{key: totals.get(key, 0) for key in _counts()},
                 "ttft_ms": _percentiles(own.recent_ttft), "itl_ms": _percentiles(own.recent_itl)}
+
+    def tenant_spec_decode(self, owns: Callable[[str], bool]) -> dict | None:
+        """A tenant's `spec_decode`: only `by_adapter`, for the adapters `owns` says no other tenant may use
+        (their counters move with its own traffic only); the engine-wide totals are left out, like KV usage.
+        None without speculation."""
+        s = self.stats()
+        if s.spec_decode is None:
+            return None
+        return {"by_adapter": {name: spec_counts(c) for name, c in sorted(s.spec_decode_by_adapter.items())
+                               if owns(name)}}
 
     def tenant_served(self, tenant: str) -> dict[str, dict[str, int]]:
         """What a tenant was served, per adapter ('' = the base model; a mix counts for each adapter)."""
@@ -243,6 +280,33 @@ def adapter_labels(adapter: str | AdapterMix | None) -> tuple[str, ...]:
     if isinstance(adapter, AdapterMix):
         return adapter.names
     return (adapter or "",)
+
+
+def spec_decode_json(s: EngineStats) -> dict | None:
+    """`/v1/stats`' `spec_decode`: the engine's counters with their rates, per position and per adapter; None
+    without speculation."""
+    if s.spec_decode is None:
+        return None
+    c = s.spec_decode
+    return {**spec_counts(c), "mean_acceptance_length": acceptance_length(c.num_drafts, c.num_accepted_tokens),
+            "accepted_per_position": list(c.accepted_per_position),
+            "by_adapter": {name: spec_counts(a) for name, a in sorted(s.spec_decode_by_adapter.items())}}
+
+
+def spec_counts(c) -> dict:
+    """One `SpecCounters` (read by attribute: the API does not import the engine's types) as JSON."""
+    return spec_rates(c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens)
+
+
+def spec_rates(drafts: int, draft_tokens: int, accepted_tokens: int) -> dict:
+    """The counts with their acceptance rate (None before any draft: no rate to show yet)."""
+    return {"drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted_tokens,
+            "acceptance_rate": accepted_tokens / draft_tokens if draft_tokens else None}
+
+
+def acceptance_length(drafts: int, accepted_tokens: int) -> float | None:
+    """vLLM's mean acceptance length: tokens a verify step yields, its own next token included."""
+    return 1 + accepted_tokens / drafts if drafts else None
 
 
 def _percentiles(values) -> dict[str, float | None]:

@@ -173,6 +173,8 @@ class _SamplingFields(_Body):
     adapters: list[AdapterWeight] | None = None  # ours: adapters mixed with weights on the base model (`model`)
     # vLLM's: enters the prefix cache's hashes, so only requests with the same salt share cached blocks
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    # ours: false keeps this request out of speculative decoding (a server with --speculative-config)
+    speculative: bool = True
     # taken and ignored (IGNORED); refused unless a no-op value (REFUSED)
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -208,7 +210,7 @@ class _SamplingFields(_Body):
                               structured=self.structured(tool_format), logit_bias=self._logit_bias(),
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               prompt_logprobs=prompt_logprobs, reasoning=self.reasoning(reasoning_parser),
-                              cache_salt=self.cache_salt, **given)
+                              cache_salt=self.cache_salt, speculative=self.speculative, **given)
 
     def adapter_weights(self) -> list[tuple[str, float]] | None:
         """`adapters` as (name, weight) pairs, None when the request names no mix."""

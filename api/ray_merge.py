@@ -2,9 +2,9 @@
 is tested with dicts (tests/api/test_ray_merge.py).
 
 What is merged: `/metrics` (every replica's Prometheus text, labelled by replica), `/v1/stats`
-(counts summed, percentiles the worst replica's; a tenant reads only its own), `/v1/adapters`
-(each adapter with the replicas holding it; a tenant's own traffic), `/v1/usage` (every count
-summed). The ingress (`api/ray_ingress.py`) calls `merged_view` with the replica's answer and the
+(counts summed, percentiles the worst replica's, speculation's rates from the summed counts; a tenant
+reads only its own), `/v1/adapters` (each adapter with the replicas holding it; a tenant's own traffic),
+`/v1/usage` (every count summed). The ingress (`api/ray_ingress.py`) calls `merged_view` with the replica's answer and the
 views the catalog holds from the replicas' heartbeats (`api/ray_catalog.py`)."""
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.api import openai_format as fmt
+from loraplex.api.metrics import acceptance_length, spec_rates
 
-__all__ = ["merge_adapters", "merge_metrics", "merge_stats", "merge_usage", "merged_view", "scoped_stats",
-           "tenant_adapters"]
+__all__ = ["merge_adapters", "merge_metrics", "merge_spec_decode", "merge_stats", "merge_usage", "merged_view",
+           "scoped_stats", "tenant_adapters"]
 
 Counts = dict[str, int]
 
@@ -73,6 +74,8 @@ def _merged_value(key: str, values: list):
                 for name in sorted({name for v in values for name in v})}
     if key == "served":
         return _summed_counts(values)
+    if key == "spec_decode":
+        return merge_spec_decode(values)
     if key.endswith("_perc"):
         return sum(values) / len(values)
     if isinstance(first, (int, float)) and not isinstance(first, bool):
@@ -92,6 +95,39 @@ def _worst_percentiles(values: list[dict]) -> dict:
     return out
 
 
+_SPEC_COUNTS = ("drafts", "draft_tokens", "accepted_tokens")
+
+
+def merge_spec_decode(values: list[dict | None]) -> dict | None:
+    """The replicas' `spec_decode` added up: counts and accepts per position summed, rates recomputed from
+    the sums (an average of rates would weigh an idle replica like a busy one); None without speculation."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    counts = _spec_json(present)
+    positions = [v.get("accepted_per_position", []) for v in present]
+    per_position = [sum(p[i] for p in positions if i < len(p)) for i in range(max(map(len, positions)))]
+    names = sorted({name for v in present for name in v.get("by_adapter", {})})
+    by_adapter = {name: _spec_json([v["by_adapter"][name] for v in present if name in v.get("by_adapter", {})])
+                  for name in names}
+    return {**counts, "mean_acceptance_length": acceptance_length(counts["drafts"], counts["accepted_tokens"]),
+            "accepted_per_position": per_position, "by_adapter": by_adapter}
+
+
+def _spec_json(values: list[dict]) -> dict:
+    return spec_rates(*(sum(v.get(key, 0) for v in values) for key in _SPEC_COUNTS))
+
+
+def _tenant_spec(merged: dict, reply: dict) -> dict | None:
+    """A tenant's `spec_decode` over the replicas: the adapters its replica let it read (`by_adapter` of its
+    reply: only it may use them), each summed over every replica's engine."""
+    own = reply.get("spec_decode")
+    if own is None:
+        return None
+    engines = (merged.get("spec_decode") or {}).get("by_adapter", {})
+    return {"by_adapter": {name: engines.get(name, counts) for name, counts in own.get("by_adapter", {}).items()}}
+
+
 def scoped_stats(merged: dict, reply: dict) -> dict:
     """The merged stats as the caller may read them. A tenant (the replica's reply names it) reads its
     own numbers added up over the replicas, nothing of the engines' (docs/tenants.md); any other caller
@@ -103,8 +139,9 @@ def scoped_stats(merged: dict, reply: dict) -> dict:
     own = merged.get("tenants", {}).get(tenant) if tenant is not None else None
     if own is None:  # no heartbeat carries its numbers yet: the replica's own answer
         return reply
+    spec = {"spec_decode": _tenant_spec(merged, reply)} if "spec_decode" in reply else {}
     return {**{k: v for k, v in own.items() if k != "served"}, "tenant": tenant,
-            "adapter_scope": reply.get("adapter_scope", [])}
+            "adapter_scope": reply.get("adapter_scope", []), **spec}
 
 
 def _without_tenants(stats: dict) -> dict:

@@ -4,6 +4,7 @@ and the console itself, static files at /ui (every number on the page comes from
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.staticfiles import StaticFiles
@@ -14,6 +15,7 @@ from loraplex.api.callers import caller_of
 from loraplex.api.errors import bad_input
 from loraplex.api.protocol import ValidateSchemaRequest
 from loraplex.api.state import ServerState, state_of
+from loraplex.api.tenants import Tenant, Tenants
 
 UI_DIR = Path(__file__).resolve().parent / "ui"
 router = APIRouter(dependencies=[Depends(require_user)])
@@ -21,15 +23,23 @@ router = APIRouter(dependencies=[Depends(require_user)])
 
 @router.get("/v1/stats")
 async def stats(request: Request, state: ServerState = Depends(state_of)):
-    """loraplex's own: queues, KV usage, token totals and recent latency percentiles, as JSON
-    (the console's live view; /metrics has the same for Prometheus). A tenant reads numbers of its own
-    requests only, never the engine's (docs/tenants.md, "What a tenant reads")."""
+    """loraplex's own: queues, KV usage, token totals, recent latency percentiles and speculative decoding
+    counters, as JSON (the console's live view; /metrics has the same for Prometheus). A tenant reads numbers
+    of its own requests only, never the engine's (docs/tenants.md, "What a tenant reads")."""
     caller = caller_of(request)
     if caller.tenant is None:
         return state.metrics.server_snapshot()
+    owns = _alone_on(caller.tenant, state.tenants.current)
     # named for a Ray ingress, which merges this tenant's numbers from every replica (api/ray_serve.py)
     return {**state.metrics.tenant_snapshot(caller.tenant.name), "tenant": caller.tenant.name,
-            "adapter_scope": list(caller.tenant.adapters)}
+            "adapter_scope": list(caller.tenant.adapters), "spec_decode": state.metrics.tenant_spec_decode(owns)}
+
+
+def _alone_on(tenant: Tenant, tenants: Tenants | None) -> Callable[[str], bool]:
+    """The adapters only `tenant` may use: the engine counts speculation per adapter, not per caller, so an
+    adapter another tenant's patterns also match would show that tenant's traffic."""
+    others = [t for t in (tenants.by_name.values() if tenants is not None else ()) if t.name != tenant.name]
+    return lambda name: tenant.may_use(name) and not any(t.may_use(name) for t in others)
 
 
 @router.post("/v1/validate_schema")

@@ -13,9 +13,11 @@ Sections (each one's failure is a row of the table; the others still run; a sect
 budget is skipped, and the table is rewritten after every row, so a killed run still leaves its numbers):
  environment, HBM bandwidth (a device-to-device copy), kernels (Triton vs references, prefill attention
  Triton vs SDPA), parity on the 1B shape (fp32, TF32 off: vs transformers; 8 adapters in one batch vs peft),
+ and speculative decoding's verify pass (greedy tokens with drafts, some wrong, vs without),
  then on the 8B shape: decode tok/s at batch 1/16/64/256 vs transformers `generate` and vs the HBM floor,
  decode graphs vs eager at batch 16, 64 distinct rank-16 adapters vs base, a profile of the decode step (base and
  with the adapters: wall vs device-busy time, graph replays, costliest kernels; whole tables in profile_*.txt),
+ batch-1 decode with every draft right (k = 4, 8) vs without,
  KV blocks vs free memory, the device audit (its grammar case only where llguidance or xgrammar is installed). Timers: warm-up first, device synced before each, same prompts on both sides, prefix caching
  off.
 """
@@ -23,6 +25,7 @@ budget is skipped, and the table is rewritten after every row, so a killed run s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import importlib.util
@@ -414,8 +417,70 @@ def section_parity(check: Check) -> None:
                                                                             device)),
                      f"{plan.parity_prompts}/{plan.parity_prompts}")
     section_peft_parity(check, llm, model, adapters, batch_prompts)
+    section_spec_parity(check, llm, batch_prompts)
     del llm, model
     release()
+
+
+class Reference:
+    """A proposer drafting each prompt's known greedy continuation; every `wrong_every`-th draft has a token
+    changed (rejections at every position), 0: none."""
+
+    def __init__(self, continuations: dict[tuple, list[int]], wrong_every: int = 0) -> None:
+        self.continuations, self.wrong_every, self.calls = continuations, wrong_every, 0
+
+    def propose(self, req, drafts, room):
+        self.calls += 1
+        done = len(req.output_token_ids)
+        out = list(self.continuations.get(tuple(req.prompt_token_ids), [])[done:done + room])
+        if out and self.wrong_every and self.calls % self.wrong_every == 0:
+            out[self.calls % len(out)] += 1
+        return out
+
+
+@contextlib.contextmanager
+def drafting(llm, proposer, k: int = 4):
+    """The engine verifying `proposer`'s drafts (k at most, never paused) for a block."""
+    from loraplex.platform.drafter import Drafter
+    from loraplex.platform.speculative import SpeculativeConfig
+
+    engine = llm.engine
+    config = SpeculativeConfig(num_speculative_tokens=k, min_acceptance=0.0, disable_by_batch_size=256)
+    engine.drafter = Drafter(config, engine.tokenizer, engine.max_model_len)
+    engine.drafter.proposers = [proposer]
+    try:
+        yield engine.drafter
+    finally:
+        engine.drafter = None
+
+
+def section_spec_parity(check: Check, llm, batch_prompts) -> None:
+    """Speculative decoding's verify pass (several new tokens a sequence through the paged attention and SGMV
+    kernels): greedy tokens with drafts, some wrong, equal those without, base and adapters in one batch (fp32)."""
+    which = [None if i % 2 else f"a{i % check.plan.parity_adapters}" for i in range(len(batch_prompts))]
+    plain = greedy(llm, batch_prompts, check.plan.parity_tokens, which)
+    with drafting(llm, Reference({tuple(p): t for p, t in zip(batch_prompts, plain)}, wrong_every=3)) as drafter:
+        drafted = greedy(llm, batch_prompts, check.plan.parity_tokens, which)
+    counts = drafter.counters
+    check.report.row("speculative: greedy tokens with drafts (a third wrong) vs without, adapters and base "
+                     f"(fp32; {counts.num_accepted_tokens}/{counts.num_draft_tokens} drafts accepted)",
+                     agreement(drafted, plain), f"{len(batch_prompts)}/{len(batch_prompts)}")
+
+
+def section_speculative(check: Check) -> None:
+    """Batch-1 decode of the large shape with its own greedy continuation drafted (every draft right: what
+    verifying k tokens a step costs against one), k = 4 and 8."""
+    llm, plan = built_engine(check), check.plan
+    batch_prompts = prompts(1, plan.prompt_len, check.found["vocab"], 23)
+    new_tokens = 4 * plan.new_tokens
+    plain_tokens = greedy(llm, batch_prompts, new_tokens + 1)
+    plain = engine_decode_rate(llm, batch_prompts, new_tokens)
+    for k in (4, 8):
+        with drafting(llm, Reference({tuple(batch_prompts[0]): plain_tokens[0]}), k):
+            drafted = engine_decode_rate(llm, batch_prompts, new_tokens)
+        dtype = str(llm.engine.resolved.kernels.dtype).removeprefix("torch.")
+        check.report.row(f"speculative decode, batch 1, k={k}, every draft right ({plan.large}, {dtype})",
+                         f"{drafted:.0f} vs {plain:.0f} tok/s = {drafted / plain:.2f}x", "> 2x")
 
 
 def section_peft_parity(check: Check, llm, model, adapters: list[Path], batch_prompts) -> None:
@@ -622,7 +687,7 @@ def grammar_backend_installed() -> bool:
 # (name, seconds it needs at least on the real check: skipped when fewer are left in the budget)
 SECTIONS = [(section_environment, 0), (section_bandwidth, 5), (section_kernels, 40), (section_parity, 60),
             (section_large_model, 90), (section_decode, 60), (section_graphs, 20), (section_adapters, 30),
-            (section_profile, 20), (section_kv_memory, 0), (section_audit, 10)]
+            (section_profile, 20), (section_speculative, 15), (section_kv_memory, 0), (section_audit, 10)]
 
 
 def run_sections(check: Check, sections=SECTIONS) -> None:

@@ -76,6 +76,8 @@ class BlockTable:
             row = self._rows[req.seq_id] = _Row(self._take_row(), blocks)
         if len(blocks) > self.width:
             self._grow(self.host.shape[0], len(blocks))
+        if row.written > len(blocks):  # rejected drafts' blocks given back: rewritten from there when appended
+            row.written, row.nulls = len(blocks), min(row.nulls, len(blocks))
         self._write_nulls(row)
         self._write_copied(row, req.num_computed_tokens)
         self._write_appended(row)
@@ -110,11 +112,13 @@ class BlockTable:
             row.nulls += 1
 
     def _write_copied(self, row: _Row, num_computed: int) -> None:
-        """A copy-on-write replaces the block holding the request's first new position, at allocation."""
-        idx = num_computed // self.block_size
-        if idx < row.written and self._view[row.index, idx] != row.blocks[idx].block_id:
-            self._view[row.index, idx] = row.blocks[idx].block_id
-            self.num_written += 1
+        """Entries from the block of the request's first new position on may have changed since written: a
+        copy-on-write replaces that block at allocation, and the blocks given back after rejected drafts come
+        back as others (the list shrank and grew again: its length alone does not tell)."""
+        for idx in range(num_computed // self.block_size, row.written):
+            if self._view[row.index, idx] != row.blocks[idx].block_id:
+                self._view[row.index, idx] = row.blocks[idx].block_id
+                self.num_written += 1
 
     def _write_appended(self, row: _Row) -> None:
         new = row.blocks[row.written:]

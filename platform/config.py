@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from loraplex.kernels.dispatch import PrefillAttention
+from loraplex.platform.speculative import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = {"auto": None, "float16": torch.float16, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
@@ -178,6 +179,10 @@ class EngineConfig:
                                                "past its timeout is killed with its process; 0: threads of the "
                                                "server, abandoned at the timeout)")
     jump_forward: bool = _setting(True, "append grammar-forced tokens without a forward pass each")
+    speculative_config: str | None = _setting(None, "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", "
+                                                    "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
+                                                    "\"prompt_lookup_min\": 2, \"disable_by_batch_size\": 4}; method "
+                                                    "grammar drafts only grammar-forced tokens (docs/speculative.md)")
     json_close_window: int = _setting(64, "JSON outputs: in the last max(N, max_tokens/4) tokens of max_tokens (at most half), "
                                           "pick a closing token (quote, bracket, brace, end) whenever the grammar "
                                           "allows one (0: off)")
@@ -228,6 +233,11 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        self.speculative  # noqa: B018 (parsed here so a bad value fails before anything is built)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def torch_device(self) -> torch.device:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,6 +20,7 @@ from loraplex.grammar.manager import GrammarManager
 from loraplex.kernels.dispatch import to_device
 from loraplex.platform.config import EngineConfig
 from loraplex.platform.cuda_graphs import MIX_GRAPH_PASSES, CudaCapture, capture_sizes
+from loraplex.platform.drafter import Drafter
 from loraplex.platform.device import (MemorySnapshot, kv_blocks_for, profile_kv_blocks, profiled_memory,
                                       select_device)
 from loraplex.platform.input_processor import InputProcessor, Limits
@@ -32,6 +33,8 @@ from loraplex.platform.resolve import resolve
 from loraplex.platform.request import Request, RequestOutput, SamplingParams
 from loraplex.platform.sampler import Sampler, prompt_logprobs
 from loraplex.platform.scheduler import Scheduler
+from loraplex.platform.speculative import SpecCounters
+from loraplex.platform.verify import verify
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,8 @@ class EngineStats:
     structured_checked: int = 0  # finished JSON outputs checked against their schema
     schema_violations_strict: int = 0  # ... and found breaking it (strict: a bug; not strict: dropped keywords)
     schema_violations_lenient: int = 0
+    spec_decode: SpecCounters | None = None  # with --speculative-config: drafts, draft tokens, accepted tokens
+    spec_decode_by_adapter: dict[str, SpecCounters] = field(default_factory=dict)  # the same per adapter
 
 
 class Engine:
@@ -97,6 +102,8 @@ class Engine:
                                                             config.max_adapters_per_request, self.max_loras),
                                      self.adapters, self.grammars)
         self.outputs = OutputProcessor(self.tokenizer)
+        spec = config.speculative
+        self.drafter = Drafter(spec, self.tokenizer, self.max_model_len) if spec is not None else None
         self.num_jump_forward_tokens = 0
         self._log_kv_size(num_blocks, config.torch_kv_dtype)
 
@@ -193,7 +200,10 @@ class Engine:
             waiting_adapters=tuple(sorted({name for r in s.waiting for name in r.adapter_names})),
             max_loras=self.max_loras, structured_checked=self.outputs.num_structured_checked,
             schema_violations_strict=self.outputs.num_schema_violations[True],
-            schema_violations_lenient=self.outputs.num_schema_violations[False])
+            schema_violations_lenient=self.outputs.num_schema_violations[False],
+            spec_decode=self.drafter.counters.copy() if self.drafter is not None else None,
+            spec_decode_by_adapter={name: c.copy() for name, c in self.drafter.by_adapter.items()}
+            if self.drafter is not None else {})
 
     # ---- one step --------------------------------------------------------------------------
 
@@ -219,11 +229,29 @@ class Engine:
         rows, batch = self.scheduler.sampling_batch(sched)
         if not batch:
             return []
-        # forks repeat their parent's row; without them the logits are already one row each
-        if len(rows) != len(completed):
-            logits = logits[to_device(torch.tensor(rows, dtype=torch.long, device="cpu"), logits.device)]
-        sampled = self.sampler(logits, batch)
-        return self.scheduler.update(batch, sampled.token_ids, sampled.logprobs, self._forced_tokens)
+        if any(seq.spec_token_ids for seq in batch):
+            deltas = self._verify(logits, rows, batch)
+        else:
+            # forks repeat their parent's row; without them the logits are already one row each
+            if len(rows) != len(completed):
+                logits = logits[to_device(torch.tensor(rows, dtype=torch.long, device="cpu"), logits.device)]
+            sampled = self.sampler(logits, batch)
+            deltas = self.scheduler.update(batch, sampled.token_ids, sampled.logprobs, self._forced_tokens)
+        if self.drafter is not None:
+            self.drafter.propose(self.scheduler.running)
+        return deltas
+
+    def _verify(self, logits: torch.Tensor, rows: list[int], batch: list[Request]):
+        """Sample with drafts (`verify.py`): each sequence's accepted drafts and next token appended, the KV of
+        its rejected drafts given back."""
+        deltas = [self.scheduler.new_delta(seq) for seq in batch]
+        accepted = verify(self.sampler, logits, rows, batch,
+                          lambda i, token, lp: self.scheduler.append(batch[i], token, lp, deltas[i]))
+        for seq, delta, num_accepted in zip(batch, deltas, accepted):
+            self.drafter.record(seq, len(seq.spec_token_ids), num_accepted)
+            self.scheduler.reject_drafts(seq, num_accepted)
+            self.scheduler.close_delta(seq, delta, self._forced_tokens)
+        return deltas
 
     def _add_prompt_logprobs(self, rows) -> None:
         """The logprobs of the prompt tokens these rows predict; after a preemption the prompt
@@ -245,7 +273,8 @@ class Engine:
         new token, instead of one forward pass each. Only a canonical tokenization is taken: the
         forced text must encode the same alone and after the last token, and its last token,
         which could merge with what follows, is left for the model."""
-        if not self.config.jump_forward or req.grammar is None:
+        if not self.config.jump_forward or req.grammar is None or \
+                self.drafter is not None and self.drafter.takes_forced(req, len(self.scheduler.running)):  # drafted
             return []
         forced = req.grammar.jump_forward_string()
         if not forced:

@@ -110,9 +110,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, adapter_slots: dict[str, int] | None = None
                 ) -> tuple[torch.Tensor, list[Request], list[PromptRows]]:
-        """Returns logits [R, vocab] (model dtype), the R requests they belong to, and for requests that asked
-        for prompt logprobs the hidden states of their chunk's prompt positions. `adapter_slots`
-        maps each scheduled request's adapter to its device slot."""
+        """Returns logits [R, vocab] (model dtype: a row per request, and one more per draft it verifies), the
+        requests they belong to, and for requests that asked for prompt logprobs the hidden states of their
+        chunk's prompt positions. `adapter_slots` maps each scheduled request's adapter to its device slot."""
         for src, dst in sched.block_copies:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
         lora_slots = self._lora_slots(sched, adapter_slots or {})
@@ -201,7 +201,8 @@ class ModelRunner:
             begin = req.num_computed_tokens
             end = begin + num_new
             blocks = self.kv.req_blocks[req.seq_id]
-            token_ids += req.token_slice(begin, end)
+            known = min(end, req.num_tokens)
+            token_ids += req.token_slice(begin, known) + req.spec_token_ids[:end - known]  # drafts after the known
             positions += range(begin, end)
             slots += [blocks[p // bs].block_id * bs + p % bs for p in range(begin, end)]
             seq_lens.append(end)
@@ -209,8 +210,8 @@ class ModelRunner:
             predicting = min(end, len(req.prompt_token_ids) - 1)  # positions that predict a prompt token
             if req.prompt_logprobs is not None and begin < predicting:
                 prompt_rows.append((req, slice(starts[-2], starts[-2] + predicting - begin), begin + 1))
-            if end == req.num_tokens:  # this chunk completes the known tokens: sample next
-                last_rows.append(starts[-1] - 1)
+            if end == req.num_tokens + len(req.spec_token_ids):  # the chunk completes the known tokens: sample
+                last_rows += range(starts[-1] - 1 - len(req.spec_token_ids), starts[-1])  # a row per draft more
                 sampled.append(req)
         max_query_len = max(num_new for _, num_new in sched.scheduled)
         table_rows = self.block_table.update(self.kv.req_blocks, [req for req, _ in sched.scheduled])

@@ -123,12 +123,13 @@ class OutputProcessor:
             seq = group.seqs[delta.index] = self._seq(group.request)
         params = group.request.params
         hit = None
-        for token in delta.new_token_ids:
+        for taken, token in enumerate(delta.new_token_ids, start=1):
             seq.num_tokens += 1
-            if hit is None:
-                stop = seq.detokenizer.append(token, check_stop=seq.num_tokens >= params.min_tokens)
-                if stop is not None and delta.finish_reason is None:
-                    hit = StopHit(delta.request_id, delta.index, stop)
+            stop = seq.detokenizer.append(token, check_stop=seq.num_tokens >= params.min_tokens)
+            if stop is not None and delta.finish_reason is None:
+                hit = StopHit(delta.request_id, delta.index, stop)
+                _cut(delta, taken)  # tokens after the one completing the stop (drafts, forced) were never output
+                break
         finish, stop_reason = delta.finish_reason, delta.stop_reason
         if hit is not None:
             finish, stop_reason = "stop", hit.stop
@@ -214,3 +215,10 @@ def accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutp
     total.num_cached_tokens = max(total.num_cached_tokens, delta.num_cached_tokens)
     total.queue_time_s = total.queue_time_s if total.queue_time_s is not None else delta.queue_time_s
     return total
+
+
+def _cut(delta: SeqDelta, num_tokens: int) -> None:
+    """Keep a delta's first `num_tokens` tokens (and their logprobs)."""
+    del delta.new_token_ids[num_tokens:]
+    if delta.new_logprobs is not None:
+        del delta.new_logprobs[num_tokens:]

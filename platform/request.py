@@ -48,6 +48,8 @@ class SamplingParams:
     # vLLM's: enters the prefix cache's hashes, so only requests with the same salt (and the same
     # tenant namespace) share cached KV blocks; None adds nothing
     cache_salt: str | None = None
+    # with --speculative-config: False keeps this request out of speculative decoding (no drafts verified)
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -99,6 +101,7 @@ class SamplingParams:
         need(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and not isinstance(
             self.prompt_logprobs, bool) and 0 <= self.prompt_logprobs <= 20), "prompt_logprobs", "None or in [0, 20]")
         need(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output", "a boolean")
+        need(isinstance(self.speculative, bool), "speculative", "a boolean")
         need(self.reasoning is None or isinstance(self.reasoning, Reasoning), "reasoning", "a Reasoning")
         need(self.cache_salt is None or (isinstance(self.cache_salt, str) and 0 < len(self.cache_salt)
                                          <= MAX_CACHE_SALT_CHARS), "cache_salt",
@@ -195,6 +198,8 @@ class Request:
         self.queue_time_s: float | None = None  # set on first admission
         self.pending_forks = params.n - 1 if index == 0 else 0
         self.stop_reason: str | int | None = None
+        self.spec_token_ids: list[int] = []  # drafts computed (and verified) with its next token this step
+        self.draft_state = None  # the drafter's: its n-gram index and recent acceptance (`speculative.py`)
         self.generator: torch.Generator | None = None
         if params.seed is not None:  # any int64 seed, any index: wraps into the generator's uint64 range
             self.generator = torch.Generator().manual_seed((params.seed + index) % 2**64)

@@ -40,7 +40,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits [R, vocab] in the model's dtype, one row per request."""
-        if self._argmax_only(requests):  # bf16 -> float32 is exact: the same picks, without widening the rows
+        if self.argmax_only(requests):  # bf16 -> float32 is exact: the same picks, without widening the rows
             return SamplerOutput(to_host(argmax(logits)), [None] * len(requests))
         logits = logits.float()
         wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
@@ -62,7 +62,7 @@ class Sampler:
                 logprobs[i] = entry
         return SamplerOutput(to_host(tokens), logprobs)
 
-    def _argmax_only(self, requests: list[Request]) -> bool:
+    def argmax_only(self, requests: list[Request]) -> bool:
         return all(r.params.greedy and r.params.logprobs is None and r.grammar is None
                    and not _edits_logits(r.params, len(r.output_token_ids)) for r in requests)
 

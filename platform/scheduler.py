@@ -98,7 +98,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < self.max_num_seqs:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._with_drafts(req, budget)
             while self.kv.allocate_slots(req, num_new) is None:
                 victim = self.running.pop()  # newest first
                 self._preempt(victim)
@@ -116,6 +116,15 @@ class Scheduler:
             budget = self._admit_waiting(out, budget, fair)
         out.block_copies = self.kv.take_copies()
         return out
+
+    @staticmethod
+    def _with_drafts(req: Request, budget: int) -> int:
+        """The tokens a running request computes this step: its uncomputed ones, then its drafts (cut to the
+        budget; verified in this step's chunk)."""
+        remaining = req.num_tokens - req.num_computed_tokens
+        num_new = min(remaining + len(req.spec_token_ids), budget)
+        del req.spec_token_ids[max(0, num_new - remaining):]
+        return num_new
 
     def running_adapters(self) -> set[str]:
         return {name for r in self.running for name in r.adapter_names}
@@ -194,6 +203,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        req.spec_token_ids = []
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
@@ -202,20 +212,29 @@ class Scheduler:
     # ---- after the forward pass ---------------------------------------------------------------
 
     def sampling_batch(self, out: SchedulerOutput) -> tuple[list[int], list[Request]]:
-        """Count the scheduled tokens as computed; return the sequences to sample and the row of
+        """Count the scheduled tokens as computed; return the sequences to sample and the first row of
         the step's logits each samples from (rows: the requests whose chunk reached their last
-        known token, in scheduled order). A request of n > 1 forks here, at its first token: its
-        children share its prompt blocks (copy-on-write) and sample from its row."""
+        known token, in scheduled order; a request with drafts has a row more for each). A request of
+        n > 1 forks here, at its first token: its children share its prompt blocks (copy-on-write) and
+        sample from its row."""
         rows, batch = [], []
         row = 0
         for req, num_new in out.scheduled:
             req.num_computed_tokens += num_new
-            if req.num_computed_tokens == req.num_tokens:
+            if req.num_computed_tokens == req.num_tokens + len(req.spec_token_ids):
                 for seq in [req, *self._fork(req)]:
                     rows.append(row)
                     batch.append(seq)
-                row += 1
+                row += 1 + len(req.spec_token_ids)
         return rows, batch
+
+    def reject_drafts(self, seq: Request, num_accepted: int) -> None:
+        """After verification: the KV of the drafts after the accepted ones is not the sequence's (their
+        positions are computed again), and blocks that held only those go back to the pool."""
+        seq.num_computed_tokens -= len(seq.spec_token_ids) - num_accepted
+        seq.spec_token_ids = []
+        if not seq.status.finished:
+            self.kv.trim(seq)
 
     def _fork(self, parent: Request) -> list[Request]:
         if not parent.pending_forks:
@@ -244,17 +263,30 @@ class Scheduler:
         free finished sequences' blocks. One delta per sequence: only the new tokens."""
         deltas = []
         for seq, token, lp in zip(batch, token_ids, logprobs):
-            delta = SeqDelta(seq.request_id, seq.index, [], [] if seq.logprobs is not None else None,
-                             num_cached_tokens=seq.num_cached_tokens)
-            self._append(seq, token, lp, delta)
-            if not seq.status.finished and forced is not None:
-                for extra in forced(seq):
-                    self._append(seq, extra, {extra: Logprob(0.0, 1)} if seq.logprobs is not None else None, delta)
-                    if seq.status.finished:
-                        break
-            delta.finish_reason, delta.stop_reason = seq.finish_reason, seq.stop_reason
+            delta = self.new_delta(seq)
+            self.append(seq, token, lp, delta)
+            self.close_delta(seq, delta, forced)
             deltas.append(delta)
         return deltas
+
+    @staticmethod
+    def new_delta(seq: Request) -> SeqDelta:
+        return SeqDelta(seq.request_id, seq.index, [], [] if seq.logprobs is not None else None,
+                        num_cached_tokens=seq.num_cached_tokens)
+
+    def close_delta(self, seq: Request, delta: SeqDelta, forced: Callable[[Request], list[int]] | None = None) -> None:
+        """After a step's tokens: the tokens its grammar forces next (from `forced`), then the finish."""
+        if not seq.status.finished and forced is not None:
+            for extra in forced(seq):
+                self.append(seq, extra, {extra: Logprob(0.0, 1)} if seq.logprobs is not None else None, delta)
+                if seq.status.finished:
+                    break
+        delta.finish_reason, delta.stop_reason = seq.finish_reason, seq.stop_reason
+
+    def append(self, seq: Request, token: int, logprobs: dict[int, Logprob] | None, delta: SeqDelta) -> bool:
+        """Append one token (its grammar advanced, its finish checked); whether the sequence still runs."""
+        self._append(seq, token, logprobs, delta)
+        return not seq.status.finished
 
     def _append(self, seq: Request, token: int, logprobs: dict[int, Logprob] | None, delta: SeqDelta) -> None:
         seq.output_token_ids.append(token)

@@ -4,7 +4,7 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = { base: "", adapters: [], samples: [], last: null, view: "adapters", runs: 0 };
+const state = { base: "", adapters: [], samples: [], last: null, previous: null, view: "adapters", runs: 0 };
 
 for (const id of ["api-key", "admin-key"]) {  // kept for this browser only
   $(id).value = localStorage.getItem("loraplex:" + id) || "";
@@ -109,6 +109,7 @@ async function adminAction(action) {
 // ---- live ---------------------------------------------------------------------------------
 
 const fmt = (v, digits = 0) => (v === null || v === undefined ? "-" : Number(v).toFixed(digits));
+const pct = (v) => (v === null || v === undefined ? "-" : fmt(100 * v, 1) + " %");
 
 async function refreshLive() {
   const s = await call("/v1/stats");
@@ -119,6 +120,7 @@ async function refreshLive() {
     state.samples = state.samples.filter((p) => s.time - p.t <= 120);
     $("live-tps").textContent = fmt(tps, 1);
   }
+  state.previous = state.last;
   state.last = s;
   $("live-running").textContent = s.num_requests_running;
   $("live-waiting").textContent = s.num_requests_waiting;
@@ -130,7 +132,27 @@ async function refreshLive() {
   $("live-total").textContent = s.generation_tokens;
   const running = s.running_adapters || [];
   $("live-adapters").textContent = running.length ? running.join(", ") : "none";
+  showSpec(s, state.previous);
   if (state.view === "live") drawChart();
+}
+
+// Speculative decoding: null without --speculative-config (cards hidden); a tenant's has only the adapters
+// that are its alone (the engine-wide cards hidden, as the KV card is).
+function showSpec(s, previous) {
+  const spec = s.spec_decode;
+  const totals = Boolean(spec) && spec.drafts !== undefined;
+  for (const card of document.querySelectorAll(".card.spec")) card.hidden = !totals;
+  const adapters = spec ? Object.entries(spec.by_adapter || {}) : [];
+  $("live-spec-adapters").closest(".card").hidden = !adapters.length;
+  $("live-spec-adapters").textContent = adapters.map(([name, a]) => `${name} ${pct(a.acceptance_rate)}`).join(", ");
+  if (!totals) return;
+  $("live-spec-rate").textContent = pct(spec.acceptance_rate);
+  $("live-spec-length").textContent = fmt(spec.mean_acceptance_length, 2);
+  const before = previous && previous.spec_decode;
+  if (before && before.draft_tokens !== undefined) {
+    const dt = s.time - previous.time;
+    $("live-spec-tps").textContent = fmt(dt > 0 ? (spec.draft_tokens - before.draft_tokens) / dt : 0, 1);
+  }
 }
 
 function drawChart() {

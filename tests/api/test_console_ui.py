@@ -75,6 +75,19 @@ def wait_for(driver, condition, timeout: float = 180, what: str = "the page"):
                 f"{driver.find_element('id', 'error').text!r}")
 
 
+def _spec_cards(driver) -> dict:
+    """The speculation cards for a `spec_decode` (a server with --speculative-config), drawn and read in one
+    script: the next poll of this server hides them again."""
+    return driver.execute_script("""
+        const spec = {drafts: 10, draft_tokens: 40, accepted_tokens: 25, acceptance_rate: 0.625,
+                      mean_acceptance_length: 3.5, by_adapter: {a: {acceptance_rate: 0.75}}};
+        showSpec({time: 2, spec_decode: spec}, {time: 1, spec_decode: {...spec, draft_tokens: 0}});
+        const shown = [...document.querySelectorAll('.card.spec, .card.spec-adapters')].every((c) => !c.hidden);
+        const text = (id) => document.getElementById(id).textContent;
+        return shown && {rate: text('live-spec-rate'), length: text('live-spec-length'),
+                         tps: text('live-spec-tps'), adapters: text('live-spec-adapters')};""")
+
+
 def by_id(driver, element_id):
     return driver.find_element("id", element_id)
 
@@ -193,6 +206,8 @@ def test_the_console_end_to_end(page):
     by_id(driver, "tab-live").click()
     wait_for(driver, lambda d: int(by_id(d, "live-total").text) > total_before, what="the live total to move")
     assert by_id(driver, "live-ttft").text != "- / -"
+    assert not by_id(driver, "live-spec-rate").is_displayed()  # served without --speculative-config
+    assert _spec_cards(driver) == {"rate": "62.5 %", "length": "3.50", "tps": "40.0", "adapters": "a 75.0 %"}
     time.sleep(2)
     screenshot(driver, "live")
 

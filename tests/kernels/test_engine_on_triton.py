@@ -43,3 +43,22 @@ def test_stacked_adapter_slots_on_triton_match_peft(tiny_model_dir, tiny_adapter
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, adapter=names)
             results[backend] = [o.outputs[0].token_ids for o in outs]
     assert results["triton"] == results["torch"] == peft_greedy(tiny_model_dir, adapters, prompts, 5)
+
+
+def test_verified_drafts_on_triton_give_the_tokens_of_plain_decoding(tiny_model_dir, tiny_adapters):
+    """Speculative decoding's verify pass on the Triton kernels (paged attention and SGMV over several new tokens
+    per sequence, after its context): the tokens of decoding without drafts on the PyTorch path."""
+    import json
+
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]}, {"prompt_token_ids": list(range(3, 24))}]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "min_acceptance": 0})
+    results = {}
+    for backend, config in (("torch", None), ("triton", spec)):
+        with forced_kernels(backend):
+            llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_loras=1, speculative_config=config,
+                      lora_modules={"a0": str(tiny_adapters[0])})
+        results[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, adapter=[None, "a0"])]
+    assert results["triton"] == results["torch"]
+    counters = llm.engine.drafter.counters
+    assert counters.num_draft_tokens >= 8 and counters.num_accepted_tokens > 0

@@ -1,5 +1,5 @@
 """The runner's persistent int32 block table against the KV manager's block lists: after random joins (with
-prefix hits), appends, forks (copy-on-write), preemptions and finishes, with and without a sliding window
+prefix hits), appends, forks (copy-on-write), preemptions, finishes and rejected drafts (blocks given back), with and without a sliding window
 (which turns a prefix of each table into NULL_BLOCK entries), the committed table equals a rebuild from the
 lists, and a step writes only the entries that changed."""
 
@@ -55,6 +55,19 @@ class Walk:
         if scheduled:
             self.step(scheduled)
 
+    def draft(self) -> None:
+        """A step verifying drafts, all rejected: their blocks given back; the next steps' new blocks may be
+        others in the same places of the list."""
+        req = self.rng.choice(self.live)
+        drafts = self.rng.randrange(1, 2 * BLOCK)
+        req.output_token_ids.append(self.rng.randrange(3))
+        if self.kv.allocate_slots(req, 1 + drafts) is None:
+            del req.output_token_ids[-1]
+            return
+        self.step([(req, 1 + drafts)])
+        req.num_computed_tokens -= drafts
+        self.kv.trim(req)
+
     def fork(self) -> None:
         parent = self.rng.choice(self.live)
         child = Request(parent.request_id, parent.prompt_token_ids, PARAMS, index=self.ids + 1000)
@@ -109,9 +122,9 @@ class Walk:
 def test_table_equals_a_rebuild_after_random_steps(seed, window):
     walk = Walk(seed, window)
     moves = {"join": walk.join, "decode": walk.decode, "fork": walk.fork, "preempt": walk.preempt,
-             "finish": walk.finish}
+             "finish": walk.finish, "draft": walk.draft}
     for _ in range(300):
-        move = walk.rng.choice(["join", "decode", "decode", "decode", "fork", "preempt", "finish"])
+        move = walk.rng.choice(["join", "decode", "decode", "decode", "fork", "preempt", "finish", "draft"])
         if move == "join" or not walk.live:
             walk.join()
         else:

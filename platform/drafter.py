@@ -1,0 +1,111 @@
+"""Proposes each running request's drafts for the next step (`speculative.py` says what is drafted and when).
+
+The proposers run on the host after a step's update, on the sequences in decode; what they return is
+cut to the request's room (max_tokens, max_model_len) and to what its grammar accepts, and left in
+`Request.spec_token_ids` for the scheduler.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from loraplex.platform.request import Request
+from loraplex.platform.speculative import DraftState, NgramIndex, SpecCounters, SpeculativeConfig
+
+
+class Proposer(Protocol):
+    """One source of drafts: up to `room` tokens to follow the request's tokens and `drafts` (what the
+    proposers before it gave)."""
+
+    def propose(self, req: Request, drafts: list[int], room: int) -> list[int]: ...
+
+
+class GrammarForced:
+    """The tokens of the text the request's grammar forces next, where they decode back to it (a draft: the
+    model may still pick another tokenization, and verification keeps what it picks)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def propose(self, req: Request, drafts: list[int], room: int) -> list[int]:
+        if req.grammar is None or drafts:
+            return []
+        forced = req.grammar.jump_forward_string()
+        if not forced:
+            return []
+        tokens = self.tokenizer.encode(forced, add_special_tokens=False)
+        return tokens[:room] if self.tokenizer.decode(tokens) == forced else []
+
+
+class PromptLookup:
+    """vLLM's n-gram proposer over the request's prompt and output (its `NgramIndex`, kept on the request)."""
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+
+    def propose(self, req: Request, drafts: list[int], room: int) -> list[int]:
+        index = req.draft_state.index
+        if index is None:
+            index = req.draft_state.index = NgramIndex(self.lo, self.hi)
+        index.extend(req.token_slice(len(index.tokens), req.num_tokens))
+        return index.propose(room, drafts)
+
+
+class Drafter:
+    def __init__(self, config: SpeculativeConfig, tokenizer, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.proposers: list[Proposer] = [GrammarForced(tokenizer)] if config.grammar_drafts else []
+        if config.method == "ngram":
+            self.proposers.append(PromptLookup(config.prompt_lookup_min, config.prompt_lookup_max))
+        self.step = 0
+        self.counters = SpecCounters()
+        self.by_adapter: dict[str, SpecCounters] = {}  # an adapter's own requests (a mix: each of its adapters)
+
+    def takes_forced(self, req: Request, batch_size: int) -> bool:
+        """Whether `req`'s grammar-forced tokens are drafted (and so not appended by jump-forward) in a batch of
+        `batch_size` running sequences."""
+        return self.config.grammar_drafts and req.params.speculative and batch_size <= self.config.disable_by_batch_size
+
+    def propose(self, running: list[Request]) -> None:
+        """Set the drafts of every running sequence in decode; a batch wider than `disable_by_batch_size`
+        drafts nothing (a wide batch's step costs about its tokens: drafts stop being nearly free)."""
+        self.step += 1
+        if len(running) > self.config.disable_by_batch_size:
+            return
+        for req in running:
+            if req.num_tokens - req.num_computed_tokens == 1 and req.params.speculative and req.output_token_ids:
+                req.spec_token_ids = self._draft(req)
+
+    def record(self, req: Request, drafted: int, accepted: int) -> None:
+        """A verified draft: the counters, and the request's acceptance that sets its next k."""
+        if not drafted:
+            return
+        self.counters.add(drafted, accepted)
+        for name in req.adapter_names:
+            self.by_adapter.setdefault(name, SpecCounters()).add(drafted, accepted)
+        req.draft_state.acceptance.record(drafted, accepted)
+
+    def _draft(self, req: Request) -> list[int]:
+        """The proposers' drafts in order, within the request's k (its acceptance), max_tokens and max_model_len,
+        up to the first token its grammar rejects."""
+        state = req.draft_state = req.draft_state or DraftState(None)
+        room = min(state.acceptance.k(self.step, self.config.num_speculative_tokens, self.config.min_acceptance),
+                   req.params.max_tokens - len(req.output_token_ids) - 1, self.max_model_len - req.num_tokens - 1)
+        drafts: list[int] = []
+        for proposer in self.proposers:
+            if len(drafts) >= room:
+                break
+            drafts += proposer.propose(req, drafts, room - len(drafts))[:room - len(drafts)]
+        return _grammar_prefix(req, drafts) if req.grammar is not None and drafts else drafts
+
+
+def _grammar_prefix(req: Request, drafts: list[int]) -> list[int]:
+    """The drafts up to the first its grammar rejects (a dry run on the matcher, rolled back)."""
+    accepted = 0
+    for token in drafts:
+        if req.grammar.is_terminated() or not req.grammar.accept_token(token):
+            break
+        accepted += 1
+    req.grammar.rollback(accepted)
+    return drafts[:accepted]

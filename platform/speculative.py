@@ -1,0 +1,159 @@
+"""Speculative decoding: what is drafted, and for whom.
+
+A running request in decode gets up to k draft tokens before each step; the step computes them with
+the request's next token, as one multi-token chunk (`Request.spec_token_ids`), and `verify.py` keeps
+the longest prefix the model itself would have produced. Drafts come from two proposers, behind
+`propose`:
+
+- grammar-forced tokens: what a request's grammar forces next (keys, punctuation, closing brackets),
+  the text jump-forward would append, here drafted and verified instead of appended unseen;
+- n-gram prompt lookup (vLLM's `ngram`): the last n tokens (n from `prompt_lookup_max` down to
+  `prompt_lookup_min`) matched at their latest earlier place in the prompt and output, and what
+  followed there proposed.
+
+A draft is cut at the first token its grammar rejects (a dry run on the matcher, rolled back), at
+max_tokens and at max_model_len. `Acceptance` adapts each request's k to what it has been accepting
+(0 pauses it, with a growing back-off); a batch wider than `disable_by_batch_size` drafts nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields
+
+METHODS = ("ngram", "grammar")  # grammar: forced tokens only; ngram: forced tokens, then prompt lookup
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-config` (vLLM's JSON spelling)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # the most drafts a request verifies in one step
+    prompt_lookup_max: int = 4  # the longest n-gram matched
+    prompt_lookup_min: int = 2  # the shortest
+    disable_by_batch_size: int = 4  # more running sequences than this: the step drafts nothing
+    min_acceptance: float = 0.25  # a request's recent acceptance below this pauses its drafts
+    grammar_drafts: bool = True  # a structured request's forced tokens drafted (else jump-forward appends them)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative {name} must be an integer >= 1, got {value!r}")
+        if self.num_speculative_tokens > 64:
+            raise ValueError(f"speculative num_speculative_tokens must be at most 64, got {self.num_speculative_tokens}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative prompt_lookup_min ({self.prompt_lookup_min}) must be at most "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if not isinstance(self.min_acceptance, (int, float)) or not 0 <= self.min_acceptance < 1:
+            raise ValueError(f"speculative min_acceptance must be in [0, 1), got {self.min_acceptance!r}")
+        if not isinstance(self.grammar_drafts, bool):
+            raise ValueError(f"speculative grammar_drafts must be a boolean, got {self.grammar_drafts!r}")
+
+    @classmethod
+    def parse(cls, text: str | dict | None) -> SpeculativeConfig | None:
+        """The flag's JSON (or a dict); None: no speculation. Unknown keys are refused by name."""
+        if text is None or text == "":
+            return None
+        try:
+            raw = json.loads(text) if isinstance(text, str) else dict(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"speculative_config is not JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("speculative_config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**raw)
+
+
+class NgramIndex:
+    """A request's n-grams (n in [lo, hi]) -> the latest place each starts, kept as tokens are appended: every
+    n-gram but the newest (the suffix itself) is in, so a lookup finds the latest earlier occurrence in O(hi)."""
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+        self.tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(lo, hi + 1)}
+        self.tokens: list[int] = []
+
+    def extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            self.tokens.append(token)
+            end = len(self.tokens) - 1  # the n-gram ending just before the new token is no longer the suffix
+            for n, table in self.tables.items():
+                if end >= n:
+                    table[tuple(self.tokens[end - n:end])] = end - n
+
+    def propose(self, k: int, tail: list[int] = ()) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest suffix found of the tokens
+        and then `tail` (drafts already taken)."""
+        recent = self.tokens[-self.hi:] + list(tail)
+        total = len(self.tokens) + len(tail)
+        for n in range(self.hi, self.lo - 1, -1):
+            if total <= n:
+                continue
+            start = self.tables[n].get(tuple(recent[-n:]))
+            if start is not None:
+                return self.tokens[start + n:start + n + k]
+        return []
+
+
+@dataclass
+class Acceptance:
+    """A request's recent acceptance (an exponential average of accepted / drafted) and its back-off."""
+
+    rate: float = 1.0  # optimistic: a request's first drafts are tried at full length
+    paused_until: int = 0  # step before which it drafts nothing
+    backoff: int = 8  # steps the next pause lasts (doubles each pause, up to MAX_BACKOFF)
+
+    def k(self, step: int, most: int, min_acceptance: float) -> int:
+        if step < self.paused_until:
+            return 0
+        if self.rate < min_acceptance:
+            self.paused_until, self.backoff = step + self.backoff, min(2 * self.backoff, MAX_BACKOFF)
+            self.rate = min_acceptance  # a probe after the pause: one miss pauses it again
+            return 0
+        return max(1, min(most, math.ceil(most * 2 * self.rate)))  # at rate >= 0.5, all of them
+
+    def record(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.rate = 0.5 * self.rate + 0.5 * accepted / drafted
+
+
+MAX_BACKOFF = 256
+
+
+@dataclass
+class DraftState:
+    """What the drafter keeps on a sequence (`Request.draft_state`)."""
+
+    index: NgramIndex | None
+    acceptance: Acceptance = field(default_factory=Acceptance)
+
+
+@dataclass
+class SpecCounters:
+    """vLLM's spec-decode counters (drafts, draft tokens, accepted tokens, accepted per position)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def add(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_position) < drafted:
+            self.accepted_per_position += [0] * (drafted - len(self.accepted_per_position))
+        for position in range(accepted):
+            self.accepted_per_position[position] += 1
+
+    def copy(self) -> SpecCounters:
+        return SpecCounters(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                            list(self.accepted_per_position))
