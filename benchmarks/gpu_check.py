@@ -426,6 +426,8 @@ class Reference:
     """A proposer drafting each prompt's known greedy continuation; every `wrong_every`-th draft has a token
     changed (rejections at every position), 0: none."""
 
+    always = True
+
     def __init__(self, continuations: dict[tuple, list[int]], wrong_every: int = 0) -> None:
         self.continuations, self.wrong_every, self.calls = continuations, wrong_every, 0
 

@@ -13,9 +13,14 @@ from loraplex.platform.request import Request
 from loraplex.platform.speculative import DraftState, NgramIndex, SpecCounters, SpeculativeConfig
 
 
+MAX_SPELLING = 4  # tokens a learned spelling of one forced token may take
+
+
 class Proposer(Protocol):
     """One source of drafts: up to `room` tokens to follow the request's tokens and `drafts` (what the
-    proposers before it gave)."""
+    proposers before it gave). `always`: its drafts are not held to the request's adaptive k."""
+
+    always: bool
 
     def propose(self, req: Request, drafts: list[int], room: int) -> list[int]: ...
 
@@ -24,29 +29,63 @@ class GrammarForced:
     """The tokens of the text the request's grammar forces next, where they decode back to it (a draft: the
     model may still pick another tokenization, and verification keeps what it picks)."""
 
+    always = True  # nearly always accepted: drafted whatever the request's recent acceptance
+
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        # a token of forced text -> the tokens the model wrote its text in instead (JSON's `":"` as `":` `"`): the
+        # model's own spelling, learned from what verification kept, drafted from then on
+        self.spelled: dict[int, tuple[int, ...]] = {}
 
     def propose(self, req: Request, drafts: list[int], room: int) -> list[int]:
         if req.grammar is None or drafts:
             return []
+        self._learn(req)
         forced = req.grammar.jump_forward_string()
         if not forced:
             return []
         tokens = self.tokenizer.encode(forced, add_special_tokens=False)
-        return tokens[:room] if self.tokenizer.decode(tokens) == forced else []
+        if self.tokenizer.decode(tokens) != forced:
+            return []
+        tokens = [t for token in tokens for t in self.spelled.get(token, (token,))]
+        req.draft_state.forced.append((tokens, len(req.output_token_ids)))
+        return tokens[:room]
+
+    def _learn(self, req: Request) -> None:
+        """Where the model wrote the text of the first forced token it did not take in several tokens of its own,
+        keep that spelling (a draft still undecided, its text only begun, is looked at again next step)."""
+        state = req.draft_state
+        state.forced = [pending for pending in state.forced if self._undecided(req, *pending)]
+
+    def _undecided(self, req: Request, proposed: list[int], start: int) -> bool:
+        written = req.output_token_ids[start:]
+        i = next((i for i, (a, b) in enumerate(zip(proposed, written)) if a != b), None)
+        if i is None:
+            return len(written) < len(proposed)
+        text = self.tokenizer.decode([proposed[i]])
+        for j in range(i + 1, min(len(written), i + MAX_SPELLING) + 1):
+            piece = self.tokenizer.decode(written[i:j])
+            if piece == text:
+                if j - i > 1:
+                    self.spelled[proposed[i]] = tuple(written[i:j])
+                return False
+            if not text.startswith(piece):
+                return False
+        return len(written) - i < MAX_SPELLING
 
 
 class PromptLookup:
     """vLLM's n-gram proposer over the request's prompt and output (its `NgramIndex`, kept on the request)."""
+
+    always = False  # within the request's adaptive k
 
     def __init__(self, lo: int, hi: int) -> None:
         self.lo, self.hi = lo, hi
 
     def propose(self, req: Request, drafts: list[int], room: int) -> list[int]:
         index = req.draft_state.index
-        if index is None:
-            index = req.draft_state.index = NgramIndex(self.lo, self.hi)
+        if index is None:  # a structured output's values start glued to its punctuation ("The): one token found
+            index = req.draft_state.index = NgramIndex(1 if req.grammar is not None else self.lo, self.hi)
         index.extend(req.token_slice(len(index.tokens), req.num_tokens))
         return index.propose(room, drafts)
 
@@ -87,16 +126,17 @@ class Drafter:
         req.draft_state.acceptance.record(drafted, accepted)
 
     def _draft(self, req: Request) -> list[int]:
-        """The proposers' drafts in order, within the request's k (its acceptance), max_tokens and max_model_len,
-        up to the first token its grammar rejects."""
+        """The proposers' drafts in order, within num_speculative_tokens (the adaptive k for proposers not
+        `always`), max_tokens and max_model_len, up to the first token its grammar rejects."""
         state = req.draft_state = req.draft_state or DraftState(None)
-        room = min(state.acceptance.k(self.step, self.config.num_speculative_tokens, self.config.min_acceptance),
-                   req.params.max_tokens - len(req.output_token_ids) - 1, self.max_model_len - req.num_tokens - 1)
+        cap = min(self.config.num_speculative_tokens, req.params.max_tokens - len(req.output_token_ids) - 1,
+                  self.max_model_len - req.num_tokens - 1)
+        k = min(cap, state.acceptance.k(self.step, self.config.num_speculative_tokens, self.config.min_acceptance))
         drafts: list[int] = []
         for proposer in self.proposers:
-            if len(drafts) >= room:
-                break
-            drafts += proposer.propose(req, drafts, room - len(drafts))[:room - len(drafts)]
+            room = (cap if proposer.always else k) - len(drafts)
+            if room > 0:
+                drafts += proposer.propose(req, drafts, room)[:room]
         return _grammar_prefix(req, drafts) if req.grammar is not None and drafts else drafts
 
 

@@ -134,6 +134,9 @@ class DraftState:
 
     index: NgramIndex | None
     acceptance: Acceptance = field(default_factory=Acceptance)
+    # grammar-forced drafts whose spelling is still to be compared with what the model wrote (and the output
+    # length when they were drafted)
+    forced: list[tuple[list[int], int]] = field(default_factory=list)
 
 
 @dataclass

@@ -31,6 +31,8 @@ class Oracle:
     """Drafts the reference continuation (decoding without drafts), one token of it wrong on every third step:
     both accepted and rejected drafts, at every position."""
 
+    always = False  # held to the request's adaptive k, as the n-gram lookup is
+
     def __init__(self, reference: dict, vocab: int, wrong_every: int = 3) -> None:
         self.reference, self.vocab, self.wrong_every = reference, vocab, wrong_every
         self.steps = 0
@@ -235,6 +237,8 @@ def test_sampled_acceptance_keeps_the_output_distribution(tiny_model_dir):
     spec = build(tiny_model_dir, SPEC, num_kv_blocks=400, max_num_seqs=64, max_num_batched_tokens=512)
 
     class Likely:
+        always = True
+
         def propose(self, req, drafts, room):
             return list(likely[len(req.output_token_ids):])[:room]
 
@@ -306,6 +310,8 @@ def test_drafts_stop_at_max_tokens_max_model_len_and_the_grammar(tiny_model_dir)
     drafter: Drafter = llm.engine.drafter
 
     class Fixed:
+        always = True
+
         def propose(self, req, drafts, room):
             return [9, 9, 9, 9, 9, 9][:room]
 
@@ -328,7 +334,7 @@ def test_drafts_stop_at_max_tokens_max_model_len_and_the_grammar(tiny_model_dir)
     rest = tok.encode("bc", add_special_tokens=False)
     drafter.proposers = [Fixed()]
     assert drafter._draft(structured) == []  # 9 is not what the grammar takes next
-    drafter.proposers = [type("Good", (), {"propose": lambda self, r, d, room: rest + [9, 9]})()]
+    drafter.proposers = [type("Good", (), {"always": True, "propose": lambda self, r, d, room: rest + [9, 9]})()]
     assert drafter._draft(structured) == rest  # cut at the grammar's end
     assert structured.grammar.accept_token(rest[0])  # the dry run was rolled back
 
@@ -343,3 +349,69 @@ def test_speculative_config_is_checked_when_the_engine_config_is_made():
         with pytest.raises(ValueError, match=words):
             EngineConfig(model="m", speculative_config=bad)
     assert SpeculativeConfig.parse(None) is None
+
+
+class PieceTokenizer:
+    """Token ids as fixed pieces of text; encode takes the longest piece first."""
+
+    pieces = {1: '":"', 2: '":', 3: '"', 4: "R", 5: "ye"}
+
+    def decode(self, ids):
+        return "".join(self.pieces[i] for i in ids)
+
+    def encode(self, text, add_special_tokens=False):
+        out = []
+        while text:
+            token = max((i for i, p in self.pieces.items() if text.startswith(p)), key=lambda i: len(self.pieces[i]))
+            out.append(token)
+            text = text[len(self.pieces[token]):]
+        return out
+
+
+def test_the_models_own_spelling_of_forced_text_is_learned():
+    """The grammar forces `":"`, drafted as its one token; the model writes `":` then `"`: from then on that
+    text is drafted as the model wrote it."""
+    from types import SimpleNamespace
+
+    from loraplex.platform.drafter import GrammarForced
+    from loraplex.platform.speculative import DraftState
+
+    forced = ['":"']
+    req = SimpleNamespace(grammar=SimpleNamespace(jump_forward_string=lambda: forced[0]), output_token_ids=[5],
+                          draft_state=DraftState(None))
+    proposer = GrammarForced(PieceTokenizer())
+    assert proposer.propose(req, [], 4) == [1]
+    req.output_token_ids += [2]  # the draft rejected: the model wrote `":`
+    forced[0] = '"'
+    assert proposer.propose(req, [], 4) == [3] and proposer.spelled == {}  # undecided yet
+    req.output_token_ids += [3, 4]
+    forced[0] = '":"'
+    assert proposer.propose(req, [], 4) == [2, 3] and proposer.spelled == {1: (2, 3)}
+    req.output_token_ids += [4, 5]  # a different text altogether: nothing learned from it
+    assert proposer.propose(req, [], 4) == [2, 3] and proposer.spelled == {1: (2, 3)}
+
+
+def test_grammar_forced_drafts_go_on_while_a_requests_lookup_is_paused(tiny_model_dir):
+    llm = build(tiny_model_dir, json.dumps({"method": "ngram", "num_speculative_tokens": 16}))
+    drafter = llm.engine.drafter
+
+    class Lookup:
+        always = False
+
+        def propose(self, req, drafts, room):
+            return [9] * room
+
+    drafter.proposers = [drafter.proposers[0], Lookup()]
+    req = llm.engine.inputs.process("y", {"prompt_token_ids": [3, 4]}, SamplingParams(
+        temperature=0, max_tokens=50, structured=StructuredOutputs(json=SCHEMA)))
+    llm.engine.add(req)
+    tok = llm.engine.tokenizer
+    req.output_token_ids = tok.encode("{", add_special_tokens=False)
+    for token in req.output_token_ids:
+        assert req.grammar.accept_token(token)
+    req.num_computed_tokens = req.num_tokens - 1
+    forced = tok.encode(req.grammar.jump_forward_string(), add_special_tokens=False)
+    drafts = drafter._draft(req)  # the lookup's tokens after the forced ones, as far as the grammar takes them
+    assert forced and drafts[:len(forced)] == forced and len(drafts) > len(forced)
+    req.draft_state.acceptance.paused_until = 10**9
+    assert drafter._draft(req) == forced  # no lookup tokens after them while paused
