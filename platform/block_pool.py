@@ -58,6 +58,12 @@ class FreeBlockQueue:
         block.next_free, self.tail.prev_free = self.tail, block
         self.num_free += 1
 
+    def appendleft(self, block: Block) -> None:
+        first = self.head.next_free
+        first.prev_free, block.next_free = block, first
+        block.prev_free, self.head.next_free = self.head, block
+        self.num_free += 1
+
     def remove(self, block: Block) -> None:
         if block.prev_free is None or block.next_free is None:
             raise RuntimeError(f"{block} is not in the free list")
@@ -130,14 +136,16 @@ class BlockPool:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
 
-    def free_blocks(self, blocks: list[Block]) -> None:
-        """Drop one reference each; pass them in eviction order (first = evicted first)."""
+    def free_blocks(self, blocks: list[Block], first: bool = False) -> None:
+        """Drop one reference each; pass them in eviction order (first = evicted first). `first`: those freed go
+        to the head of the free queue, reused before any cached block is evicted (blocks whose content no one
+        will look up)."""
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"double free of {block}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                (self.free_queue.appendleft if first else self.free_queue.append)(block)
 
     def cache_block(self, block: Block, block_hash: bytes) -> None:
         if not self.enable_caching or block.block_hash is not None:

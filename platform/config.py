@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -235,8 +236,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         self.speculative  # noqa: B018 (parsed here so a bad value fails before anything is built)
 
-    @property
+    @functools.cached_property
     def speculative(self) -> SpeculativeConfig | None:
+        """`speculative_config` parsed (once)."""
         return SpeculativeConfig.parse(self.speculative_config)
 
     @property

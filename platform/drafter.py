@@ -33,9 +33,6 @@ class GrammarForced:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        # a token of forced text -> the tokens the model wrote its text in instead (JSON's `":"` as `":` `"`): the
-        # model's own spelling, learned from what verification kept, drafted from then on
-        self.spelled: dict[int, tuple[int, ...]] = {}
 
     def propose(self, req: Request, drafts: list[int], room: int) -> list[int]:
         if req.grammar is None or drafts:
@@ -47,31 +44,31 @@ class GrammarForced:
         tokens = self.tokenizer.encode(forced, add_special_tokens=False)
         if self.tokenizer.decode(tokens) != forced:
             return []
-        tokens = [t for token in tokens for t in self.spelled.get(token, (token,))]
+        spelled = req.draft_state.spelled
+        tokens = [t for token in tokens for t in spelled.get(token, (token,))]
         req.draft_state.forced.append((tokens, len(req.output_token_ids)))
         return tokens[:room]
 
     def _learn(self, req: Request) -> None:
         """Where the model wrote the text of the first forced token it did not take in several tokens of its own,
-        keep that spelling (a draft still undecided, its text only begun, is looked at again next step)."""
+        keep that spelling for this sequence (a draft whose text the model has only begun stays for next step)."""
         state = req.draft_state
-        state.forced = [pending for pending in state.forced if self._undecided(req, *pending)]
+        state.forced = [pending for pending in state.forced if not self._settle(req, *pending)]
 
-    def _undecided(self, req: Request, proposed: list[int], start: int) -> bool:
+    def _settle(self, req: Request, proposed: list[int], start: int) -> bool:
+        """Whether what the model wrote since `start` decides how it spells `proposed` (recorded if differently)."""
         written = req.output_token_ids[start:]
         i = next((i for i, (a, b) in enumerate(zip(proposed, written)) if a != b), None)
         if i is None:
-            return len(written) < len(proposed)
+            return len(written) >= len(proposed)
         text = self.tokenizer.decode([proposed[i]])
         for j in range(i + 1, min(len(written), i + MAX_SPELLING) + 1):
             piece = self.tokenizer.decode(written[i:j])
-            if piece == text:
-                if j - i > 1:
-                    self.spelled[proposed[i]] = tuple(written[i:j])
-                return False
-            if not text.startswith(piece):
-                return False
-        return len(written) - i < MAX_SPELLING
+            if piece == text and j - i > 1:
+                req.draft_state.spelled[proposed[i]] = tuple(written[i:j])
+            if piece == text or not text.startswith(piece):
+                return True
+        return len(written) - i >= MAX_SPELLING
 
 
 class PromptLookup:
@@ -110,11 +107,10 @@ class Drafter:
         """Set the drafts of every running sequence in decode; a batch wider than `disable_by_batch_size`
         drafts nothing (a wide batch's step costs about its tokens: drafts stop being nearly free)."""
         self.step += 1
-        if len(running) > self.config.disable_by_batch_size:
-            return
-        for req in running:
-            if req.num_tokens - req.num_computed_tokens == 1 and req.params.speculative and req.output_token_ids:
-                req.spec_token_ids = self._draft(req)
+        drafting = len(running) <= self.config.disable_by_batch_size
+        for req in running:  # last step's drafts of a request not scheduled then go: proposed again from here
+            in_decode = req.num_tokens - req.num_computed_tokens == 1 and bool(req.output_token_ids)
+            req.spec_token_ids = self._draft(req) if drafting and in_decode and req.params.speculative else []
 
     def record(self, req: Request, drafted: int, accepted: int) -> None:
         """A verified draft: the counters, and the request's acceptance that sets its next k."""
@@ -131,6 +127,8 @@ class Drafter:
         state = req.draft_state = req.draft_state or DraftState(None)
         cap = min(self.config.num_speculative_tokens, req.params.max_tokens - len(req.output_token_ids) - 1,
                   self.max_model_len - req.num_tokens - 1)
+        if cap <= 0:
+            return []
         k = min(cap, state.acceptance.k(self.step, self.config.num_speculative_tokens, self.config.min_acceptance))
         drafts: list[int] = []
         for proposer in self.proposers:

@@ -147,14 +147,15 @@ class KVCacheManager:
                 self.pool.cache_block(blocks[i], hashes[i])
 
     def trim(self, request: Request) -> None:
-        """Give back the blocks past the request's computed tokens (rejected drafts' positions); none of them
-        is in the prefix cache (a block is cached only once every token in it is the request's own)."""
+        """Give back the blocks past the request's computed tokens (rejected drafts' positions). None of them is
+        in the prefix cache (a block is cached only once every token in it is the request's own), so they go to
+        the head of the free queue: the next allocation takes them back instead of evicting a cached block."""
         blocks = self.req_blocks.get(request.seq_id)
         keep = cdiv(request.num_computed_tokens, self.block_size)
         if blocks is not None and len(blocks) > keep:
             extra = blocks[keep:]
             del blocks[keep:]
-            self.pool.free_blocks(list(reversed(live(extra))))
+            self.pool.free_blocks(live(extra), first=True)
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent; writes into a shared block copy it."""

@@ -19,6 +19,8 @@ class LLM:
         unknown = set(engine_args) - known
         if unknown:
             raise TypeError(f"unknown engine arguments: {sorted(unknown)}; known: {sorted(known)}")
+        if isinstance(engine_args.get("speculative_config"), dict):  # vLLM's LLM takes a dict
+            engine_args["speculative_config"] = json.dumps(engine_args["speculative_config"])
         if model is None:
             from loraplex.platform.model_store import materialize_default_model
 

@@ -126,7 +126,9 @@ class OutputProcessor:
         for taken, token in enumerate(delta.new_token_ids, start=1):
             seq.num_tokens += 1
             stop = seq.detokenizer.append(token, check_stop=seq.num_tokens >= params.min_tokens)
-            if stop is not None and delta.finish_reason is None:
+            # a token that ended the sequence in the core (EOS, max_tokens) ends it there, whatever its text; a stop
+            # string completed before it (verified drafts, forced tokens) ends it first
+            if stop is not None and (delta.finish_reason is None or taken < len(delta.new_token_ids)):
                 hit = StopHit(delta.request_id, delta.index, stop)
                 _cut(delta, taken)  # tokens after the one completing the stop (drafts, forced) were never output
                 break

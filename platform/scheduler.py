@@ -98,7 +98,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < self.max_num_seqs:
             req = self.running[i]
-            num_new = self._with_drafts(req, budget)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while self.kv.allocate_slots(req, num_new) is None:
                 victim = self.running.pop()  # newest first
                 self._preempt(victim)
@@ -114,17 +114,26 @@ class Scheduler:
             break  # req itself was preempted: nothing newer is left to schedule
         if len(out.preempted) == made_room:  # else blocks ran short above: nothing new this step
             budget = self._admit_waiting(out, budget, fair)
+        self._add_drafts(out, budget)
         out.block_copies = self.kv.take_copies()
         return out
 
-    @staticmethod
-    def _with_drafts(req: Request, budget: int) -> int:
-        """The tokens a running request computes this step: its uncomputed ones, then its drafts (cut to the
-        budget; verified in this step's chunk)."""
-        remaining = req.num_tokens - req.num_computed_tokens
-        num_new = min(remaining + len(req.spec_token_ids), budget)
-        del req.spec_token_ids[max(0, num_new - remaining):]
-        return num_new
+    def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
+        """Last, from what the step has left (budget, blocks): each scheduled running request's drafts, computed
+        after its own tokens and verified; drafts never take what a running or waiting request's own tokens would
+        (so they cause no preemption and delay no admission)."""
+        for n, (req, num_new) in enumerate(out.scheduled):
+            drafts = req.spec_token_ids
+            if not drafts:
+                continue
+            del drafts[max(budget, 0):]
+            # a chunk short of its known tokens samples nothing to verify against; no block left: no drafts
+            if not drafts or num_new != req.num_tokens - req.num_computed_tokens or \
+                    self.kv.allocate_slots(req, num_new + len(drafts)) is None:
+                req.spec_token_ids = []
+                continue
+            out.scheduled[n] = (req, num_new + len(drafts))
+            budget -= len(drafts)
 
     def running_adapters(self) -> set[str]:
         return {name for r in self.running for name in r.adapter_names}
@@ -285,10 +294,6 @@ class Scheduler:
 
     def append(self, seq: Request, token: int, logprobs: dict[int, Logprob] | None, delta: SeqDelta) -> bool:
         """Append one token (its grammar advanced, its finish checked); whether the sequence still runs."""
-        self._append(seq, token, logprobs, delta)
-        return not seq.status.finished
-
-    def _append(self, seq: Request, token: int, logprobs: dict[int, Logprob] | None, delta: SeqDelta) -> None:
         seq.output_token_ids.append(token)
         delta.new_token_ids.append(token)
         if logprobs is not None:
@@ -300,7 +305,7 @@ class Scheduler:
             if not seq.grammar.accept_token(token):  # cannot happen with a sane mask: end this one only
                 seq.stop_reason = f"grammar rejected token {token}"
                 self.finish(seq, RequestStatus.FINISHED_ABORTED)
-                return
+                return False
             grammar_done = seq.grammar.is_terminated()
         if grammar_done or (token in self.eos_token_ids and not p.ignore_eos):
             self.finish(seq, RequestStatus.FINISHED_STOPPED)
@@ -309,6 +314,7 @@ class Scheduler:
             self.finish(seq, RequestStatus.FINISHED_STOPPED)
         elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             self.finish(seq, RequestStatus.FINISHED_LENGTH)
+        return not seq.status.finished
 
     def stop(self, request_id: str, index: int, reason: str) -> None:
         """A stop string ended sequence `index` (the output processor found it in the text)."""

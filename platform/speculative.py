@@ -55,12 +55,12 @@ class SpeculativeConfig:
             raise ValueError(f"speculative grammar_drafts must be a boolean, got {self.grammar_drafts!r}")
 
     @classmethod
-    def parse(cls, text: str | dict | None) -> SpeculativeConfig | None:
-        """The flag's JSON (or a dict); None: no speculation. Unknown keys are refused by name."""
+    def parse(cls, text: str | None) -> SpeculativeConfig | None:
+        """The flag's JSON; None: no speculation. Unknown keys are refused by name."""
         if text is None or text == "":
             return None
         try:
-            raw = json.loads(text) if isinstance(text, str) else dict(text)
+            raw = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"speculative_config is not JSON: {exc}") from None
         if not isinstance(raw, dict):
@@ -103,6 +103,9 @@ class NgramIndex:
         return []
 
 
+MAX_BACKOFF = 256  # steps, the longest pause
+
+
 @dataclass
 class Acceptance:
     """A request's recent acceptance (an exponential average of accepted / drafted) and its back-off."""
@@ -112,6 +115,7 @@ class Acceptance:
     backoff: int = 8  # steps the next pause lasts (doubles each pause, up to MAX_BACKOFF)
 
     def k(self, step: int, most: int, min_acceptance: float) -> int:
+        """The request's k at this step; an acceptance below `min_acceptance` starts a pause here."""
         if step < self.paused_until:
             return 0
         if self.rate < min_acceptance:
@@ -125,8 +129,6 @@ class Acceptance:
             self.rate = 0.5 * self.rate + 0.5 * accepted / drafted
 
 
-MAX_BACKOFF = 256
-
 
 @dataclass
 class DraftState:
@@ -137,6 +139,9 @@ class DraftState:
     # grammar-forced drafts whose spelling is still to be compared with what the model wrote (and the output
     # length when they were drafted)
     forced: list[tuple[list[int], int]] = field(default_factory=list)
+    # a token of forced text -> the tokens the model wrote its text in instead (JSON's `":"` as `":` `"`), drafted
+    # so from then on; kept per sequence, so no request's drafts depend on another's output
+    spelled: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass

@@ -151,6 +151,75 @@ def test_preemption_chunks_n_stops_and_max_tokens_behave_as_without_drafts(tiny_
     assert_all_blocks_free(spec.engine)
 
 
+def wrong_drafts(llm: LLM, reference: dict, vocab: int = 448) -> None:
+    """Every draft wrong (each reference token shifted by one), never paused."""
+    llm.engine.drafter.proposers = [Oracle({k: [(t + 1) % vocab for t in v] for k, v in reference.items()}, vocab,
+                                           wrong_every=10**9)]
+
+
+def test_a_stop_string_completed_by_a_draft_ends_the_sequence_before_max_tokens_does(tiny_model_dir):
+    """The drafts of one step complete a stop string and then reach max_tokens: the stop string wins, as it does
+    without drafts (where the tokens after it never exist)."""
+    prompt = {"prompt_token_ids": list(range(3, 15))}
+    probe = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    plain_llm = build(tiny_model_dir, None)
+    text = plain_llm.generate([prompt], probe)[0].outputs[0].text
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop=[text[-4:-2]])
+    plain = plain_llm.generate([prompt], params)
+    _, full = recorded(build(tiny_model_dir, None), [prompt], probe)
+    spec = build(tiny_model_dir, SPEC)
+    spec.engine.drafter.proposers = [Oracle(full, 448, wrong_every=10**9)]  # drafts past the stop to max_tokens
+    drafted = spec.generate([prompt], params)[0].outputs[0]
+    want = plain[0].outputs[0]
+    assert want.finish_reason == "stop" and len(want.token_ids) < 6
+    assert (drafted.token_ids, drafted.text, drafted.finish_reason, drafted.stop_reason) == \
+        (want.token_ids, want.text, want.finish_reason, want.stop_reason)
+
+
+def test_drafts_never_preempt_nor_delay_other_requests(tiny_model_dir):
+    """Every draft wrong, blocks and the token budget short: the same steps, preemptions and scheduled requests
+    as without drafts (drafts are dropped before anyone is preempted, and take only budget left over)."""
+    prompts = [{"prompt_token_ids": list(range(3 + i, 20 + i))} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    args = dict(num_kv_blocks=12, max_num_seqs=4, max_num_batched_tokens=8)
+    _, reference = recorded(build(tiny_model_dir, None, **args), prompts, params)
+    runs = []
+    for spec in (None, ALWAYS):
+        llm = build(tiny_model_dir, spec, **args)
+        if spec is not None:
+            wrong_drafts(llm, reference)
+        scheduled = []
+        schedule = llm.engine.scheduler.schedule
+
+        def logged():
+            out = schedule()
+            scheduled.append(sorted(r.seq_id for r, _ in out.scheduled))
+            return out
+
+        llm.engine.scheduler.schedule = logged
+        outs = llm.generate(prompts, params)
+        runs.append((tokens(outs), scheduled, llm.engine.scheduler.num_preemptions))
+    assert runs[0][2] > 0 and runs[1] == runs[0]
+
+
+def test_rejected_drafts_do_not_evict_the_prefix_cache(tiny_model_dir):
+    """A cached prompt, then a long decode with every draft wrong: the prompt is still found in the cache as
+    often as without drafts (the blocks given back are taken again before a cached one is evicted)."""
+    cached = {"prompt_token_ids": list(range(100, 140))}
+    other = {"prompt_token_ids": list(range(3, 12))}
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    _, reference = recorded(build(tiny_model_dir, None, block_size=4, num_kv_blocks=24), [other], params)
+    hits = []
+    for spec in (None, ALWAYS):
+        llm = build(tiny_model_dir, spec, block_size=4, num_kv_blocks=24)
+        if spec is not None:
+            wrong_drafts(llm, reference)
+        llm.generate([cached], SamplingParams(max_tokens=1))
+        llm.generate([other], params)
+        hits.append(llm.generate([cached], SamplingParams(max_tokens=1))[0].num_cached_tokens)
+    assert hits[0] > 0 and hits[1] == hits[0]
+
+
 def test_rejected_drafts_leave_the_kv_pool_as_it_was(tiny_model_dir):
     """Every draft wrong: after each step the request holds the blocks, and the pool the free blocks, that the
     same step without drafts leaves."""
@@ -383,12 +452,12 @@ def test_the_models_own_spelling_of_forced_text_is_learned():
     assert proposer.propose(req, [], 4) == [1]
     req.output_token_ids += [2]  # the draft rejected: the model wrote `":`
     forced[0] = '"'
-    assert proposer.propose(req, [], 4) == [3] and proposer.spelled == {}  # undecided yet
+    assert proposer.propose(req, [], 4) == [3] and req.draft_state.spelled == {}  # undecided yet
     req.output_token_ids += [3, 4]
     forced[0] = '":"'
-    assert proposer.propose(req, [], 4) == [2, 3] and proposer.spelled == {1: (2, 3)}
+    assert proposer.propose(req, [], 4) == [2, 3] and req.draft_state.spelled == {1: (2, 3)}
     req.output_token_ids += [4, 5]  # a different text altogether: nothing learned from it
-    assert proposer.propose(req, [], 4) == [2, 3] and proposer.spelled == {1: (2, 3)}
+    assert proposer.propose(req, [], 4) == [2, 3] and req.draft_state.spelled == {1: (2, 3)}
 
 
 def test_grammar_forced_drafts_go_on_while_a_requests_lookup_is_paused(tiny_model_dir):
