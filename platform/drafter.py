@@ -101,13 +101,16 @@ class Drafter:
     def takes_forced(self, req: Request, batch_size: int) -> bool:
         """Whether `req`'s grammar-forced tokens are drafted (and so not appended by jump-forward) in a batch of
         `batch_size` running sequences."""
-        return self.config.grammar_drafts and req.params.speculative and batch_size <= self.config.disable_by_batch_size
+        return self.config.grammar_drafts and req.params.speculative and self._drafting(batch_size)
+
+    def _drafting(self, batch_size: int) -> bool:
+        return batch_size <= self.config.disable_by_batch_size
 
     def propose(self, running: list[Request]) -> None:
         """Set the drafts of every running sequence in decode; a batch wider than `disable_by_batch_size`
         drafts nothing (a wide batch's step costs about its tokens: drafts stop being nearly free)."""
         self.step += 1
-        drafting = len(running) <= self.config.disable_by_batch_size
+        drafting = self._drafting(len(running))
         for req in running:  # last step's drafts of a request not scheduled then go: proposed again from here
             in_decode = req.num_tokens - req.num_computed_tokens == 1 and bool(req.output_token_ids)
             req.spec_token_ids = self._draft(req) if drafting and in_decode and req.params.speculative else []
@@ -135,15 +138,16 @@ class Drafter:
             room = (cap if proposer.always else k) - len(drafts)
             if room > 0:
                 drafts += proposer.propose(req, drafts, room)[:room]
-        return _grammar_prefix(req, drafts) if req.grammar is not None and drafts else drafts
+        return grammar_prefix(req.grammar, drafts) if req.grammar is not None and drafts else drafts
 
 
-def _grammar_prefix(req: Request, drafts: list[int]) -> list[int]:
-    """The drafts up to the first its grammar rejects (a dry run on the matcher, rolled back)."""
+def grammar_prefix(grammar, tokens: list[int]) -> list[int]:
+    """The tokens up to the first the grammar rejects (a dry run on the matcher, rolled back): drafts, and
+    jump-forward's forced tokens."""
     accepted = 0
-    for token in drafts:
-        if req.grammar.is_terminated() or not req.grammar.accept_token(token):
+    for token in tokens:
+        if grammar.is_terminated() or not grammar.accept_token(token):
             break
         accepted += 1
-    req.grammar.rollback(accepted)
-    return drafts[:accepted]
+    grammar.rollback(accepted)
+    return tokens[:accepted]

@@ -20,7 +20,7 @@ from loraplex.grammar.manager import GrammarManager
 from loraplex.kernels.dispatch import to_device
 from loraplex.platform.config import EngineConfig
 from loraplex.platform.cuda_graphs import MIX_GRAPH_PASSES, CudaCapture, capture_sizes
-from loraplex.platform.drafter import Drafter
+from loraplex.platform.drafter import Drafter, grammar_prefix
 from loraplex.platform.device import (MemorySnapshot, kv_blocks_for, profile_kv_blocks, profiled_memory,
                                       select_device)
 from loraplex.platform.input_processor import InputProcessor, Limits
@@ -285,11 +285,6 @@ class Engine:
         if self.tokenizer.decode(tokens) != forced or joined != [last, *tokens]:
             return []
         tokens = tokens[:-1][:req.params.max_tokens - len(req.output_token_ids)]
-        accepted = 0
-        for token in tokens:  # dry run: only what the matcher takes
-            if not req.grammar.accept_token(token):
-                break
-            accepted += 1
-        req.grammar.rollback(accepted)
-        self.num_jump_forward_tokens += accepted
-        return tokens[:accepted]
+        tokens = grammar_prefix(req.grammar, tokens)  # dry run: only what the matcher takes
+        self.num_jump_forward_tokens += len(tokens)
+        return tokens
