@@ -422,6 +422,42 @@ def section_parity(check: Check) -> None:
     release()
 
 
+def section_deterministic(check: Check) -> None:
+    """--deterministic on the device (bf16, the small shape, two adapters): one request's tokens and logprobs alone,
+    in batches of 16 and 64 beside other prompts and adapters, with its prefix cached, and with prefill in chunks of
+    64, bitwise (the speed cost is benchmarks/deterministic.py's to measure)."""
+    from loraplex.platform import SamplingParams
+
+    folder, adapters = check.work / "small", sorted((check.work / "small-adapters").iterdir())[:2]
+    if not folder.is_dir():
+        raise RuntimeError("no small checkpoint: the parity section did not write one (see its row)")
+    loras = {f"a{i}": str(p) for i, p in enumerate(adapters)}
+    settings = dict(dtype="bfloat16", max_model_len=256, max_loras=2, max_num_seqs=64, lora_modules=loras)
+    llm = engine(check, folder, deterministic=True, enable_prefix_caching=True, **settings)
+    others = prompts(63, 20, check.found["vocab"], seed=5)
+    mine = prompts(1, 40, check.found["vocab"], seed=6)[0]
+
+    def signature(batch, salt, llm=llm):
+        params = [SamplingParams(temperature=0, max_tokens=check.plan.parity_tokens, ignore_eos=True, logprobs=2,
+                                 cache_salt=f"{salt}{i}") for i in range(len(batch))]
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params,
+                            adapter=["a0"] + [f"a{i % 2}" if i % 3 else None for i in range(1, len(batch))])
+        out = outs[0].outputs[0]
+        return out.token_ids, [{t: lp.logprob for t, lp in step.items()} for step in out.logprobs]
+
+    alone = signature([mine], "alone")
+    cases = {"batch 16": signature([mine] + others[:15], "b16"), "batch 64": signature([mine] + others, "b64"),
+             "cached": signature([mine], "alone")}
+    chunked = engine(check, folder, deterministic=True, max_num_batched_tokens=64, **settings)
+    cases["chunks of 64"] = signature([mine] + others[:15], "c", llm=chunked)
+    same = [name for name, got in cases.items() if got == alone]
+    check.report.row("deterministic: one request's tokens and logprobs alone vs " + ", ".join(cases) +
+                     f" (bf16, {check.plan.small}, adapters)", f"{len(same)}/{len(cases)} bitwise equal",
+                     f"{len(cases)}/{len(cases)}")
+    del llm, chunked
+    release()
+
+
 class Reference:
     """A proposer drafting each prompt's known greedy continuation; every `wrong_every`-th draft has a token
     changed (rejections at every position), 0: none."""
@@ -689,7 +725,8 @@ def grammar_backend_installed() -> bool:
 # (name, seconds it needs at least on the real check: skipped when fewer are left in the budget)
 SECTIONS = [(section_environment, 0), (section_bandwidth, 5), (section_kernels, 40), (section_parity, 60),
             (section_large_model, 90), (section_decode, 60), (section_graphs, 20), (section_adapters, 30),
-            (section_profile, 20), (section_speculative, 15), (section_kv_memory, 0), (section_audit, 10)]
+            (section_profile, 20), (section_speculative, 15), (section_deterministic, 20), (section_kv_memory, 0),
+            (section_audit, 10)]
 
 
 def run_sections(check: Check, sections=SECTIONS) -> None:

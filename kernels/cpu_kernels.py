@@ -215,6 +215,16 @@ def f32_matmul_c(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out if x.dim() == 2 else out.view(*x.shape[:-1], rows)
 
 
+def bf16w_matmul_c(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """float32 x [..., K] times a bfloat16 weight [N, K] (K a multiple of 8, both contiguous) -> float32 [..., N],
+    in float32 math: every token's sums in the same order whatever the call's token count."""
+    rows, k = weight.shape
+    tokens = x.numel() // k
+    out = x.new_empty(tokens, rows)
+    ops.bf16w_matmul(x, tokens, k, weight, rows, out)  # K not a multiple of 8: RuntimeError ("refused", status -2)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], rows)
+
+
 def _f16c() -> bool:
     return library() is not None and _kv_f16
 

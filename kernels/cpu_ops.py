@@ -130,6 +130,8 @@ DECLARATIONS = (
                           Tensor("out", XY, "T * I"))),
     Function("f32_matmul", (Tensor("x", (F32,), "M * K"), I64("M"), I64("K"), Tensor("w", (F32,), "N * K"), I64("N"),
                             Tensor("out", (F32,), "M * N"))),
+    Function("bf16w_matmul", (Tensor("x", (F32,), "M * K"), I64("M"), I64("K"), Tensor("w", (BF16,), "N * K"),
+                              I64("N"), Tensor("out", (F32,), "M * N"))),
     Function("bf16_matmul_amx", (Tensor("x", XY, "M * K"), Int("x_kind"), I64("M"), I64("K"),
                                  Tensor("w", (BF16,), "(N + 31) // 32 * 32 * K"), I64("N"), Int("y_kind"),
                                  Tensor("y", XY, "M * N"))),

@@ -5,6 +5,9 @@ model's dtypes) and `forward_cuda` (Triton; PyTorch ops where there is no Triton
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,6 +18,29 @@ from loraplex.kernels.paged_attention import PagedAttentionMetadata, attention_k
 from loraplex.kernels.sgmv import lora_kernel
 
 LAYER_DTYPES = (torch.float32, torch.bfloat16)  # what the C layer ops read and write
+
+
+POINTWISE_CHUNK = 1 << 14  # elements per call of `pointwise_op` under --deterministic on CPU
+
+
+def pointwise_op(config: KernelConfig, fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+    """`fn` (a transcendental elementwise op: tanh, sigmoid, gelu) as it runs for `config`. Torch's CPU loops
+    compute whole vectors with one routine and the elements past the last whole vector (of the tensor, or of a
+    thread's share) with another, and the two differ in the last bit: which elements fall there depends on the
+    tensor's size, so on the batch. Under --deterministic on CPU, `fn` runs on fixed chunks of POINTWISE_CHUNK
+    elements (under torch's parallel grain: one thread, whole vectors only), the last one padded."""
+    if not (config.deterministic and config.device_type == "cpu"):
+        return fn
+    return functools.partial(_in_chunks, fn)
+
+
+def _in_chunks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    flat = x.reshape(-1)
+    n = flat.numel()
+    if n == 0:
+        return fn(x)
+    padded = F.pad(flat, (0, -n % POINTWISE_CHUNK))
+    return torch.cat([fn(chunk) for chunk in padded.split(POINTWISE_CHUNK)])[:n].view(x.shape)
 
 
 class CustomOp(nn.Module):
@@ -148,7 +174,7 @@ def sdpa_prefill_applies(config: KernelConfig, prefill: PrefillAttention, slidin
     if prefill not in list(PrefillAttention):
         raise ValueError(f"prefill attention must be one of {', '.join(PrefillAttention)}, got {prefill!r}")
     chosen = PREFILL_AUTO if prefill == PrefillAttention.AUTO else prefill
-    if chosen == PrefillAttention.TRITON or config.backend != Backend.TRITON:
+    if chosen == PrefillAttention.TRITON or config.backend != Backend.TRITON or config.deterministic:
         return False
     # SDPA takes no window without a mask and caps no scores: such layers (Gemma 2) keep the paged kernel
     return sliding_window is None and softcap is None

@@ -109,6 +109,9 @@ class KernelConfig:
     caps: CpuCaps = field(default_factory=CpuCaps)
     tune: TuneTable = field(default_factory=TuneTable)
     prefill_attention: PrefillAttention = PrefillAttention.AUTO
+    # --deterministic: every kernel sums a token's values in one order whatever the batch, the step's token
+    # count, the prefill chunking or the prefix cache (docs/engine.md, "Deterministic inference")
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", Backend(self.backend))
@@ -166,7 +169,7 @@ def kernel_config(device: torch.device | str, dtype: torch.dtype, kv_dtype: torc
                   lora_dtype: torch.dtype | None = None, pack_weights: bool = True, quantization: str = "none",
                   found: tuple[Backend, CpuCaps, TuneTable] | None = None,
                   prefill_attention: PrefillAttention | str = PrefillAttention.AUTO,
-                  backend: Backend | str | None = None) -> KernelConfig:
+                  backend: Backend | str | None = None, deterministic: bool = False) -> KernelConfig:
     """A `KernelConfig` for a model on `device`; `found`: what `machine(device)` returned, if already read;
     `backend`: this backend rather than the one the machine resolves (tests and benchmarks; checked the same way
     as `LORAPLEX_KERNELS=triton`)."""
@@ -176,4 +179,4 @@ def kernel_config(device: torch.device | str, dtype: torch.dtype, kv_dtype: torc
     backend, caps, tune = found or machine(device, backend)
     return KernelConfig(backend, device.type, dtype, kv_dtype or dtype, lora_dtype or dtype,
                         pack_weights and device.type == "cpu", quantization, caps, tune,
-                        PrefillAttention(prefill_attention))
+                        PrefillAttention(prefill_attention), deterministic)

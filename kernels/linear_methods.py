@@ -9,11 +9,15 @@ parameters, which the loader fills), `process_weights_after_loading` (pack, quan
   measures it faster than oneDNN's packing.
 - `OneDNNLinear`: the weight reordered once into oneDNN's blocked layout (BENCHMARKS.md, "Engine speed").
 - `AMXLinear`: bf16 weights packed into our AMX kernel's B tiles (BENCHMARKS.md, "Dense bf16 weights on AMX").
+- `InvariantLinear`: `--deterministic`: plain rows through `batch_invariant_matmul` (docs/engine.md,
+  "Deterministic inference").
 - `QuantizedLinear`: q4 (GGUF Q4_1 blocks, GPTQ, AWQ) or 8-bit weights, kept in the layout this CPU's kernels
   read, multiplied through a `quant.QuantPlan` (BENCHMARKS.md, "Quantized weights").
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -90,6 +94,45 @@ class PlainF32Linear(LinearMethod):
             y = cpu_kernels.f32_matmul_c(x, weight)
             return y if layer.bias is None else y + layer.bias
         return F.linear(x, weight, layer.bias)
+
+
+class InvariantLinear(LinearMethod):
+    """--deterministic: `batch_invariant_matmul`, whose sums for a token do not depend on the other tokens of the
+    call or on how many there are (the weight kept as plain rows in the model's dtype)."""
+
+    name = "batch-invariant rows"
+
+    def __init__(self, matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        self.matmul = matmul
+
+    def create_weights(self, layer, in_features, out_features, bias):
+        if in_features % 8:
+            raise ValueError(f"deterministic inference multiplies inputs of a multiple of 8 features, got {in_features}")
+        super().create_weights(layer, in_features, out_features, bias)
+
+    def apply(self, layer, x):
+        y = self.matmul(x, layer.weight)
+        return y if layer.bias is None else y + layer.bias
+
+
+def batch_invariant_matmul(config: KernelConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`(x [..., K], w [N, K]) -> x w^T` with each token's sums in one fixed order, whatever the token count
+    (deterministic mode): our C kernels on CPU (float32 weights as they are, 16-bit ones widened per tile, float32
+    sums rounded once), a Triton kernel with one fixed tiling and no split-K on CUDA."""
+    if config.backend == Backend.TRITON:
+        from loraplex.kernels.matmul_triton import invariant_matmul_triton
+
+        return invariant_matmul_triton
+    if config.backend == Backend.CPU:
+        return _invariant_matmul_cpu
+    raise ValueError(f"deterministic inference runs our C kernels (CPU) or Triton (CUDA), not the {config.backend} "
+                     "backend")
+
+
+def _invariant_matmul_cpu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if weight.dtype == torch.float32:
+        return cpu_kernels.f32_matmul_c(x.contiguous(), weight)
+    return cpu_kernels.bf16w_matmul_c(x.float(), weight).to(x.dtype)
 
 
 class OneDNNLinear(LinearMethod):
@@ -216,6 +259,8 @@ def linear_method(config: KernelConfig, in_features: int, quantized: tuple[str, 
     packed for oneDNN or our AMX kernel where weights are packed, plain float32 rows for our kernel, or torch."""
     if quantized is not None:
         return QuantizedLinear(*quantized, config)
+    if config.deterministic:
+        return InvariantLinear(batch_invariant_matmul(config))
     if config.device_type != "cpu":
         return TorchLinear()
     if config.pack_weights and can_pack(config.dtype, config.caps.native_bf16):

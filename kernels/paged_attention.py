@@ -30,6 +30,7 @@ from loraplex.kernels.dispatch import Backend, KernelConfig
 # Query chunks up to this length take the C kernel on CPU; longer ones (prefill) the gathered SDPA, which
 # runs the many-query case as blocked GEMMs (a model reads it from its `TuneTable`).
 CPU_KERNEL_MAX_QUERY_LEN = TuneTable.attention_kernel_query_len
+DETERMINISTIC_QUERY_LEN = 1 << 62  # --deterministic on CPU: every query chunk takes the C kernel
 
 
 @dataclass
@@ -226,11 +227,14 @@ def attention_kernel(config: KernelConfig, sliding_window: int | None = None, so
             return paged_attention_triton(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                           meta.query_start_loc, meta.max_query_len, scale,
                                           sliding_window=bounds.sliding_window, softcap=bounds.softcap,
-                                          max_seq_len=meta.max_seq_len, num_sms=sm_count(query.device))
+                                          max_seq_len=meta.max_seq_len, num_sms=sm_count(query.device),
+                                          deterministic=config.deterministic)
         return triton
     if config.backend == Backend.CPU and config.dtype in (torch.float32, torch.bfloat16) and \
             c_kernel_reads_kv(config.kv_dtype, config.caps.f16c):
-        max_short = config.tune.attention_kernel_query_len
+        # deterministic: every chunk through the C kernel, which walks a query's context in the same chunks
+        # whatever was cached or computed with it (the reference's SDPA would sum prefill otherwise)
+        max_short = DETERMINISTIC_QUERY_LEN if config.deterministic else config.tune.attention_kernel_query_len
         return lambda query, k_cache, v_cache, meta, scale: _paged_attention_cpu(query, k_cache, v_cache, meta,
                                                                                   scale, bounds, max_short)
     if bounds == AttentionBounds():

@@ -29,6 +29,7 @@ from loraplex.kernels.dispatch import dot_in_fp32, ieee_fp32
 
 DEFAULT_NUM_SMS = 132  # an H100 / H200: the split rule's target when the caller names no device
 BLOCK_N = 32  # KV positions per tile, gathered across blocks of any size
+DETERMINISTIC_BLOCK_M = 64  # --deterministic: every launch's rows per program
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in the reduce than it saves
 
 
@@ -62,8 +63,8 @@ def _kv_range(seq_len, q_len, first_tok, last_tok, split, num_splits, window,
     whole tiles each, from the request's own lengths."""
     hi = seq_len - q_len + last_tok + 1
     lo = 0
-    if WINDOW:
-        lo = tl.maximum(seq_len - q_len + first_tok - window + 1, 0)
+    if WINDOW:  # from a whole tile: a query's tiles start at the same positions whichever rows share its program
+        lo = tl.maximum(seq_len - q_len + first_tok - window + 1, 0) // BLOCK_N * BLOCK_N
     if SPLIT:
         share = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
         lo = lo + split * share
@@ -179,15 +180,16 @@ class LaunchPlan:
 
 
 def plan(num_requests: int, num_heads: int, num_kv_heads: int, max_query_len: int, max_seq_len: int | None,
-         sliding_window: int | None = None, num_sms: int = DEFAULT_NUM_SMS) -> LaunchPlan:
+         sliding_window: int | None = None, num_sms: int = DEFAULT_NUM_SMS, deterministic: bool = False) -> LaunchPlan:
     """GQA-packed rows (a KV head's query heads x query tokens); KV split only for decode batches whose
     programs would leave SMs idle, into shares of at least MIN_SPLIT_TOKENS of the span a query reads (its
-    context, or its window)."""
+    context, or its window). `deterministic`: one row block size and no split, whatever the step's shapes, so a
+    query's sums run in one order (its tiles start at whole BLOCK_N positions)."""
     group = num_heads // num_kv_heads
-    block_m = max(16, min(64, triton.next_power_of_2(max_query_len * group)))
+    block_m = DETERMINISTIC_BLOCK_M if deterministic else max(16, min(64, triton.next_power_of_2(max_query_len * group)))
     programs = num_requests * num_kv_heads * triton.cdiv(max_query_len * group, block_m)
     splits = 1
-    if max_query_len == 1 and max_seq_len is not None and programs < num_sms:
+    if not deterministic and max_query_len == 1 and max_seq_len is not None and programs < num_sms:
         span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
         splits = max(1, min(triton.cdiv(num_sms, programs), span // MIN_SPLIT_TOKENS))
     grid = (num_requests, triton.cdiv(max_query_len * group, block_m), num_kv_heads * splits)
@@ -220,14 +222,15 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                            max_query_len: int, scale: float, sliding_window: int | None = None,
                            softcap: float | None = None, max_seq_len: int | None = None,
-                           num_sms: int = DEFAULT_NUM_SMS) -> torch.Tensor:
+                           num_sms: int = DEFAULT_NUM_SMS, deterministic: bool = False) -> torch.Tensor:
     """`max_seq_len` (a host bound on every context, None: unknown, no split) and `num_sms` decide the
-    KV split (`plan`)."""
+    KV split (`plan`); `deterministic`: none, and one row block size."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     assert query.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
     assert block_tables.dtype in (torch.int32, torch.int64) and block_tables.stride(1) == 1
-    launch = plan(len(seq_lens), num_heads, num_kv_heads, max_query_len, max_seq_len, sliding_window, num_sms)
+    launch = plan(len(seq_lens), num_heads, num_kv_heads, max_query_len, max_seq_len, sliding_window, num_sms,
+                  deterministic)
     block_d = max(16, triton.next_power_of_2(head_dim))
     out = torch.empty_like(query)
     split = launch.num_splits > 1

@@ -19,6 +19,7 @@ runs one weighted pass per adapter of its largest mix (`LoRABatch.passes`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -252,13 +253,18 @@ def lora_kernel(config: KernelConfig):
     kernel while a batch's segments are short (`TuneTable.lora_kernel_mean_segment_*`) and per-segment GEMMs
     else."""
     if config.stacked_lora:
-        return sgmv_lora_stacked_triton if config.backend == Backend.TRITON else sgmv_lora_stacked_reference
+        if config.backend != Backend.TRITON:
+            return sgmv_lora_stacked_reference
+        return functools.partial(sgmv_lora_stacked_triton, split_k=False) if config.deterministic else \
+            sgmv_lora_stacked_triton
     c_pair = config.dtype in cpu_kernels.SGMV_DTYPES and (config.dtype, config.lora_dtype) in cpu_kernels.SGMV_KINDS
     if config.backend != Backend.CPU or not c_pair:
         return sgmv_lora_table_torch
     tune = config.tune
     limit = tune.lora_kernel_mean_segment_bf16 if config.lora_dtype == torch.bfloat16 else \
         tune.lora_kernel_mean_segment_f32
+    if config.deterministic:  # each token's delta summed alone, whatever its segment's length: always the C kernel
+        limit = float("inf")
 
     def c_or_gemms(x, table, batch, y):
         if batch.num_tokens < limit * batch.num_segments:  # decode-shaped: each token's A and B read in place
@@ -356,15 +362,16 @@ class StackedLoRA:
         self.host_ranks[slot], self.host_scales[slot] = 0, 0.0
 
 
-def sgmv_lora_stacked_triton(x: torch.Tensor, table: StackedLoRA, batch: LoRABatch, y: torch.Tensor
-                             ) -> torch.Tensor:
+def sgmv_lora_stacked_triton(x: torch.Tensor, table: StackedLoRA, batch: LoRABatch, y: torch.Tensor,
+                             split_k: bool = True) -> torch.Tensor:
     """Shrink into an fp32 buffer, expand into y. Both read only the columns below each token's rank that the
-    shrink wrote: no memset of the buffer (but under split-K, whose shares add into it)."""
+    shrink wrote: no memset of the buffer (but under split-K, whose shares add into it). `split_k` False
+    (--deterministic): never split, so no atomics sum a token's shares in an order of their own."""
     from loraplex.kernels.paged_attention_triton import sm_count
     from loraplex.kernels.sgmv_triton import sgmv_expand_triton, sgmv_shrink_triton
 
     h = torch.empty(x.shape[0], table.a.shape[1], dtype=torch.float32, device=x.device)
-    sgmv_shrink_triton(x, table.a, table.ranks, batch, h, table.num_slices, sm_count(x.device))
+    sgmv_shrink_triton(x, table.a, table.ranks, batch, h, table.num_slices, sm_count(x.device) if split_k else 0)
     return sgmv_expand_triton(h, table.b, table.ranks, table.scales, batch, y, table.offsets, table.offsets_t)
 
 

@@ -184,6 +184,10 @@ class EngineConfig:
                                                     "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
                                                     "\"prompt_lookup_min\": 2, \"disable_by_batch_size\": 4}; method "
                                                     "grammar drafts only grammar-forced tokens (docs/speculative.md)")
+    deterministic: bool = _setting(False, "deterministic inference: a request's tokens and logprobs bitwise the same "
+                                          "whatever the batch, the prefix cache, the prefill chunking or a "
+                                          "preemption (every kernel sums a token's values in one fixed order; "
+                                          "CPU: our C kernels, float32 or bfloat16; CUDA: Triton; docs/engine.md)")
     json_close_window: int = _setting(64, "JSON outputs: in the last max(N, max_tokens/4) tokens of max_tokens (at most half), "
                                           "pick a closing token (quote, bracket, brace, end) whenever the grammar "
                                           "allows one (0: off)")

@@ -41,8 +41,11 @@ def resolve(config: EngineConfig) -> ResolvedConfig:
     _check_device(config, device, backend)
     config = _dtype(config, model, device, caps, tune, notes)
     _check_lora_dtype(config, device, backend)
+    if config.deterministic:
+        _check_deterministic(config, backend, notes)
     kernels = kernel_config(device, config.torch_dtype, config.torch_kv_dtype, config.torch_lora_dtype,
-                            config.pack_weights, config.quantization, found, config.prefill_attention)
+                            config.pack_weights, config.quantization, found, config.prefill_attention,
+                            deterministic=config.deterministic)
     max_loras, why = _max_loras(config, model)
     notes.append(f"adapters: max_loras={max_loras} per batch ({why}); CPU cache bounded by "
                  f"lora_memory={config.lora_memory / 2**20:.0f} MiB")
@@ -88,6 +91,25 @@ def _check_lora_dtype(config: EngineConfig, device: torch.device, backend: Backe
     if stacked and config.torch_lora_dtype != config.torch_dtype:
         raise ValueError(f"lora_dtype {config.torch_lora_dtype} under dtype {config.torch_dtype} on the Triton / "
                          "CUDA path: adapters there are in the model's dtype")
+
+
+def _check_deterministic(config: EngineConfig, backend: Backend, notes: list[str]) -> None:
+    """--deterministic runs where every kernel it needs has a batch-invariant form: our C kernels on CPU (float32 or
+    bfloat16, dense weights, a KV cache they read) or Triton on CUDA (docs/engine.md, "Deterministic inference")."""
+    why = None
+    if backend == Backend.NATIVE:
+        why = "our C kernels (CPU) or Triton (CUDA); this machine runs the PyTorch path (no C compiler, or " \
+              "LORAPLEX_KERNELS=torch)"
+    elif config.quantization != "none":
+        why = f"dense weights; quantization {config.quantization} is not batch-invariant yet"
+    elif backend == Backend.CPU and config.torch_dtype not in (torch.float32, torch.bfloat16):
+        why = f"float32 or bfloat16 on CPU, not {config.torch_dtype}"
+    elif backend == Backend.CPU and config.kv_cache_dtype == "float16" and not CpuCaps.detect().f16c:
+        why = "a KV cache the C attention kernel reads (float16 needs F16C)"
+    if why:
+        raise ValueError(f"--deterministic needs {why}")
+    notes.append(f"deterministic: every matmul, attention and LoRA kernel batch-invariant ({backend}); "
+                 "prefill attention through the paged kernel")
 
 
 def _dtype(config: EngineConfig, model: ModelConfig, device: torch.device, caps: CpuCaps,

@@ -180,7 +180,7 @@ def filter_and_softmax(logits: torch.Tensor, requests: list[Request]) -> torch.T
         return to_device(torch.tensor(values, device="cpu"), device)
 
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # ties cut in id order
         k = put([min(k, vocab) if k > 0 else vocab for k in top_k])
         ranks = torch.arange(vocab, device=device)[None, :]
         sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
@@ -218,10 +218,27 @@ def logprobs_of(rows: torch.Tensor, tokens: torch.Tensor, num_tops: list[int]) -
     k = min(max(num_tops), rows.shape[1])
     chosen = rows.gather(1, tokens[:, None])
     ranks = (rows > chosen).sum(dim=1, keepdim=True) + 1
-    top_values, top_ids = rows.topk(k, dim=-1)
+    top_values, top_ids = ranked_top(rows, k)
     # float64 holds the float32 logprobs and every id and rank exactly: one tensor, one read
     packed = torch.cat([t.double() for t in (tokens[:, None], chosen, ranks, top_values, top_ids)], dim=1)
     return [_entry(row, k, num_top) for row, num_top in zip(to_host(packed), num_tops)]
+
+
+def ranked_top(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k largest values and their ids, ties broken by the lower id: `topk` alone picks among ties by
+    its own internal order, which changes with k (the batch's largest `logprobs`), so a request's alternatives
+    would depend on its neighbours'."""
+    if k == 0:
+        return rows.topk(0, dim=-1)
+    kth = rows.topk(k, dim=-1).values[:, -1:]
+    above, ties = rows > kth, rows == kth
+    keep = above | ties & (ties.cumsum(dim=1) <= k - above.sum(dim=1, keepdim=True))
+    found = keep.nonzero()[:, 1]
+    if found.numel() != rows.shape[0] * k:  # NaN in a row: no order to keep
+        return rows.topk(k, dim=-1)
+    ids = found.view(rows.shape[0], k)  # exactly k a row, in id order
+    values, order = rows.gather(1, ids).sort(dim=1, descending=True, stable=True)
+    return values, ids.gather(1, order)
 
 
 def _entry(packed: list[float], k: int, num_top: int) -> dict[int, Logprob]:

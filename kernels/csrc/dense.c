@@ -1,4 +1,4 @@
-/* Dense weights: plain float32 rows (f32_matmul) and bf16 B tiles on AMX (bf16_matmul_amx). */
+/* Dense weights: plain float32 rows (f32_matmul), bf16 rows in float32 math (bf16w_matmul) and bf16 B tiles on AMX (bf16_matmul_amx). */
 #include "isa.h"
 #include "tiles.h"
 
@@ -22,6 +22,34 @@ int f32_matmul(const float *x, int64_t M, int64_t K, const float *w, int64_t N, 
         }
     }
     return 0;
+}
+
+/* out [M, N] = x [M, K] w^T for a bfloat16 weight w [N, K] (K a multiple of 8) in float32 math: each thread widens
+ * its QTILE rows of w into a buffer (exact), then the float32 register blocks above. A token's outputs are summed
+ * in one order whatever M is and wherever the token sits in x (the deterministic mode's 16-bit linear,
+ * docs/engine.md "Deterministic inference"). */
+int bf16w_matmul(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, float *out)
+{
+    if (K % 8) return -2;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *buf = malloc(sizeof(float) * QTILE * K);
+        if (!buf) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t t0 = 0; t0 < N; t0 += QTILE) {
+            if (!buf) continue;
+            const int rows = N - t0 < QTILE ? (int)(N - t0) : QTILE;
+            const uint16_t *src = w + t0 * K;
+            for (int64_t i = 0; i < rows * K; ++i) buf[i] = bf16_to_f32(src[i]);
+            for (int64_t r0 = 0; r0 < M; r0 += MCHUNK) {
+                const int64_t mc = M - r0 < MCHUNK ? M - r0 : MCHUNK;
+                TILE_ROWS(x + r0 * K, mc, K, buf, rows, out + r0 * N, N, t0);
+            }
+        }
+        free(buf);
+    }
+    return failed ? -1 : 0;
 }
 
 #ifdef AMX

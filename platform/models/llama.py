@@ -7,6 +7,7 @@ through its format. The model knows no adapters: LoRA layers wrap its modules (`
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from loraplex.kernels.custom_ops import PagedAttention, RMSNorm, RopeKVWrite, SiluAndMul
+from loraplex.kernels.custom_ops import PagedAttention, RMSNorm, RopeKVWrite, SiluAndMul, pointwise_op
 from loraplex.kernels.dispatch import KernelConfig
 from loraplex.kernels.linear_methods import tile_table_into_head
 from loraplex.kernels.paged_attention import PagedAttentionMetadata
@@ -68,14 +69,18 @@ class Attention(nn.Module):
 class GeluTanhAndMul(nn.Module):
     """[..., 2I] -> gelu(gate, tanh approximation) * up [..., I]: Gemma's GeGLU, in PyTorch ops."""
 
+    def __init__(self, kernels: KernelConfig) -> None:
+        super().__init__()
+        self.gelu = pointwise_op(kernels, functools.partial(F.gelu, approximate="tanh"))
+
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.gelu(gate, approximate="tanh") * up
+        return self.gelu(gate) * up
 
 
 def activation_and_mul(name: str, kernels: KernelConfig) -> nn.Module:
     """The MLP's gate activation times up, by transformers' activation name (ModelConfig checks it)."""
-    return GeluTanhAndMul() if name == "gelu_pytorch_tanh" else SiluAndMul(kernels)
+    return GeluTanhAndMul(kernels) if name == "gelu_pytorch_tanh" else SiluAndMul(kernels)
 
 
 class MLP(nn.Module):
@@ -150,6 +155,7 @@ class DecoderModel(nn.Module):
         self.rope = RotaryEmbedding(config, max_len)
         self.embed_scale = float(torch.tensor(config.embedding_multiplier, device="cpu").to(kernels.dtype))
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, kernels, head_format(kernels.quantization))
+        self.tanh = pointwise_op(kernels, torch.tanh)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -185,7 +191,7 @@ class DecoderModel(nn.Module):
         if self.config.logits_scaling != 1.0:
             logits = logits / self.config.logits_scaling
         cap = self.config.final_logit_softcap
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        return logits if cap is None else self.tanh(logits / cap) * cap
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.logits(hidden).float()

@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraplex.kernels.custom_ops import SiluAndMul
+from loraplex.kernels.custom_ops import SiluAndMul, pointwise_op
 from loraplex.kernels.dispatch import KernelConfig
+from loraplex.kernels.linear_methods import batch_invariant_matmul
 from loraplex.platform.config import ModelConfig
 from loraplex.platform.models.experts import MoEConfig
 from loraplex.platform.models.linear import Linear
@@ -40,7 +41,11 @@ class SparseMoEBlock(nn.Module):
         self.w13 = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(moe.num_experts, hidden, moe.intermediate_size), requires_grad=False)
         self.act = SiluAndMul(kernels)
-        self.grouped = _grouped_mm_takes(kernels)
+        # --deterministic: every product through the batch-invariant matmul, one expert at a time (a grouped
+        # matmul's tiling follows the groups' sizes)
+        self.linear = batch_invariant_matmul(kernels) if kernels.deterministic else F.linear
+        self.grouped = _grouped_mm_takes(kernels) and not kernels.deterministic
+        self.sigmoid = pointwise_op(kernels, torch.sigmoid)
         if moe.shared_expert_size:
             self.shared_gate_up = Linear(hidden, 2 * moe.shared_expert_size, False, kernels)
             self.shared_down = Linear(moe.shared_expert_size, hidden, False, kernels)
@@ -51,12 +56,12 @@ class SparseMoEBlock(nn.Module):
         out = self.experts(x, weights, experts)
         if self.moe.shared_expert_size:
             shared = self.shared_down(self.act(self.shared_gate_up(x)))
-            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * shared
+            out = out + self.sigmoid(self.linear(x, self.shared_gate)) * shared
         return out
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k routing weights and experts [T, k], in transformers' order of operations."""
-        logits = F.linear(x, self.router)
+        logits = self.linear(x, self.router)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.moe.top_k, dim=-1)
         if self.moe.renormalize:
@@ -83,8 +88,8 @@ class SparseMoEBlock(nn.Module):
         if self.grouped:
             return grouped_matmul(rows, weight, counts)
         if rows.is_cuda and torch.cuda.is_current_stream_capturing():  # a CUDA graph: no host sync
-            return masked_matmul(rows, weight, ids)
-        return looped_matmul(rows, weight, counts)
+            return masked_matmul(rows, weight, ids, self.linear)
+        return looped_matmul(rows, weight, counts, self.linear)
 
     @torch.no_grad()
     def load_weights(self, take: Callable[[str], torch.Tensor], prefix: str) -> None:
@@ -118,23 +123,23 @@ def grouped_matmul(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tenso
     return F.grouped_mm(rows, weight.transpose(1, 2), offs=torch.cumsum(counts, 0, dtype=torch.int32))
 
 
-def looped_matmul(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """One matmul per expert used (the group sizes read on the host)."""
+def looped_matmul(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, linear=F.linear) -> torch.Tensor:
+    """One matmul per expert used (the group sizes read on the host), by `linear` (x, w) -> x w^T."""
     out = rows.new_empty(rows.shape[0], weight.shape[1])
     start = 0
     for e, n in enumerate(counts.tolist()):
         if n:
-            out[start:start + n] = F.linear(rows[start:start + n], weight[e])
+            out[start:start + n] = linear(rows[start:start + n], weight[e])
             start += n
     return out
 
 
-def masked_matmul(rows: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def masked_matmul(rows: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, linear=F.linear) -> torch.Tensor:
     """Every expert on every row, each row keeping its own expert's: no data-dependent shape, so a
     CUDA graph can hold it (decode batches, where the weights' reads dominate anyway)."""
     out = rows.new_zeros(rows.shape[0], weight.shape[1])
     for e in range(weight.shape[0]):
-        out = torch.where((ids == e)[:, None], F.linear(rows, weight[e]), out)
+        out = torch.where((ids == e)[:, None], linear(rows, weight[e]), out)
     return out
 
 

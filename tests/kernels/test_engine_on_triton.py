@@ -62,3 +62,21 @@ def test_verified_drafts_on_triton_give_the_tokens_of_plain_decoding(tiny_model_
     assert results["triton"] == results["torch"]
     counters = llm.engine.drafter.counters
     assert counters.num_draft_tokens >= 8 and counters.num_accepted_tokens > 0
+
+
+def test_deterministic_mode_on_triton_runs_the_invariant_kernels(tiny_model_dir, tiny_adapters):
+    """--deterministic on the Triton backend (the interpreter here): the invariant matmul, unsplit attention and
+    SGMV in the real step, with chunked prefill and an adapter beside the base; greedy tokens as the PyTorch path
+    gives them (bitwise invariance itself is the GPU check's: numpy stands in for the tensor cores here)."""
+    from loraplex.kernels.linear_methods import InvariantLinear
+
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 21)]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    results = {}
+    for backend in ("torch", "triton"):
+        with forced_kernels(backend):
+            llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_loras=1, max_num_batched_tokens=8,
+                      deterministic=backend == "triton", lora_modules={"a0": str(tiny_adapters[0])})
+        results[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, adapter=["a0", None])]
+    assert isinstance(llm.engine.model.layers[0].mlp.down_proj.method, InvariantLinear)
+    assert results["triton"] == results["torch"]

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from loraplex.platform.request import Request, SamplingParams
-from loraplex.platform.sampler import Sampler, argmax, filter_and_softmax
+from loraplex.platform.sampler import Sampler, argmax, filter_and_softmax, logprobs_of, ranked_top
 
 V = 50
 
@@ -118,6 +118,21 @@ def test_logprobs_are_of_the_raw_distribution_with_ranks():
     assert lp[token].rank == int((raw > raw[token]).sum()) + 1
     for rank, (value, t) in enumerate(zip(top.values.tolist(), top.indices.tolist()), start=1):
         assert lp[t].logprob == pytest.approx(value) and lp[t].rank == rank
+
+
+def test_tied_alternatives_are_the_lower_ids_whatever_the_batch_asks_for():
+    """bf16 logits tie often: a request's alternatives must not depend on the largest `logprobs` of its batch
+    (topk picks among ties by an internal order that changes with k)."""
+    torch.manual_seed(0)
+    rows = torch.randn(3, 4000).round(decimals=1)  # many ties at every value
+    for k in (1, 2, 3, 5, 40):
+        values, ids = ranked_top(rows, k)
+        want = sorted(range(4000), key=lambda i: (-rows[1, i].item(), i))[:k]
+        assert ids[1].tolist() == want and values[1].tolist() == rows[1, want].tolist()
+    tokens = torch.tensor([0, 1, 2])
+    alone = logprobs_of(rows[:1], tokens[:1], [2])[0]
+    assert logprobs_of(rows, tokens, [2, 7, 1])[0] == alone
+    assert ranked_top(rows, 0)[1].shape == (3, 0)
 
 
 @pytest.mark.parametrize("field,value", [("temperature", -0.5), ("top_p", 0.0), ("top_p", 7), ("n", 0),
