@@ -58,18 +58,21 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, row_size
 @triton.jit
 def _kv_range(seq_len, q_len, first_tok, last_tok, split, num_splits, window,
               BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr):
-    """[lo, hi): the KV positions this program reads. The rows' span runs from the first position the
-    first token sees (its window start) to the last token's own position; a split takes its share of it,
-    whole tiles each, from the request's own lengths."""
+    """[lo, hi): the KV tiles this program walks, and `first`: the first position it reads. The rows' span runs
+    from the first position the first token sees (its window start) to the last token's own position; a split
+    takes its share of it, whole tiles each, from the request's own lengths."""
     hi = seq_len - q_len + last_tok + 1
-    lo = 0
-    if WINDOW:  # from a whole tile: a query's tiles start at the same positions whichever rows share its program
-        lo = tl.maximum(seq_len - q_len + first_tok - window + 1, 0) // BLOCK_N * BLOCK_N
+    first = 0
+    if WINDOW:
+        first = tl.maximum(seq_len - q_len + first_tok - window + 1, 0)
+    # from a whole tile: a query's tiles start at the same positions whichever rows share its program; the
+    # positions before `first` are masked, not read (their blocks may be freed)
+    lo = first // BLOCK_N * BLOCK_N
     if SPLIT:
         share = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
         lo = lo + split * share
         hi = tl.minimum(hi, lo + share)
-    return lo, hi
+    return lo, hi, first
 
 
 @triton.jit
@@ -99,7 +102,7 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, 
                     mask=mask_m[:, None] & mask_d[None, :], other=0.0)
         q_pos = seq_len - q_len + tok  # absolute positions: lower-right causal
         last_tok = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // group, q_len - 1)
-        lo, hi = _kv_range(seq_len, q_len, (pid_m * BLOCK_M) // group, last_tok, split, num_splits, window,
+        lo, hi, first = _kv_range(seq_len, q_len, (pid_m * BLOCK_M) // group, last_tok, split, num_splits, window,
                            BLOCK_N, WINDOW, SPLIT)
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -107,7 +110,7 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, 
         table = tables_ptr + req.to(tl.int64) * stride_tb
         for n0 in range(lo, hi, BLOCK_N):
             kv_pos = n0 + tl.arange(0, BLOCK_N)
-            kv_ok = kv_pos < hi
+            kv_ok = (kv_pos >= first) & (kv_pos < hi)
             block = tl.load(table + kv_pos // block_size, mask=kv_ok, other=0).to(tl.int64)  # int32 or int64 tables
             base = block * stride_cb + (kv_pos % block_size) * stride_cs + kv_head * stride_ch  # [N]
             k = tl.load(k_cache_ptr + base[None, :] + offs_d[:, None], mask=kv_ok[None, :] & mask_d[:, None],
