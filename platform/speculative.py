@@ -34,7 +34,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # the longest n-gram matched
     prompt_lookup_min: int = 2  # the shortest
     disable_by_batch_size: int = 4  # more running sequences than this: the step drafts nothing
-    min_acceptance: float = 0.25  # a request's recent acceptance below this pauses its drafts
+    min_acceptance: float = 0.1  # a request's recent acceptance below this pauses its drafts
     grammar_drafts: bool = True  # a structured request's forced tokens drafted (else jump-forward appends them)
 
     def __post_init__(self) -> None:
@@ -103,6 +103,7 @@ class NgramIndex:
         return []
 
 
+FIRST_BACKOFF = 8  # steps, the first pause
 MAX_BACKOFF = 256  # steps, the longest pause
 
 
@@ -112,7 +113,9 @@ class Acceptance:
 
     rate: float = 1.0  # optimistic: a request's first drafts are tried at full length
     paused_until: int = 0  # step before which it drafts nothing
-    backoff: int = 8  # steps the next pause lasts (doubles each pause, up to MAX_BACKOFF)
+    # steps the next pause lasts: doubles each pause, up to MAX_BACKOFF, and starts over at a draft accepted whole
+    # (a request that copies, invents, then copies again is not held to the pauses of its inventing)
+    backoff: int = FIRST_BACKOFF
 
     def k(self, step: int, most: int, min_acceptance: float) -> int:
         """The request's k at this step; an acceptance below `min_acceptance` starts a pause here."""
@@ -127,6 +130,8 @@ class Acceptance:
     def record(self, drafted: int, accepted: int) -> None:
         if drafted:
             self.rate = 0.5 * self.rate + 0.5 * accepted / drafted
+        if drafted and accepted == drafted:
+            self.backoff = FIRST_BACKOFF
 
 
 

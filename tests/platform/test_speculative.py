@@ -374,6 +374,23 @@ def test_acceptance_adapts_k_and_pauses_with_a_growing_backoff():
     assert acc.k(14, 4, 0.25) == 0 and acc.paused_until == 14 + 16
 
 
+def test_a_draft_accepted_whole_starts_the_backoff_over():
+    """A request that copies, invents, then copies again: its next pause is the first one's length, not the
+    doubled length its inventing earned."""
+    acc = Acceptance()
+    for _ in range(3):
+        acc.record(4, 0)
+    assert acc.k(1, 4, 0.25) == 0 and acc.paused_until == 1 + 8
+    assert acc.k(9, 4, 0.25) == 2  # the probe
+    acc.record(2, 0)
+    assert acc.k(10, 4, 0.25) == 0 and acc.paused_until == 10 + 16 and acc.backoff == 32
+    assert acc.k(26, 4, 0.25) == 2
+    acc.record(2, 2)  # copying again
+    for _ in range(3):
+        acc.record(4, 0)
+    assert acc.k(30, 4, 0.25) == 0 and acc.paused_until == 30 + 8
+
+
 def test_drafts_stop_at_max_tokens_max_model_len_and_the_grammar(tiny_model_dir):
     llm = build(tiny_model_dir, SPEC, max_model_len=64)
     drafter: Drafter = llm.engine.drafter
