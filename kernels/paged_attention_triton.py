@@ -102,8 +102,8 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, 
                     mask=mask_m[:, None] & mask_d[None, :], other=0.0)
         q_pos = seq_len - q_len + tok  # absolute positions: lower-right causal
         last_tok = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // group, q_len - 1)
-        lo, hi, first = _kv_range(seq_len, q_len, (pid_m * BLOCK_M) // group, last_tok, split, num_splits, window,
-                           BLOCK_N, WINDOW, SPLIT)
+        lo, hi, first = _kv_range(seq_len, q_len, (pid_m * BLOCK_M) // group, last_tok, split, num_splits,
+                                  window, BLOCK_N, WINDOW, SPLIT)
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
