@@ -42,7 +42,7 @@ def resolve(config: EngineConfig) -> ResolvedConfig:
     config = _dtype(config, model, device, caps, tune, notes)
     _check_lora_dtype(config, device, backend)
     if config.deterministic:
-        _check_deterministic(config, backend, notes)
+        _check_deterministic(config, backend, caps, notes)
     kernels = kernel_config(device, config.torch_dtype, config.torch_kv_dtype, config.torch_lora_dtype,
                             config.pack_weights, config.quantization, found, config.prefill_attention,
                             deterministic=config.deterministic)
@@ -93,7 +93,7 @@ def _check_lora_dtype(config: EngineConfig, device: torch.device, backend: Backe
                          "CUDA path: adapters there are in the model's dtype")
 
 
-def _check_deterministic(config: EngineConfig, backend: Backend, notes: list[str]) -> None:
+def _check_deterministic(config: EngineConfig, backend: Backend, caps: CpuCaps, notes: list[str]) -> None:
     """--deterministic runs where every kernel it needs has a batch-invariant form: our C kernels on CPU (float32 or
     bfloat16, dense weights, a KV cache they read) or Triton on CUDA (docs/engine.md, "Deterministic inference")."""
     why = None
@@ -104,7 +104,7 @@ def _check_deterministic(config: EngineConfig, backend: Backend, notes: list[str
         why = f"dense weights; quantization {config.quantization} is not batch-invariant yet"
     elif backend == Backend.CPU and config.torch_dtype not in (torch.float32, torch.bfloat16):
         why = f"float32 or bfloat16 on CPU, not {config.torch_dtype}"
-    elif backend == Backend.CPU and config.kv_cache_dtype == "float16" and not CpuCaps.detect().f16c:
+    elif backend == Backend.CPU and config.kv_cache_dtype == "float16" and not caps.f16c:
         why = "a KV cache the C attention kernel reads (float16 needs F16C)"
     if why:
         raise ValueError(f"--deterministic needs {why}")

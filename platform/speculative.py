@@ -128,9 +128,10 @@ class Acceptance:
         return max(1, min(most, math.ceil(most * 2 * self.rate)))  # at rate >= 0.5, all of them
 
     def record(self, drafted: int, accepted: int) -> None:
-        if drafted:
-            self.rate = 0.5 * self.rate + 0.5 * accepted / drafted
-        if drafted and accepted == drafted:
+        if not drafted:
+            return
+        self.rate = 0.5 * self.rate + 0.5 * accepted / drafted
+        if accepted == drafted:
             self.backoff = FIRST_BACKOFF
 
 
