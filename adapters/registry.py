@@ -10,6 +10,7 @@ by the engine thread between steps (`assign_slots`).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
@@ -61,6 +62,10 @@ class AdapterRegistry:
                  dtype: torch.dtype, lora_memory: int | None = None, device: torch.device | None = None,
                  stacked: bool = False) -> None:
         """`stacked`: slots are copies on `device` (the Triton kernels' layout), not pointers."""
+        # called with each adapter read for a load, before it is registered: raising refuses the load (tensor
+        # parallelism: every rank reads it first)
+        self.verify: Callable[[AdapterInfo, LoRAWeights], None] | None = None
+        self.unloaded: Callable[[AdapterInfo], None] | None = None  # told after an unload (the workers forget it)
         if max_loras < 1 or max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {max_loras}, {max_lora_rank}")
         if max_cpu_loras is not None and max_cpu_loras < max_loras:
@@ -93,6 +98,8 @@ class AdapterRegistry:
         weights = self._read(name, path, confined)  # slow part, unlocked
         info = AdapterInfo(name, weights.path, weights.rank, weights.content_hash, confined,
                            tuple(sorted(weights.target_modules)), tuple(sorted(weights.modules_to_save)))
+        if self.verify is not None:
+            self.verify(info, weights)
         with self._lock:
             if name in self._adapters:
                 if not replace:
@@ -106,11 +113,13 @@ class AdapterRegistry:
         with self._lock:
             self.get(name)
             self._check_unpinned(name)
-            del self._adapters[name]
+            info = self._adapters.pop(name)
             self._drop(name)
             held = self._slot_of.get(name)
             if held is not None:  # a stacked slot outlives its CPU copy, not its adapter
                 self._vacate(held[0])
+        if self.unloaded is not None:
+            self.unloaded(info)
 
     def get(self, name: str) -> AdapterInfo:
         with self._lock:

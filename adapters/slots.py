@@ -48,6 +48,12 @@ class LoRASlots:
         self.embedding, self.head = VocabAdapters.empty(max_loras), VocabAdapters.empty(max_loras)
         self.device = (device or torch.device("cpu")) if self.stacked else None  # None: the adapters' own tensors
         self.base: BaseTables | None = None  # set by the model (`set_base`), for adapters read after that
+        self.listeners: list[Callable[[int, LoRAWeights | None], None]] = []
+
+    def listen(self, listener: Callable[[int, LoRAWeights | None], None]) -> None:
+        """Call `listener(slot, weights)` whenever a slot is loaded (weights None: emptied), after the tables:
+        tensor parallelism's workers follow the engine's slots this way."""
+        self.listeners.append(listener)
 
     def set_base(self, dtype: torch.dtype, dense: Callable[[str], torch.Tensor],
                  served: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:
@@ -69,6 +75,8 @@ class LoRASlots:
                 else:
                     table.set(slot, pair[0], pair[1], lora.scaling)
         self._load_vocab(slot, lora)
+        for listener in self.listeners:
+            listener(slot, lora)
 
     def _load_vocab(self, slot: int, lora: LoRAWeights) -> None:
         moved: dict[int, torch.Tensor] = {}  # a full weight both modules share is copied once
@@ -91,3 +99,5 @@ class LoRASlots:
                 table.clear(slot)
         self.embedding.clear(slot)
         self.head.clear(slot)
+        for listener in self.listeners:
+            listener(slot, None)

@@ -103,17 +103,23 @@ def build_application(engine_args: dict, model: str | None, server: ServerConfig
     catalog = ray.remote(num_cpus=0)(AdapterCatalog).remote(adapters)
     # each replica enforces its share of every tenant's limits (docs/tenants.md)
     server = dataclasses.replace(server, tenant_limit_share=1.0 / cluster.replicas)
-    replica = serve.deployment(engine_replica(cluster.max_adapters_per_replica), name="Engine",
-                               **_replica_options(server, cluster))
+    ranks = engine_args.get("tensor_parallel_size", 1)
+    gpus = ranks > 1 and _replica_on_gpus(engine_args.get("device", "auto"),
+                                          lambda: ray.cluster_resources().get("GPU", 0))
+    options = _replica_options(server, cluster, ranks, gpus)
+    if "placement_group_bundles" in options:
+        log.info("each replica reserves %s (%s) for its %d tensor-parallel ranks",
+                 options["placement_group_bundles"], options["placement_group_strategy"], ranks)
+    replica = serve.deployment(engine_replica(cluster.max_adapters_per_replica), name="Engine", **options)
     ingress = serve.deployment(Ingress, name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
     engines = replica.bind(engine_args, model, server, catalog, int(cluster.replica_cpus))
     return ingress.bind(engines, catalog, server.served_model_name, cluster.routing, server.max_request_body_bytes)
 
 
-def _replica_options(server: ServerConfig, cluster: ClusterConfig) -> dict:
-    """The engine deployment's Ray options: resources, replica count or autoscaling, routing."""
-    from ray.serve.config import RequestRouterConfig
-
+def _replica_options(server: ServerConfig, cluster: ClusterConfig, tensor_parallel_size: int = 1,
+                     gpus: bool = False) -> dict:
+    """The engine deployment's Ray options: resources, replica count or autoscaling, routing, and
+    a tensor-parallel replica's placement group. Pure: Ray is imported only for a request router."""
     options: dict = {"ray_actor_options": {"num_cpus": cluster.replica_cpus},
                      "max_ongoing_requests": cluster.max_ongoing_requests, "health_check_period_s": 2,
                      "graceful_shutdown_timeout_s": server.shutdown_timeout_s}
@@ -122,13 +128,53 @@ def _replica_options(server: ServerConfig, cluster: ClusterConfig) -> dict:
                                          "target_ongoing_requests": cluster.target_ongoing_requests}
     else:
         options["num_replicas"] = cluster.replicas
-    if cluster.routing == "round-robin":
-        options["request_router_config"] = RequestRouterConfig(
-            request_router_class="ray.serve.experimental.round_robin_router:RoundRobinRouter")
-    elif cluster.routing == "adapter":
-        options["request_router_config"] = RequestRouterConfig(request_router_class=ROUTER,
-                                                               request_router_kwargs={"epsilon": cluster.load_epsilon})
+    router = _request_router(cluster)
+    if router is not None:
+        options["request_router_config"] = router
+    options.update(_tensor_parallel_placement(cluster.replica_cpus, tensor_parallel_size, gpus))
     return options
+
+
+def _request_router(cluster: ClusterConfig):
+    """Ray's request router for the routing asked for; None: Ray's default (affinity)."""
+    if cluster.routing == "round-robin":
+        from ray.serve.config import RequestRouterConfig
+
+        return RequestRouterConfig(request_router_class="ray.serve.experimental.round_robin_router:RoundRobinRouter")
+    if cluster.routing == "adapter":
+        from ray.serve.config import RequestRouterConfig
+
+        return RequestRouterConfig(request_router_class=ROUTER, request_router_kwargs={"epsilon": cluster.load_epsilon})
+    return None
+
+
+def _replica_on_gpus(device: str, cluster_gpus) -> bool:
+    """Whether a replica's engine runs on CUDA: `cuda` / `cuda:N` say so; `auto` does where the
+    cluster has GPUs (`cluster_gpus()`, asked only then: it needs a running Ray)."""
+    if device == "auto":
+        return cluster_gpus() > 0
+    return device.startswith("cuda")
+
+
+def _tensor_parallel_placement(replica_cpus: float, size: int, gpus: bool) -> dict:
+    """A tensor-parallel replica's extra Ray options: one placement group per replica, on one node
+    (STRICT_PACK: the ranks talk over 127.0.0.1 / NVLink). Nothing for one rank.
+
+    The ranks are the replica's child processes, not Ray actors: Ray only has to hold their
+    resources, each rank the replica's CPUs. Ray places the replica actor in the first bundle and
+    sets its CUDA_VISIBLE_DEVICES to the GPUs the actor itself holds, which the ranks inherit: so all
+    N GPUs are the actor's, in the first bundle (GPUs in other bundles would be held but unseen)."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+    if size == 1:
+        return {}
+    actor = {"num_cpus": replica_cpus, **({"num_gpus": size} if gpus else {})}
+    bundles = [{"CPU": replica_cpus, **({"GPU": size} if gpus else {})}] + [{"CPU": replica_cpus}] * (size - 1)
+    # Ray refuses a bundle of zeros (replica_cpus 0): such a rank reserves nothing
+    bundles = [kept for kept in ({k: v for k, v in b.items() if v > 0} for b in bundles) if kept]
+    if not bundles:  # nothing to hold: the ranks run beside the replica all the same
+        return {"ray_actor_options": actor}
+    return {"ray_actor_options": actor, "placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"}
 
 
 def described_adapters(lora_modules: list[tuple[str, str]], engine_args: dict, model: str) -> list[AdapterInfo]:

@@ -26,6 +26,7 @@ from loraplex.platform.engine_client import (AdapterInfo, AdapterStatus, ClientT
                                              Health, QueueFullError, StepFailedError, StructuredCheck,
                                              StructuredOutputs)
 from loraplex.platform.request import Request, RequestOutput, SamplingParams
+from loraplex.platform.tp_executor import WorkerDiedError
 
 __all__ = ["AsyncEngine", "ClientTooSlowError", "EngineDeadError", "QueueFullError", "StepFailedError"]
 
@@ -245,6 +246,7 @@ class AsyncEngine:
         self._stop.set()
         self._commands.put(_Wake())
         self._thread.join(timeout)
+        self.engine.close()
 
     def _check_accepting(self, incoming: int = 1) -> None:
         """Refuse when shutting down, dead, or when `incoming` more sequences (every prompt and
@@ -289,6 +291,8 @@ class AsyncEngine:
         aborts its batch; too many in a row and the engine is broken (raises)."""
         try:
             outputs = self.engine.step()
+        except WorkerDiedError:  # a tensor-parallel worker is gone: no later step can run
+            raise
         except Exception:
             if failures + 1 >= MAX_CONSECUTIVE_STEP_FAILURES:
                 raise

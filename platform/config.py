@@ -55,6 +55,7 @@ class ModelConfig:
     prequantized: tuple[str, int, bool] | None = None  # a GPTQ / AWQ checkpoint: (method, group, v1 zeros)
     moe: "MoEConfig | None" = None  # experts and routing of a mixture-of-experts model (models/experts.py)
     family: "Family | None" = field(default=None, compare=False, repr=False)  # its declaration (models/family.py)
+    shard: "ShardPlan | None" = field(default=None, compare=False, repr=False)  # one TP rank's part (models/sharding.py)
 
     @staticmethod
     def from_folder(path: str | Path) -> "ModelConfig":
@@ -184,6 +185,9 @@ class EngineConfig:
                                                     "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
                                                     "\"prompt_lookup_min\": 2, \"disable_by_batch_size\": 4}; method "
                                                     "grammar drafts only grammar-forced tokens (docs/speculative.md)")
+    tensor_parallel_size: int = _setting(1, "tensor parallelism: the model sharded over N worker processes (gloo "
+                                            "on CPU, NCCL on CUDA, one device each), the scheduler, grammars and "
+                                            "sampler staying in the engine's process (docs/parallel.md)")
     deterministic: bool = _setting(False, "deterministic inference: a request's tokens and logprobs bitwise the same "
                                           "whatever the batch, the prefix cache, the prefill chunking or a "
                                           "preemption (every kernel sums a token's values in one fixed order; "
@@ -212,6 +216,7 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_lora_rank", "lora_memory",
+                     "tensor_parallel_size",
                      "lora_cycle_steps", "num_kv_blocks", "max_loras", "max_cpu_loras", "max_adapters_per_request"):
             value = getattr(self, name)
             if value is not None and value < 1:

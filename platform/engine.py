@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from loraplex.adapters.lora_layers import attach_lora
+from loraplex.adapters.peft_format import AdapterError
 from loraplex.adapters.registry import AdapterRegistry
 from loraplex.grammar.manager import GrammarManager
 from loraplex.kernels.dispatch import to_device
@@ -34,6 +35,7 @@ from loraplex.platform.request import Request, RequestOutput, SamplingParams
 from loraplex.platform.sampler import Sampler, prompt_logprobs
 from loraplex.platform.scheduler import Scheduler
 from loraplex.platform.speculative import SpecCounters
+from loraplex.platform.tp_executor import TPExecutor, TPRunner, WorkerDiedError
 from loraplex.platform.verify import verify
 
 log = logging.getLogger(__name__)
@@ -74,13 +76,17 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         select_device(device)  # before anything touches it: loading, the profiling pass, graph capture
         memory_start = MemorySnapshot.measure(device) if device.type == "cuda" else None
-        self.model = load_model(config.model, model, resolved.kernels, self.max_model_len, gguf_source(config.model),
-                                device)
         self.adapters = AdapterRegistry(model, self.max_loras, config.max_lora_rank, config.max_cpu_loras,
                                         resolved.kernels.lora_dtype, config.lora_memory, device,
                                         resolved.kernels.stacked_lora)
-        lora = attach_lora(self.model, self.adapters.slots, resolved.kernels)  # the model's LoRA layers wrap its own
-        num_blocks = resolved.num_kv_blocks or self._kv_blocks_from_device(memory_start)
+        self.executor: TPExecutor | None = None
+        if config.tensor_parallel_size > 1:  # the model lives in the workers, sharded
+            self.model, num_blocks = None, self._start_workers(resolved)
+        else:
+            self.model = load_model(config.model, model, resolved.kernels, self.max_model_len,
+                                    gguf_source(config.model), device)
+            lora = attach_lora(self.model, self.adapters.slots, resolved.kernels)  # LoRA layers wrap the model's
+            num_blocks = resolved.num_kv_blocks or self._kv_blocks_from_device(memory_start)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  reclaim_window(model.layer_windows))  # all layers sliding: old blocks freed
         self.eos_token_ids = self._eos_token_ids()
@@ -90,8 +96,11 @@ class Engine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    self.max_loras, config.lora_cycle_steps, self.eos_token_ids,
                                    self.grammars.new_grammar)
-        self.runner = ModelRunner(self.model, model, self.kv, config.torch_kv_dtype, lora, device)
-        if device.type == "cuda" and not config.enforce_eager:
+        if self.executor is not None:
+            self.runner = TPRunner(self.executor, self.kv, self.adapters, device)
+        else:
+            self.runner = ModelRunner(self.model, model, self.kv, config.torch_kv_dtype, lora, device)
+        if device.type == "cuda" and not config.enforce_eager and self.executor is None:
             self.runner.enable_graphs(CudaCapture(), config.max_num_seqs, self.max_model_len,
                                       self.adapters.slots.null_slot,
                                       min(MIX_GRAPH_PASSES, config.max_adapters_per_request))
@@ -107,22 +116,36 @@ class Engine:
         self.num_jump_forward_tokens = 0
         self._log_kv_size(num_blocks, config.torch_kv_dtype)
 
-    def _kv_blocks_from_device(self, start: MemorySnapshot) -> int:
-        """CUDA: what `gpu_memory_utilization` leaves after a profiling pass at max_num_batched_tokens."""
-        config = self.config
-        block_bytes = kv_bytes_per_block(self.model_config, config.block_size, config.torch_kv_dtype)
-        profile_kv = profile_kv_blocks(config.max_num_batched_tokens, self.max_model_len, config.block_size)
-        graph_share = 0.0 if config.enforce_eager else \
-            capture_sizes(config.max_num_seqs)[-1] / config.max_num_batched_tokens  # a decode graph: a token a row
-
-        def profile() -> None:
-            profile_step(self.model, self.model_config, config.torch_kv_dtype, config.block_size,
-                         config.max_num_batched_tokens, self.max_model_len, config.max_num_seqs, self.device)
-
-        memory = profiled_memory(self.device, start, profile, profile_kv * block_bytes, graph_share)
-        num_blocks = kv_blocks_for(memory, config.gpu_memory_utilization, block_bytes)
-        log.info("KV sized from the device: %s", memory.describe(config.gpu_memory_utilization))
+    def _start_workers(self, resolved) -> int:
+        """Tensor parallelism: the workers started, each with its shard; the KV blocks every rank can hold."""
+        self.executor = executor = TPExecutor(resolved.engine, resolved.num_kv_blocks)
+        self.adapters.verify = self._check_adapter_on_every_rank
+        if resolved.num_kv_blocks is not None:
+            return resolved.num_kv_blocks
+        num_blocks = min(executor.call("kv_blocks", every=True))  # CUDA: what the fullest device leaves
+        executor.call("allocate_kv", num_blocks)
         return num_blocks
+
+    def _check_adapter_on_every_rank(self, info, weights) -> None:
+        if weights.embedding or weights.head or weights.replacements:
+            raise AdapterError(f"adapter {info.name!r} changes the embedding or the LM head (LoRA on them, or "
+                               "modules_to_save): not served under tensor parallelism, whose vocabulary is split "
+                               "over the ranks")
+        try:
+            self.executor.check_adapter(info)
+        except WorkerDiedError:
+            raise
+        except RuntimeError as exc:
+            raise AdapterError(f"adapter {info.name!r} could not be loaded on every tensor-parallel rank: "
+                               f"{exc}") from None
+
+    def close(self) -> None:
+        """Stop what the engine started outside its process (tensor parallelism's workers)."""
+        if self.executor is not None:
+            self.executor.close()
+
+    def _kv_blocks_from_device(self, start: MemorySnapshot) -> int:
+        return device_kv_blocks(self.model, self.model_config, self.config, self.max_model_len, self.device, start)
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)
@@ -288,3 +311,22 @@ class Engine:
         tokens = grammar_prefix(req.grammar, tokens)  # dry run: only what the matcher takes
         self.num_jump_forward_tokens += len(tokens)
         return tokens
+
+
+def device_kv_blocks(model, model_config, config: EngineConfig, max_model_len: int, device: torch.device,
+                     start: MemorySnapshot) -> int:
+    """CUDA: what `gpu_memory_utilization` leaves after a profiling pass at max_num_batched_tokens (a
+    tensor-parallel rank: its shard, with its KV heads)."""
+    block_bytes = kv_bytes_per_block(model_config, config.block_size, config.torch_kv_dtype)
+    profile_kv = profile_kv_blocks(config.max_num_batched_tokens, max_model_len, config.block_size)
+    graph_share = 0.0 if config.enforce_eager or config.tensor_parallel_size > 1 else \
+        capture_sizes(config.max_num_seqs)[-1] / config.max_num_batched_tokens  # a decode graph: a token a row
+
+    def profile() -> None:
+        profile_step(model, model_config, config.torch_kv_dtype, config.block_size, config.max_num_batched_tokens,
+                     max_model_len, config.max_num_seqs, device)
+
+    memory = profiled_memory(device, start, profile, profile_kv * block_bytes, graph_share)
+    num_blocks = kv_blocks_for(memory, config.gpu_memory_utilization, block_bytes)
+    log.info("KV sized from the device: %s", memory.describe(config.gpu_memory_utilization))
+    return num_blocks

@@ -18,6 +18,7 @@ from loraplex.platform.config import EngineConfig, ModelConfig, quantized_activa
 from loraplex.platform.device import normalize_device
 from loraplex.platform.model_runner import kv_bytes_per_block
 from loraplex.platform.models.linear import Linear
+from loraplex.platform.models.sharding import plan_for
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ def resolve(config: EngineConfig) -> ResolvedConfig:
     _check_lora_dtype(config, device, backend)
     if config.deterministic:
         _check_deterministic(config, backend, caps, notes)
+    if config.tensor_parallel_size > 1:
+        _check_tensor_parallel(config, model, device, notes)
     kernels = kernel_config(device, config.torch_dtype, config.torch_kv_dtype, config.torch_lora_dtype,
                             config.pack_weights, config.quantization, found, config.prefill_attention,
                             deterministic=config.deterministic)
@@ -110,6 +113,22 @@ def _check_deterministic(config: EngineConfig, backend: Backend, caps: CpuCaps, 
         raise ValueError(f"--deterministic needs {why}")
     notes.append(f"deterministic: every matmul, attention and LoRA kernel batch-invariant ({backend}); "
                  "prefill attention through the paged kernel")
+
+
+def _check_tensor_parallel(config: EngineConfig, model: ModelConfig, device: torch.device, notes: list[str]) -> None:
+    """What tensor parallelism serves: float weights of any family whose heads, MLP, experts and vocabulary split
+    `tensor_parallel_size` ways; on CUDA one device per rank."""
+    size = config.tensor_parallel_size
+    if config.quantization != "none" or model.prequantized:
+        raise ValueError(f"tensor_parallel_size {size}: quantized weights are not sharded (quantization "
+                         f"{config.quantization}{', a ' + model.prequantized[0] + ' checkpoint' if model.prequantized else ''}); "
+                         "serve float weights (quantization none)")
+    if device.type == "cuda" and torch.cuda.device_count() < size:
+        raise ValueError(f"tensor_parallel_size {size} needs {size} CUDA devices, {torch.cuda.device_count()} visible")
+    for rank in range(size):
+        plan_for(model, size, rank)  # a split it cannot make is refused here, naming why
+    notes.append(f"tensor parallelism: {size} worker processes ({'NCCL' if device.type == 'cuda' else 'gloo'}), "
+                 "the model sharded; no CUDA graphs")
 
 
 def _dtype(config: EngineConfig, model: ModelConfig, device: torch.device, caps: CpuCaps,

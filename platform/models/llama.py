@@ -22,12 +22,14 @@ from loraplex.kernels.linear_methods import tile_table_into_head
 from loraplex.kernels.paged_attention import PagedAttentionMetadata
 from loraplex.kernels.quant import concat
 from loraplex.platform.config import ModelConfig
+from loraplex.platform.distributed import all_gather_rows, all_reduce, identity
 from loraplex.platform.models.experts import is_sparse_layer
 from loraplex.platform.models.family import PROJECTION_BLOCKS
 from loraplex.platform.models.linear import Linear
 from loraplex.platform.models.moe import SparseMoEBlock
 from loraplex.platform.models.quantized import gguf_blocks, head_format, projection_format, read_prequantized
 from loraplex.platform.models.rope import RotaryEmbedding
+from loraplex.platform.models.sharding import column, gate_up_rows, o_cols, qkv_rows, row, span, vocab_rows
 
 
 class Attention(nn.Module):
@@ -36,10 +38,11 @@ class Attention(nn.Module):
         heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.q_size, self.kv_size = heads * head_dim, kv_heads * head_dim
-        weights = projection_format(kernels.quantization)
+        weights, plan = projection_format(kernels.quantization), config.shard
         self.qkv_proj = Linear(config.hidden_size, (heads + 2 * kv_heads) * head_dim, config.qkv_bias, kernels,
-                               weights)
-        self.o_proj = Linear(self.q_size, config.hidden_size, False, kernels, weights)
+                               weights, plan and column(qkv_rows(plan)))
+        self.o_proj = Linear(self.q_size, config.hidden_size, False, kernels, weights, plan and row(o_cols(plan)))
+        self.reduce = all_reduce if plan else identity  # o is row-parallel: each rank holds a partial sum
         self.qk_norm = config.qk_norm
         if config.qk_norm:
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, kernels)
@@ -56,7 +59,7 @@ class Attention(nn.Module):
             qkv = self.norm_heads(qkv)
         q = self.rope_kv_write(qkv, rope, k_cache, v_cache, meta)
         out = self.attn(q, k_cache, v_cache, meta)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
     def norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
         """Each q and k head RMS-normalized over head_dim (before RoPE, as Qwen3 and Gemma 3 do)."""
@@ -86,13 +89,16 @@ def activation_and_mul(name: str, kernels: KernelConfig) -> nn.Module:
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, kernels: KernelConfig) -> None:
         super().__init__()
-        weights = projection_format(kernels.quantization)
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, kernels, weights)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, kernels, weights)
+        weights, plan = projection_format(kernels.quantization), config.shard
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, kernels, weights,
+                                   plan and column(gate_up_rows(plan.intermediate, plan.intermediate_size)))
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, kernels, weights,
+                                plan and row(span(*plan.intermediate)))
         self.act = activation_and_mul(config.hidden_act, kernels)
+        self.reduce = all_reduce if plan else identity  # down is row-parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.reduce(self.down_proj(self.act(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
@@ -128,11 +134,16 @@ class DecoderLayer(nn.Module):
 
 
 class VocabEmbedding(nn.Embedding):
-    """The token embedding; a tied table held once, in the head's weight format (`hold_in`), is read from there."""
+    """The token embedding; a tied table held once, in the head's weight format (`hold_in`), is read from there.
+    Under tensor parallelism each rank holds the rows `vocab` = [first, end): a token outside them reads zeros,
+    and the all-reduce gives every rank its row."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, vocab: tuple[int, int] | None = None) -> None:
         super().__init__(num_embeddings, embedding_dim)
         self.read_rows = super().forward
+        self.vocab = vocab
+        if vocab is not None:
+            self.forward = self.sharded_forward
 
     def hold_in(self, head: Linear) -> None:
         """The table is the head's (its tiles): drop this copy and read rows from the head."""
@@ -142,19 +153,39 @@ class VocabEmbedding(nn.Embedding):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.read_rows(input_ids)
 
+    def sharded_forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        first, end = self.vocab
+        held = (input_ids >= first) & (input_ids < end)
+        rows = self.read_rows((input_ids - first).clamp_(0, end - first - 1))
+        return all_reduce(rows * held.unsqueeze(-1).to(rows.dtype))
+
+
+class ParallelHead(Linear):
+    """The vocabulary-parallel LM head: each rank's rows of the logits, gathered into every rank's whole row."""
+
+    def __init__(self, hidden: int, vocab: list[tuple[int, int]], rank: int, kernels: KernelConfig, weights) -> None:
+        first, end = vocab[rank]
+        super().__init__(hidden, end - first, False, kernels, weights, column(span(first, end)))
+        sizes, own = [e - f for f, e in vocab], self.method.apply
+        self.apply_method = lambda layer, x: all_gather_rows(own(layer, x), sizes)  # what LoRAHead calls too
+
 
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, max_len: int, kernels: KernelConfig | None = None) -> None:
         super().__init__()
         kernels = kernels or KernelConfig()
         self.config, self.kernels = config, kernels
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        plan = config.shard
+        vocab = plan.vocab if plan else (0, config.vocab_size)
+        self.embed_tokens = VocabEmbedding(vocab[1] - vocab[0], config.hidden_size, plan and plan.vocab)
         layer = config.family.decoder_layer or DecoderLayer  # a family whose layers differ declares its own
         self.layers = nn.ModuleList(layer(config, kernels, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.rope = RotaryEmbedding(config, max_len)
         self.embed_scale = float(torch.tensor(config.embedding_multiplier, device="cpu").to(kernels.dtype))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, kernels, head_format(kernels.quantization))
+        self.lm_head = ParallelHead(config.hidden_size, plan.every_rank("vocab"), plan.rank, kernels,
+                                    head_format(kernels.quantization)) if plan else \
+            Linear(config.hidden_size, config.vocab_size, False, kernels, head_format(kernels.quantization))
         self.tanh = pointwise_op(kernels, torch.tanh)
         self.tie_weights()
 
@@ -204,7 +235,8 @@ class DecoderModel(nn.Module):
         tensors = _read_safetensors(Path(folder)) if tensors is None else tensors
         loader = _Loader(dict(self.named_parameters()), tensors, folder, blocks or {})
         embedding = loader.take("model.embed_tokens.weight")
-        loader.put("embed_tokens.weight", embedding)
+        plan = self.config.shard
+        loader.put("embed_tokens.weight", embedding[vocab_rows(plan)] if plan else embedding)
         loader.put("norm.weight", loader.take("model.norm.weight"))
         head = embedding if self.config.tie_word_embeddings else loader.take("lm_head.weight")
         loader.linear("lm_head", self.lm_head, head, loader.blocks.get("lm_head"))
@@ -232,7 +264,8 @@ class DecoderModel(nn.Module):
             bits = loader.bits(i, parts)
             loader.linear(dst + block + "." + fused, getattr(getattr(layer, block), fused), weight, bits)
             if fused == "qkv_proj" and self.config.qkv_bias:
-                loader.put(dst + block + "." + fused + ".bias", torch.cat([loader.take(n + ".bias") for n in names]))
+                bias = torch.cat([loader.take(n + ".bias") for n in names])
+                loader.put(dst + block + "." + fused + ".bias", getattr(layer, block).qkv_proj.shard_bias(bias))
         if sparse:  # router, experts, shared expert
             layer.mlp.load_weights(loader.take, src)
             loader.loaded.update(dst + "mlp." + name for name, _ in layer.mlp.named_parameters())

@@ -24,11 +24,15 @@ from loraplex.kernels.custom_ops import SiluAndMul, pointwise_op
 from loraplex.kernels.dispatch import KernelConfig
 from loraplex.kernels.linear_methods import batch_invariant_matmul
 from loraplex.platform.config import ModelConfig
+from loraplex.platform.distributed import all_reduce, identity
 from loraplex.platform.models.experts import MoEConfig
 from loraplex.platform.models.linear import Linear
+from loraplex.platform.models.sharding import column, gate_up_rows, row, span
 
 class SparseMoEBlock(nn.Module):
-    """Router, experts (gate_up [E, 2I, H] and down [E, H, I]) and, in Qwen2-MoE, the shared expert."""
+    """Router, experts (gate_up [E, 2I, H] and down [E, H, I]) and, in Qwen2-MoE, the shared expert. Under
+    tensor parallelism a rank holds the experts `plan.experts` (the router whole) and its columns of the shared
+    expert; each rank's output is a partial sum, all-reduced at the end."""
 
     def __init__(self, config: ModelConfig, kernels: KernelConfig) -> None:
         super().__init__()
@@ -36,10 +40,14 @@ class SparseMoEBlock(nn.Module):
         if kernels.quantization != "none":
             raise ValueError(f"--quantization {kernels.quantization} is not supported for {config.architecture}: "
                              f"its experts would stay float; serve it with quantization none")
-        self.moe, hidden = moe, config.hidden_size
+        self.moe, hidden, plan = moe, config.hidden_size, config.shard
+        self.held = plan.experts if plan else (0, moe.num_experts)  # [first, end) of the experts this rank holds
+        held = self.held[1] - self.held[0]
         self.router = nn.Parameter(torch.empty(moe.num_experts, hidden), requires_grad=False)
-        self.w13 = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size, hidden), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(moe.num_experts, hidden, moe.intermediate_size), requires_grad=False)
+        self.w13 = nn.Parameter(torch.empty(held, 2 * moe.intermediate_size, hidden), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(held, hidden, moe.intermediate_size), requires_grad=False)
+        self.experts = self.held_experts if plan else self.all_experts
+        self.reduce = all_reduce if plan else identity
         self.act = SiluAndMul(kernels)
         # --deterministic: every product through the batch-invariant matmul, one expert at a time (a grouped
         # matmul's tiling follows the groups' sizes)
@@ -47,8 +55,11 @@ class SparseMoEBlock(nn.Module):
         self.grouped = _grouped_mm_takes(kernels) and not kernels.deterministic
         self.sigmoid = pointwise_op(kernels, torch.sigmoid)
         if moe.shared_expert_size:
-            self.shared_gate_up = Linear(hidden, 2 * moe.shared_expert_size, False, kernels)
-            self.shared_down = Linear(moe.shared_expert_size, hidden, False, kernels)
+            first, end = plan.shared_expert if plan else (0, moe.shared_expert_size)
+            self.shared_gate_up = Linear(hidden, 2 * (end - first), False, kernels, None,
+                                         plan and column(gate_up_rows((first, end), moe.shared_expert_size)))
+            self.shared_down = Linear(end - first, hidden, False, kernels, None,
+                                      plan and row(span(first, end)))
             self.shared_gate = nn.Parameter(torch.empty(1, hidden), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,7 +68,7 @@ class SparseMoEBlock(nn.Module):
         if self.moe.shared_expert_size:
             shared = self.shared_down(self.act(self.shared_gate_up(x)))
             out = out + self.sigmoid(self.linear(x, self.shared_gate)) * shared
-        return out
+        return self.reduce(out)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k routing weights and experts [T, k], in transformers' order of operations."""
@@ -68,12 +79,12 @@ class SparseMoEBlock(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights if self.moe.float_weights else weights.to(logits.dtype)), experts
 
-    def experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def all_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]), the pairs grouped by expert."""
         tokens, top_k = experts.shape
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # stable: within an expert, tokens keep their order
-        counts = torch.zeros(self.moe.num_experts, dtype=torch.int32, device=x.device)
+        counts = torch.zeros(self.w13.shape[0], dtype=torch.int32, device=x.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # no host sync, unlike bincount
         rows, ids = x[order // top_k], flat[order]
         h = self.act(self._grouped(rows, self.w13, ids, counts))
@@ -81,6 +92,19 @@ class SparseMoEBlock(nn.Module):
         out = torch.empty_like(y)
         out[order] = y
         return out.view(tokens, top_k, -1).sum(dim=1).to(x.dtype)
+
+    def held_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The (token, choice) pairs of the experts this rank holds, each token's partial sum (zero where none of
+        its experts is here). Pairs are picked on the host: tensor parallelism runs without CUDA graphs."""
+        flat, first = experts.reshape(-1), self.held[0]
+        pairs = ((flat >= first) & (flat < self.held[1])).nonzero().squeeze(1)
+        ids, order = torch.sort(flat[pairs] - first, stable=True)
+        pairs = pairs[order]
+        counts = torch.bincount(ids, minlength=self.w13.shape[0]).to(torch.int32)
+        tokens = pairs // experts.shape[1]
+        h = self.act(self._grouped(x[tokens], self.w13, ids, counts))
+        y = self._grouped(h, self.w2, ids, counts) * weights.reshape(-1)[pairs, None]
+        return torch.zeros(x.shape[0], y.shape[1], dtype=y.dtype, device=x.device).index_add_(0, tokens, y).to(x.dtype)
 
     def _grouped(self, rows: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows [S, in] sorted by expert (ids [S]: each row's; counts [E]: rows per expert) times each
@@ -99,22 +123,25 @@ class SparseMoEBlock(nn.Module):
         `save_pretrained` writes by default, and hub checkpoints)."""
         block, router = _take_first(take, [f"{prefix}{b}.gate.weight" for b in self.moe.blocks])
         _copy(self.router, router, block + "gate.weight")
-        fused = _take_optional(take, block + "experts.gate_up_proj")
+        fused, (first, end) = _take_optional(take, block + "experts.gate_up_proj"), self.held
         if fused is not None:
-            _copy(self.w13, fused, block + "experts.gate_up_proj")
-            _copy(self.w2, take(block + "experts.down_proj"), block + "experts.down_proj")
+            _copy(self.w13, fused[first:end], block + "experts.gate_up_proj")
+            _copy(self.w2, take(block + "experts.down_proj")[first:end], block + "experts.down_proj")
         else:
             gate, up, down = self.moe.expert_names
-            for e in range(self.moe.num_experts):
+            for e in range(self.moe.num_experts):  # every expert's weights taken, the held ones kept
                 name = f"{block}experts.{e}."
-                _copy(self.w13[e], torch.cat([take(name + gate + ".weight"), take(name + up + ".weight")]),
-                      f"{name}{gate} + {up}")
-                _copy(self.w2[e], take(name + down + ".weight"), name + down + ".weight")
+                w13 = torch.cat([take(name + gate + ".weight"), take(name + up + ".weight")])
+                w2 = take(name + down + ".weight")
+                if first <= e < end:
+                    _copy(self.w13[e - first], w13, f"{name}{gate} + {up}")
+                    _copy(self.w2[e - first], w2, name + down + ".weight")
         if self.moe.shared_expert_size:
             shared = block + "shared_expert."
-            _copy(self.shared_gate_up.weight, torch.cat([take(shared + "gate_proj.weight"),
-                                                          take(shared + "up_proj.weight")]), shared + "gate_proj + up_proj")
-            _copy(self.shared_down.weight, take(shared + "down_proj.weight"), shared + "down_proj.weight")
+            gate_up = torch.cat([take(shared + "gate_proj.weight"), take(shared + "up_proj.weight")])
+            _copy(self.shared_gate_up.weight, _held(self.shared_gate_up, gate_up), shared + "gate_proj + up_proj")
+            _copy(self.shared_down.weight, _held(self.shared_down, take(shared + "down_proj.weight")),
+                  shared + "down_proj.weight")
             _copy(self.shared_gate, take(block + "shared_expert_gate.weight"), block + "shared_expert_gate.weight")
 
 
@@ -167,6 +194,11 @@ def _take_first(take: Callable[[str], torch.Tensor], names: list[str]) -> tuple[
         if value is not None:
             return name[:-len("gate.weight")], value
     return names[-1][:-len("gate.weight")], take(names[-1])
+
+
+def _held(layer: Linear, weight: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's full weight as this rank holds it."""
+    return weight if layer.shard is None else layer.shard.take(weight)
 
 
 def _copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
