@@ -458,6 +458,36 @@ def section_deterministic(check: Check) -> None:
     release()
 
 
+def section_tensor_parallel(check: Check) -> None:
+    """--tensor-parallel-size 2 over NCCL (2+ GPUs; the dry run: gloo on the CPU): the small shape with two
+    adapters, TP=2 greedy tokens vs TP=1 (bf16: the all-reduce's sum order may move a near tie) and decode tok/s of
+    each at batch 16."""
+    gpus = torch.cuda.device_count() if check.cuda else 2
+    if gpus < 2:
+        check.report.row("tensor parallel: TP=2 vs TP=1", f"SKIPPED: needs 2 GPUs, {gpus} visible", "2 GPUs")
+        return
+    folder, adapters = check.work / "small", sorted((check.work / "small-adapters").iterdir())[:2]
+    if not folder.is_dir():
+        raise RuntimeError("no small checkpoint: the parity section did not write one (see its row)")
+    loras = {f"a{i}": str(p) for i, p in enumerate(adapters)}
+    batch = prompts(16, 32, check.found["vocab"], seed=9)
+    names = [f"a{i % 2}" if i % 3 else None for i in range(len(batch))]
+    tokens, rates = {}, {}
+    for tp in (1, 2):
+        llm = engine(check, folder, dtype="bfloat16" if check.cuda else "float32", max_model_len=256, max_loras=2,
+                     lora_modules=loras, tensor_parallel_size=tp, enforce_eager=True)
+        tokens[tp] = greedy(llm, batch, check.plan.parity_tokens, names)
+        rates[tp] = engine_decode_rate(llm, batch, check.plan.new_tokens, names)
+        llm.engine.close()
+        del llm
+        release()
+    same = sum(a == b for a, b in zip(tokens[1], tokens[2]))
+    check.report.row(f"tensor parallel: TP=2 vs TP=1 greedy, 16 prompts, 2 adapters ({check.plan.small})",
+                     f"{same}/16 equal", "16/16 (bf16: a near tie may differ)")
+    check.report.row("tensor parallel: decode tok/s at batch 16, TP=1 / TP=2",
+                     f"{rates[1]:.0f} / {rates[2]:.0f}")
+
+
 class Reference:
     """A proposer drafting each prompt's known greedy continuation; every `wrong_every`-th draft has a token
     changed (rejections at every position), 0: none."""
@@ -725,7 +755,8 @@ def grammar_backend_installed() -> bool:
 # (name, seconds it needs at least on the real check: skipped when fewer are left in the budget)
 SECTIONS = [(section_environment, 0), (section_bandwidth, 5), (section_kernels, 40), (section_parity, 60),
             (section_large_model, 90), (section_decode, 60), (section_graphs, 20), (section_adapters, 30),
-            (section_profile, 20), (section_speculative, 15), (section_deterministic, 20), (section_kv_memory, 0),
+            (section_profile, 20), (section_speculative, 15), (section_deterministic, 20), (section_tensor_parallel, 40),
+            (section_kv_memory, 0),
             (section_audit, 10)]
 
 

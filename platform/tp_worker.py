@@ -191,6 +191,8 @@ def worker_main(config: EngineConfig, rank: int, size: int, init_method: str, nu
     torch.set_num_threads(threads)
     backend = "nccl" if config.torch_device.type == "cuda" else "gloo"
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)  # before the group: NCCL binds each rank to its current device
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                                 timeout=COLLECTIVE_TIMEOUT)
         worker = Worker(config, rank, size, num_blocks)

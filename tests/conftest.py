@@ -4,6 +4,7 @@ tests, and the default model for end-to-end ones."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
 from pathlib import Path
@@ -259,3 +260,33 @@ def no_strict_violation(_count_strict_violations):
     seen = len(STRICT_VIOLATIONS)
     yield
     assert STRICT_VIOLATIONS[seen:] == [], "strict structured outputs broke their schema"
+
+
+LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_random_adapter(folder, config, seed: int, rank: int = 4, targets=LLAMA_TARGETS, layers=None):
+    """A PEFT LoRA folder with random A and B for a base of `config` (its `ModelConfig`), written directly (no model
+    built, unlike `make_peft_adapter`): every projection in `targets` of every layer (or of `layers`)."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    h, i = config.hidden_size, config.intermediate_size
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
+              "up_proj": (h, i), "down_proj": (i, h), "qkv_proj": (h, q + 2 * kv), "gate_up_proj": (h, 2 * i)}
+    blocks = {"o_proj": "self_attn", "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
+              "qkv_proj": "self_attn"}
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in layers if layers is not None else range(config.num_layers):
+        for module in targets:
+            fan_in, fan_out = shapes[module]
+            prefix = f"base_model.model.model.layers.{layer}.{blocks.get(module, 'mlp')}.{module}"
+            tensors[prefix + ".lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) * 0.1
+            tensors[prefix + ".lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * 0.1
+    folder.mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import save_file
+
+    save_file(tensors, folder / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets),
+         "base_model_name_or_path": None, "bias": "none"}))
+    return folder

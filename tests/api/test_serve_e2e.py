@@ -18,7 +18,7 @@ import jsonschema
 import openai
 import pytest
 
-from conftest import make_peft_adapter
+from conftest import make_peft_adapter, write_random_adapter
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -208,3 +208,55 @@ def test_sigterm_exits_zero_and_keys_never_reach_the_log(served):
     log = proc.stdout.read()
     assert "shutting down" in log or "Shutting down" in log
     assert ADMIN not in log and ADMIN[::-1] not in log and "Bearer" not in log
+
+
+def test_tensor_parallel_serve_answers_with_adapters_and_stops_its_workers(default_model_dir, tmp_path):
+    """`--tensor-parallel-size 2`: the same answers as one process, an adapter loaded through the admin API on
+    every rank, and SIGTERM ending the server and its worker processes."""
+    from loraplex.platform import LLM, SamplingParams
+    from loraplex.platform.config import ModelConfig
+
+    adapter = write_random_adapter(tmp_path / "tp", ModelConfig.from_folder(default_model_dir), seed=1, rank=8)
+    prompt = "The three primary colors are"
+    with serving(default_model_dir, "--dtype", "float32", "--tensor-parallel-size", "2", "--shutdown-timeout", "1",
+                 "--adapter-root", str(tmp_path), env={"LORAPLEX_ADMIN_API_KEY": ADMIN}) as (url, proc):
+        admin = openai.OpenAI(base_url=url + "/v1", api_key=ADMIN, max_retries=0)
+        admin.post("/load_lora_adapter", body={"lora_name": "tp", "lora_path": str(adapter)}, cast_to=object)
+        texts = [admin.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+                 for model in ("SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct:tp")]
+        workers = [pid for pid in _children(proc.pid) if b"spawn_main" in _cmdline(pid)]
+        assert len(workers) == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists() and _state(pid) != "Z"]
+    llm = LLM(str(default_model_dir), dtype="float32", grammar_compile_workers=0)
+    llm.load_adapter("tp", adapter)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    assert texts == [llm.generate([prompt], params, adapter=a)[0].outputs[0].text for a in (None, "tp")]
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is `pid`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"

@@ -59,6 +59,18 @@ def test_dry_run_writes_the_table_and_records_a_failing_section(bench, tokenizer
     assert "KV blocks" in text and "total time" in text
 
 
+def test_dry_run_tensor_parallel_section_compares_tp2_with_tp1(bench, tokenizer_dir, tmp_path):
+    """The section the first 2-GPU session runs, over gloo on the CPU: both engines built from the small
+    checkpoint the parity section writes, the tokens compared, the rates recorded."""
+    gpu_check, _ = bench
+    out = tmp_path / "out"
+    sections = [(gpu_check.section_parity, 0), (gpu_check.section_tensor_parallel, 0)]
+    assert gpu_check.main(["--dry-run", "--out", str(out), "--tokenizer", str(tokenizer_dir)], sections) == 0
+    text = table(out)
+    assert "| tensor parallel: TP=2 vs TP=1 greedy, 16 prompts, 2 adapters (tiny) | 16/16 equal |" in text
+    assert "| tensor parallel: decode tok/s at batch 16, TP=1 / TP=2 |" in text
+
+
 def test_the_budget_skips_what_is_left(bench, tokenizer_dir, tmp_path):
     gpu_check, _ = bench
     out = tmp_path / "out"

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import FAMILY_CLASSES, make_tiny_model
+from conftest import FAMILY_CLASSES, make_tiny_model, write_random_adapter
 from loraplex.platform import LLM, SamplingParams
 from loraplex.platform.config import ModelConfig
 from loraplex.platform.models.sharding import ShardPlan, head_split, plan_for
@@ -23,31 +23,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[1, 5, 9, 22, 40, 17, 3, 8, 100, 7], [7, 8, 9, 10], [3, 200, 11, 57, 12, 90, 2, 33]]
 ENGINE = dict(dtype="float32", num_kv_blocks=128, grammar_compile_workers=0)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def write_adapter(folder, config: ModelConfig, seed: int, rank: int = 4, targets=TARGETS, layers=None):
-    """A PEFT LoRA folder with random A and B, written directly (no model built): every projection in `targets`
-    of every layer (or of `layers`)."""
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    h, i = config.hidden_size, config.intermediate_size
-    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
-              "up_proj": (h, i), "down_proj": (i, h), "qkv_proj": (h, q + 2 * kv), "gate_up_proj": (h, 2 * i)}
-    blocks = {"o_proj": "self_attn", "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
-              "qkv_proj": "self_attn"}
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in layers if layers is not None else range(config.num_layers):
-        for module in targets:
-            fan_in, fan_out = shapes[module]
-            prefix = f"base_model.model.model.layers.{layer}.{blocks.get(module, 'mlp')}.{module}"
-            tensors[prefix + ".lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) * 0.1
-            tensors[prefix + ".lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * 0.1
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, folder / "adapter_model.safetensors")
-    (folder / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets),
-         "base_model_name_or_path": None, "bias": "none"}))
-    return folder
 
 
 def greedy(llm: LLM, adapters=(None,)) -> list[list[int]]:
@@ -142,7 +117,7 @@ def test_tp2_greedy_equals_tp1_on_every_family_with_adapters_and_a_mix(tmp_path,
     config = ModelConfig.from_folder(folder)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj"] if family in MOE else \
         ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"] if family == "phi3" else TARGETS
-    paths = [write_adapter(tmp_path / f"a{k}", config, seed=k, targets=targets) for k in range(2)]
+    paths = [write_random_adapter(tmp_path / f"a{k}", config, seed=k, targets=targets) for k in range(2)]
     adapters = (None, "a0", "a1", {"a0": 0.7, "a1": 0.5})
     outputs = {}
     for tp in (1, 2):
@@ -174,7 +149,7 @@ def test_quantized_weights_are_refused_by_name(tmp_path):
 def default_adapters(default_model_dir, tmp_path_factory):
     config = ModelConfig.from_folder(default_model_dir)
     root = tmp_path_factory.mktemp("tp-adapters")
-    return [write_adapter(root / f"d{k}", config, seed=10 + k, rank=8) for k in range(9)]
+    return [write_random_adapter(root / f"d{k}", config, seed=10 + k, rank=8) for k in range(9)]
 
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
@@ -231,7 +206,7 @@ def test_hot_load_and_unload_during_traffic_and_a_refused_load_leaves_every_rank
                 texts[out.request_id] = texts.get(out.request_id, "") + out.outputs[0].text
         llm.load_adapter("d8", default_adapters[8])  # while a and b run
         engine.add_request("c", "Once upon a time", long, "d8")
-        bad = write_adapter(tmp_path / "vocab", ModelConfig.from_folder(default_model_dir), seed=3)
+        bad = write_random_adapter(tmp_path / "vocab", ModelConfig.from_folder(default_model_dir), seed=3)
         cfg = json.loads((bad / "adapter_config.json").read_text())
         (bad / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": TARGETS + ["lm_head"]}))
         _add_head_lora(bad, ModelConfig.from_folder(default_model_dir))
