@@ -30,7 +30,8 @@ from loraplex.kernels import cpu_ops
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / name for name in ("lora.c", "layer_ops.c", "attention.c", "quant.c", "dense.c", "kinds.c"))
+SOURCES = tuple(CSRC / name for name in ("lora.c", "layer_ops.c", "attention.c", "quant.c", "dense.c", "kinds.c",
+                                         "shm_reduce.c"))
 HEADERS = (CSRC / "isa.h", CSRC / "tiles.h")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
          "-fassociative-math", "-fno-signed-zeros", "-ffp-contract=fast"]

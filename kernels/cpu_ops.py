@@ -143,6 +143,8 @@ DECLARATIONS = (
     _bf16_pairs("quant_matmul_dpbf16"),
     Function("quant_dequantize", (Int("kind"), *QUANT, I64("G"), I64("N"), I64("K"), Int("out_kind"),
                                   Tensor("out", XY, "N * K"))),
+    Function("shm_all_reduce_f32", (Tensor("x", (F32,), "n"), I64("n"), Addr("flags"), Addr("slots"), Int("rank"),
+                                    Int("world"), I64("chunk"), Tensor("seq", (I64_T,), "1"))),
     Function("kind_codes", (Tensor("out", (I64_T,), str(len(KIND_NAMES))),), value=True),
     Function("kv_f16_supported", (), value=True),
     Function("x8_supported", (), value=True),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import pickle
 import socket
 import threading
@@ -43,13 +44,14 @@ class TPExecutor:
     def __init__(self, config: EngineConfig, num_blocks: int | None) -> None:
         size = config.tensor_parallel_size
         context = multiprocessing.get_context("spawn")  # no fork of a process holding threads and a torch pool
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        port = _free_port()
+        init_method, segment = f"tcp://127.0.0.1:{port}", f"loraplex-tp-{os.getpid()}-{port}"
         threads = max(1, torch.get_num_threads() // size)
         self.conns, self.procs = [], []
         for rank in range(size):
             parent, child = context.Pipe()
             proc = context.Process(target=worker_main, name=f"loraplex-tp{rank}", daemon=True,
-                                   args=(config, rank, size, init_method, num_blocks, child, threads))
+                                   args=(config, rank, size, init_method, num_blocks, child, threads, segment))
             proc.start()
             child.close()
             self.conns.append(parent)

@@ -27,6 +27,7 @@ from loraplex.kernels.paged_attention import PagedAttentionMetadata
 from loraplex.kernels.sgmv import LoRABatch
 from loraplex.platform.config import EngineConfig
 from loraplex.platform.device import MemorySnapshot, select_device
+from loraplex.platform.distributed import use_shared_memory
 from loraplex.platform.models.llama import load_model
 from loraplex.platform.models.sharding import ShardPlan, gate_up_rows, local_config, o_cols, plan_for, qkv_rows, span
 from loraplex.platform.resolve import resolve
@@ -68,10 +69,12 @@ class StepMessage:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int, size: int, num_blocks: int | None) -> None:
+    def __init__(self, config: EngineConfig, rank: int, size: int, num_blocks: int | None, segment: str) -> None:
         resolved = resolve(config)
         self.device = torch.device("cuda", rank) if resolved.device.type == "cuda" else torch.device("cpu")
         select_device(self.device)
+        if self.device.type == "cpu" and resolved.kernels.dtype == torch.float32 and cpu_kernels.library():
+            use_shared_memory(segment, rank, size)  # before the model: its layers take the all-reduce once
         self.memory_start = MemorySnapshot.measure(self.device) if self.device.type == "cuda" else None
         self.plan = plan_for(resolved.model, size, rank)
         self.full_config, self.config = resolved.model, local_config(resolved.model, self.plan)
@@ -185,7 +188,7 @@ def shard_adapter(weights: LoRAWeights, plan: ShardPlan) -> LoRAWeights:
 
 
 def worker_main(config: EngineConfig, rank: int, size: int, init_method: str, num_blocks: int | None,
-                conn, threads: int) -> None:
+                conn, threads: int, segment: str) -> None:
     """A worker process: join the group, build the shard, then answer the engine until it closes the pipe."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp{rank} %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(threads)
@@ -195,7 +198,7 @@ def worker_main(config: EngineConfig, rank: int, size: int, init_method: str, nu
             torch.cuda.set_device(rank)  # before the group: NCCL binds each rank to its current device
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                                 timeout=COLLECTIVE_TIMEOUT)
-        worker = Worker(config, rank, size, num_blocks)
+        worker = Worker(config, rank, size, num_blocks, segment)
     except Exception as exc:  # the engine reports it and stops the others
         log.exception("tensor-parallel rank %d failed to start", rank)
         conn.send_bytes(pickle.dumps(("error", f"rank {rank}: {type(exc).__name__}: {exc}")))

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -304,3 +305,38 @@ def test_chunked_prefill_preemption_n2_prompt_logprobs_and_speculation_as_with_o
     for g, w in zip(got, want):
         for token in w:
             assert g[token].logprob == pytest.approx(w[token].logprob, abs=1e-4)
+
+
+def _reduce_in_rank(rank: int, world: int, port: int, name: str, results) -> None:
+    import torch.distributed as dist
+
+    from loraplex.platform import distributed
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    distributed.use_shared_memory(name, rank, world, chunk=1000)  # small: a tensor goes through in chunks
+    out = []
+    for seed, n in ((0, 5), (1, 2500), (2, 7), (3, 4096)):  # sequence numbers go on across calls and chunks
+        x = torch.randn(n, generator=torch.Generator().manual_seed(seed * 10 + rank))
+        out.append(distributed.all_reduce(x).clone())
+    results.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_the_shared_memory_all_reduce_sums_in_rank_order_on_every_rank(tmp_path):
+    import multiprocessing
+
+    from loraplex.platform.tp_executor import _free_port
+
+    context = multiprocessing.get_context("spawn")
+    results, port = context.Queue(), _free_port()
+    procs = [context.Process(target=_reduce_in_rank, args=(rank, 2, port, f"loraplex-test-{port}", results))
+             for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    got = dict(results.get(timeout=120) for _ in procs)
+    for proc in procs:
+        proc.join(30)
+    for k, (seed, n) in enumerate(((0, 5), (1, 2500), (2, 7), (3, 4096))):
+        parts = [torch.randn(n, generator=torch.Generator().manual_seed(seed * 10 + rank)) for rank in range(2)]
+        assert torch.equal(got[0][k], parts[0] + parts[1]) and torch.equal(got[1][k], got[0][k])
+    assert not list(Path("/dev/shm").glob(f"loraplex-test-{port}*"))  # unlinked once mapped
