@@ -1,4 +1,5 @@
-"""What tensor parallelism at TP=2 communicates per step, timed over torch.distributed gloo on this CPU.
+"""What tensor parallelism at TP=2 communicates per step, timed over torch.distributed gloo on this CPU (or, with
+`--all-reduce shm`, the all-reduces through the engine's shared-memory kernel, as its CPU workers run them).
 
 A TP step of a Llama-like model all-reduces [T, hidden] twice per layer (after the attention output projection and
 after the MLP down projection) and once after the vocabulary-parallel embedding, then all-gathers the logits
@@ -8,7 +9,7 @@ all-gather alone, and (b) a whole step's communication, 2 * layers + 1 all-reduc
 R = min(T, 64) (median of `--repeats / 10` steps). Bytes are each rank's payload; a 2-rank ring all-reduce sends
 and receives that many bytes per rank.
 
-    .venv/bin/python benchmarks/tp_allreduce.py --json /tmp/tp_allreduce.json
+    .venv/bin/python benchmarks/tp_allreduce.py --json /tmp/tp_allreduce.json [--all-reduce shm]
 """
 
 from __future__ import annotations
@@ -55,10 +56,11 @@ def timed(fn, repeats: int) -> list[float]:
     return times
 
 
-def step_comm(x: torch.Tensor, logits: torch.Tensor, gathered: list[torch.Tensor], all_reduces: int) -> None:
+def step_comm(x: torch.Tensor, logits: torch.Tensor, gathered: list[torch.Tensor], all_reduces: int,
+              all_reduce) -> None:
     """One TP step's collectives: the layers' and the embedding's all-reduces, then the logits' all-gather."""
     for _ in range(all_reduces):
-        dist.all_reduce(x)
+        all_reduce(x)
     dist.all_gather(gathered, logits)
 
 
@@ -67,9 +69,10 @@ def measure(tokens: int, args: argparse.Namespace) -> dict:
     x = torch.zeros(tokens, args.hidden)
     logits = torch.zeros(rows, args.vocab // WORLD)
     gathered = [torch.empty_like(logits) for _ in range(WORLD)]
-    one = timed(lambda: dist.all_reduce(x), args.repeats)
+    reduce = all_reduce_fn(args.all_reduce)
+    one = timed(lambda: reduce(x), args.repeats)
     gather = timed(lambda: dist.all_gather(gathered, logits), max(3, args.repeats // 10))
-    step = timed(lambda: step_comm(x, logits, gathered, all_reduces), max(3, args.repeats // 10))
+    step = timed(lambda: step_comm(x, logits, gathered, all_reduces, reduce), max(3, args.repeats // 10))
     all_reduce_bytes = x.numel() * x.element_size()
     gather_bytes = logits.numel() * logits.element_size()
     return {
@@ -82,9 +85,22 @@ def measure(tokens: int, args: argparse.Namespace) -> dict:
     }
 
 
+def all_reduce_fn(kind: str):
+    """gloo's all-reduce, or the engine's (`platform/distributed.py`: shared memory once `use_shared_memory` ran)."""
+    if kind == "gloo":
+        return dist.all_reduce
+    from loraplex.platform.distributed import all_reduce
+
+    return all_reduce
+
+
 def worker(rank: int, port: int, args: argparse.Namespace, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    if args.all_reduce == "shm":
+        from loraplex.platform.distributed import use_shared_memory
+
+        use_shared_memory(f"loraplex-bench-{port}", rank, WORLD)
     try:
         rows = [measure(t, args) for t in args.sizes]
         if rank == 0:
@@ -123,12 +139,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--json", metavar="OUT", help="write the results here")
+    parser.add_argument("--all-reduce", choices=["gloo", "shm"], default="gloo",
+                        help="the all-reduces over gloo, or through the engine's shared-memory kernel")
     args = parser.parse_args()
     rows = run(args)
-    meta = {"cpu": cpu_model(), "torch": torch.__version__, "backend": "gloo", "world_size": WORLD,
+    meta = {"cpu": cpu_model(), "torch": torch.__version__, "backend": args.all_reduce, "world_size": WORLD,
             "threads_per_rank": 1, "dtype": "float32", "hidden": args.hidden, "layers": args.layers,
             "vocab": args.vocab, "repeats": args.repeats}
-    print(f"TP={WORLD} over gloo (tcp://127.0.0.1), {meta['cpu']}, torch {meta['torch']}, float32, "
+    print(f"TP={WORLD}, all-reduce over {args.all_reduce} (all-gather over gloo), {meta['cpu']}, torch {meta['torch']}, float32, "
           f"hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; R = min(T, {MAX_DECODE_ROWS})")
     print(table(rows))
     if args.json:
