@@ -10,8 +10,8 @@ by the engine thread between steps (`assign_slots`).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -63,9 +63,8 @@ class AdapterRegistry:
                  stacked: bool = False) -> None:
         """`stacked`: slots are copies on `device` (the Triton kernels' layout), not pointers."""
         # called with each adapter read for a load, before it is registered: raising refuses the load (tensor
-        # parallelism: every rank reads it first)
+        # parallelism refuses adapters on the vocabulary this way)
         self.verify: Callable[[AdapterInfo, LoRAWeights], None] | None = None
-        self.unloaded: Callable[[AdapterInfo], None] | None = None  # told after an unload (the workers forget it)
         if max_loras < 1 or max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {max_loras}, {max_lora_rank}")
         if max_cpu_loras is not None and max_cpu_loras < max_loras:
@@ -113,13 +112,11 @@ class AdapterRegistry:
         with self._lock:
             self.get(name)
             self._check_unpinned(name)
-            info = self._adapters.pop(name)
+            del self._adapters[name]
             self._drop(name)
             held = self._slot_of.get(name)
             if held is not None:  # a stacked slot outlives its CPU copy, not its adapter
                 self._vacate(held[0])
-        if self.unloaded is not None:
-            self.unloaded(info)
 
     def get(self, name: str) -> AdapterInfo:
         with self._lock:

@@ -47,7 +47,8 @@ def all_gather_rows(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
 
 
 class SharedMemoryAllReduce:
-    """float32 all-reduce through a segment every rank maps (a file in /dev/shm, unlinked once all have it)."""
+    """float32 all-reduce through a segment every rank maps (`create_segment`'s file). The layers hand it their
+    float32 outputs, contiguous; the checked kernel call refuses anything else."""
 
     def __init__(self, segment: torch.Tensor, rank: int, world: int, chunk: int) -> None:
         from loraplex.kernels.cpu_kernels import ops
@@ -58,24 +59,30 @@ class SharedMemoryAllReduce:
         self.seq = torch.zeros(1, dtype=torch.int64)  # the last sequence number used (the same on every rank)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or not x.is_contiguous():  # no layer hands one over; kept correct anyway
-            return _gloo_all_reduce(x)
         self.ops.shm_all_reduce_f32(x, x.numel(), self.flags, self.slots, self.rank, self.world, self.chunk, self.seq)
         return x
 
 
-def use_shared_memory(name: str, rank: int, world: int, chunk: int = CHUNK) -> None:
-    """Every rank maps the segment `name` (rank 0 creates it; the group's barriers order the steps) and from now
-    on all-reduces float32 through it."""
-    global _reduce
+def segment_size(world: int, chunk: int = CHUNK) -> int:
+    return FLAG_BYTES * world + 2 * world * chunk * 4
+
+
+def create_segment(name: str, world: int, chunk: int = CHUNK) -> Path:
+    """The engine's: a new file of zeros (every flag at sequence 0) in /dev/shm, readable by this user only, never
+    an existing file or a link; the engine unlinks it once every rank has mapped it."""
     folder = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    path, size = folder / name, FLAG_BYTES * world + 2 * world * chunk * 4
-    if rank == 0:
-        with open(path, "wb") as f:
-            f.truncate(size)  # zeros: every flag at sequence 0
-    dist.barrier()
-    segment = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
-    dist.barrier()
-    if rank == 0:
-        os.unlink(path)  # the mappings stay; nothing is left behind if a rank dies
+    path = folder / name
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        os.ftruncate(fd, segment_size(world, chunk))
+    finally:
+        os.close(fd)
+    return path
+
+
+def use_shared_memory(path: str, rank: int, world: int, chunk: int = CHUNK) -> None:
+    """Map the engine's segment; from now on this rank all-reduces float32 through it (every rank does, or none:
+    the engine decides)."""
+    global _reduce
+    segment = torch.from_file(path, shared=True, size=segment_size(world, chunk), dtype=torch.uint8)
     _reduce = SharedMemoryAllReduce(segment, rank, world, chunk)

@@ -35,7 +35,7 @@ from loraplex.platform.request import Request, RequestOutput, SamplingParams
 from loraplex.platform.sampler import Sampler, prompt_logprobs
 from loraplex.platform.scheduler import Scheduler
 from loraplex.platform.speculative import SpecCounters
-from loraplex.platform.tp_executor import TPExecutor, TPRunner, WorkerDiedError
+from loraplex.platform.tp_executor import TPExecutor, TPRunner
 from loraplex.platform.verify import verify
 
 log = logging.getLogger(__name__)
@@ -76,11 +76,12 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         select_device(device)  # before anything touches it: loading, the profiling pass, graph capture
         memory_start = MemorySnapshot.measure(device) if device.type == "cuda" else None
+        tp = config.tensor_parallel_size > 1  # the model lives in worker processes, sharded; their slots are theirs
         self.adapters = AdapterRegistry(model, self.max_loras, config.max_lora_rank, config.max_cpu_loras,
-                                        resolved.kernels.lora_dtype, config.lora_memory, device,
-                                        resolved.kernels.stacked_lora)
+                                        resolved.kernels.lora_dtype, config.lora_memory,
+                                        torch.device("cpu") if tp else device, resolved.kernels.stacked_lora and not tp)
         self.executor: TPExecutor | None = None
-        if config.tensor_parallel_size > 1:  # the model lives in the workers, sharded
+        if tp:
             self.model, num_blocks = None, self._start_workers(resolved)
         else:
             self.model = load_model(config.model, model, resolved.kernels, self.max_model_len,
@@ -118,26 +119,17 @@ class Engine:
 
     def _start_workers(self, resolved) -> int:
         """Tensor parallelism: the workers started, each with its shard; the KV blocks every rank can hold."""
-        self.executor = executor = TPExecutor(resolved.engine, resolved.num_kv_blocks)
-        self.adapters.verify = self._check_adapter_on_every_rank
-        if resolved.num_kv_blocks is not None:
-            return resolved.num_kv_blocks
-        num_blocks = min(executor.call("kv_blocks", every=True))  # CUDA: what the fullest device leaves
-        executor.call("allocate_kv", num_blocks)
-        return num_blocks
-
-    def _check_adapter_on_every_rank(self, info, weights) -> None:
-        if weights.embedding or weights.head or weights.replacements:
-            raise AdapterError(f"adapter {info.name!r} changes the embedding or the LM head (LoRA on them, or "
-                               "modules_to_save): not served under tensor parallelism, whose vocabulary is split "
-                               "over the ranks")
+        self.executor = executor = TPExecutor(resolved)
+        self.adapters.verify = _refuse_vocabulary_adapters
         try:
-            self.executor.check_adapter(info)
-        except WorkerDiedError:
+            if resolved.num_kv_blocks is not None:
+                return resolved.num_kv_blocks
+            num_blocks = min(executor.call("kv_blocks", every=True))  # CUDA: what the fullest device leaves
+            executor.call("allocate_kv", num_blocks)
+            return num_blocks
+        except BaseException:
+            executor.close()
             raise
-        except RuntimeError as exc:
-            raise AdapterError(f"adapter {info.name!r} could not be loaded on every tensor-parallel rank: "
-                               f"{exc}") from None
 
     def close(self) -> None:
         """Stop what the engine started outside its process (tensor parallelism's workers)."""
@@ -311,6 +303,14 @@ class Engine:
         tokens = grammar_prefix(req.grammar, tokens)  # dry run: only what the matcher takes
         self.num_jump_forward_tokens += len(tokens)
         return tokens
+
+
+def _refuse_vocabulary_adapters(info, weights) -> None:
+    """Tensor parallelism splits the vocabulary over the ranks; an adapter's embedding or head weights are whole."""
+    if weights.embedding or weights.head or weights.replacements:
+        raise AdapterError(f"adapter {info.name!r} changes the embedding or the LM head (LoRA on them, or "
+                           "modules_to_save): not served under tensor parallelism, whose vocabulary is split over "
+                           "the ranks")
 
 
 def device_kv_blocks(model, model_config, config: EngineConfig, max_model_len: int, device: torch.device,

@@ -30,6 +30,17 @@ class LLM:
         for name, path in (lora_modules or {}).items():
             self.load_adapter(name, path)
 
+    def close(self) -> None:
+        """Stop what the engine started outside this process (tensor parallelism's workers); also on `with`'s exit
+        and, failing both, when the engine is collected or the interpreter exits."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def load_adapter(self, name: str, path: str, replace: bool = False):
         """Register a PEFT LoRA folder under `name`; refused with a ValueError naming the reason."""
         return self.engine.adapters.load(name, str(path), replace=replace)

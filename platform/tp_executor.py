@@ -2,10 +2,12 @@
 processes (`tp_worker.py`), and `TPRunner` is the model runner the engine uses with them: it builds each step's
 flat batch on the host as `ModelRunner` does and sends it to every rank; rank 0 answers with the logits.
 
-Each call goes to every worker through its own pipe and waits for every answer, watching the processes: a
-worker that exits fails the call at once with `WorkerDiedError` (and every later one: the group cannot go on
-without it), never a hang. The engine's adapter slots reach the workers as changes sent with the next step;
-an adapter being loaded is read by every rank first, and a rank that cannot read it fails the load on all.
+Each call goes to every worker through its own pipe and waits for every answer, watching the processes. Every
+call takes part in collectives, so a rank that fails one leaves the others waiting in it: a worker that exits,
+closes its pipe or answers with an error fails the call at once with `WorkerDiedError`, the other workers are
+stopped, and every later call fails the same way. Nothing waits forever. The engine's adapter slots reach the
+workers as changes sent with the next step, each new one with the adapter's weights as the engine's registry read
+and checked them (a worker never opens an adapter folder).
 """
 
 from __future__ import annotations
@@ -14,22 +16,25 @@ import logging
 import multiprocessing
 import os
 import pickle
+import secrets
 import socket
 import threading
 import weakref
 from multiprocessing.connection import wait
+from pathlib import Path
 
 import torch
 
-from loraplex.adapters.registry import AdapterInfo
+from loraplex.adapters.peft_format import LoRAWeights
 from loraplex.kernels.dispatch import to_device
 from loraplex.platform.block_table import BlockTable
-from loraplex.platform.config import EngineConfig
+from loraplex.platform.distributed import create_segment
 from loraplex.platform.kv_cache_manager import KVCacheManager
 from loraplex.platform.model_runner import ModelRunner, PromptRows
 from loraplex.platform.request import Request
+from loraplex.platform.resolve import ResolvedConfig
 from loraplex.platform.scheduler import SchedulerOutput
-from loraplex.platform.tp_worker import AdapterRef, StepMessage, worker_main
+from loraplex.platform.tp_worker import StepMessage, pack_adapter, uses_shared_memory, worker_main
 
 log = logging.getLogger(__name__)
 
@@ -37,38 +42,40 @@ START_TIMEOUT_S = 600.0  # loading a shard of a large checkpoint takes minutes
 
 
 class WorkerDiedError(RuntimeError):
-    """A tensor-parallel worker exited or failed inside a step: the engine cannot go on."""
+    """A tensor-parallel worker exited or failed a call: the engine cannot go on."""
 
 
 class TPExecutor:
-    def __init__(self, config: EngineConfig, num_blocks: int | None) -> None:
-        size = config.tensor_parallel_size
+    def __init__(self, resolved: ResolvedConfig) -> None:
+        config, size = resolved.engine, resolved.engine.tensor_parallel_size
         context = multiprocessing.get_context("spawn")  # no fork of a process holding threads and a torch pool
-        port = _free_port()
-        init_method, segment = f"tcp://127.0.0.1:{port}", f"loraplex-tp-{os.getpid()}-{port}"
-        threads = max(1, torch.get_num_threads() // size)
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.conns, self.procs = [], []
+        self.segment = create_segment(f"loraplex-tp-{os.getpid()}-{secrets.token_hex(8)}", size) \
+            if uses_shared_memory(resolved.device, resolved.kernels.dtype) else None
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self.segment)  # whatever starts
+        threads = max(1, torch.get_num_threads() // size)
         for rank in range(size):
             parent, child = context.Pipe()
             proc = context.Process(target=worker_main, name=f"loraplex-tp{rank}", daemon=True,
-                                   args=(config, rank, size, init_method, num_blocks, child, threads, segment))
+                                   args=(config, rank, size, init_method, resolved.num_kv_blocks, child, threads,
+                                         self.segment and str(self.segment)))
             proc.start()
             child.close()
             self.conns.append(parent)
             self.procs.append(proc)
-        self.lock = threading.Lock()  # a step (engine thread) and an adapter read (a load's thread) take turns
+        self.lock = threading.Lock()  # one call at a time: the engine thread's, or a closing thread's
         self.dead: str | None = None
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
         try:
             self._gather("start", START_TIMEOUT_S)
         except BaseException:
             self.close()
             raise
+        self._unlink_segment()  # every rank has it mapped: the mappings stay, the name goes
         log.info("tensor parallelism: %d worker processes (pids %s)", size, [p.pid for p in self.procs])
 
-    def call(self, method: str, *args, fatal: bool = True, every: bool = False):
-        """Every rank runs `method(*args)`; rank 0's answer (`every`: each rank's, in rank order). `fatal`: a
-        failure leaves the ranks out of step (a collective was under way), so the executor is dead after it."""
+    def call(self, method: str, *args, every: bool = False):
+        """Every rank runs `method(*args)`; rank 0's answer (`every`: each rank's, in rank order)."""
         with self.lock:
             if self.dead is not None:
                 raise WorkerDiedError(self.dead)
@@ -78,19 +85,12 @@ class TPExecutor:
                     conn.send_bytes(payload)
             except OSError:
                 self._fail("a tensor-parallel worker's pipe is closed")
-            try:
-                answers = self._gather(method, None)
-                return answers if every else answers[0]
-            except WorkerDiedError:
-                raise
-            except RuntimeError as exc:
-                if fatal:
-                    self._fail(str(exc))
-                raise
+            answers = self._gather(method, None)
+            return answers if every else answers[0]
 
-    def _gather(self, method: str, timeout: float | None):
-        """Every rank's answer, rank 0's returned; a worker that exits first fails it."""
-        answers: dict[int, tuple] = {}
+    def _gather(self, method: str, timeout: float | None) -> list:
+        """Every rank's answer, in rank order; the first error, closed pipe or exit fails the call."""
+        answers: dict[int, object] = {}
         waiting = {conn: rank for rank, conn in enumerate(self.conns)}
         sentinels = {proc.sentinel: rank for rank, proc in enumerate(self.procs)}
         while waiting:
@@ -98,45 +98,47 @@ class TPExecutor:
             if not ready:
                 self._fail(f"tensor-parallel workers did not answer {method} within {timeout:.0f} s")
             for item in ready:
-                if item in waiting:
-                    try:
-                        answers[waiting.pop(item)] = pickle.loads(item.recv_bytes())
-                    except (EOFError, OSError):
-                        pass  # its sentinel says how it ended
-                else:
+                rank = waiting.pop(item, None)
+                if rank is None:
                     rank = sentinels.pop(item)
-                    if rank not in answers:
-                        self._fail(f"tensor-parallel worker {rank} exited (code {self.procs[rank].exitcode}) "
-                                   f"during {method}")
-        errors = [reply for _, (status, reply) in sorted(answers.items()) if status == "error"]
-        if errors:
-            raise RuntimeError(f"{method} failed on tensor-parallel {'; '.join(errors)}")
-        return [reply for _, (_, reply) in sorted(answers.items())]
+                    if rank in waiting.values():
+                        self._fail(self._exited(rank, method))
+                    continue
+                answers[rank] = self._answer(item, rank, method)
+        return [answers[rank] for rank in range(len(self.conns))]
+
+    def _answer(self, conn, rank: int, method: str):
+        try:
+            status, reply = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):  # a worker's pipe closes as it exits
+            self._fail(self._exited(rank, method))
+        if status == "error":  # the others may wait in a collective for this one: stop them all
+            self._fail(f"{method} failed on tensor-parallel {reply}")
+        return reply
+
+    def _exited(self, rank: int, method: str) -> str:
+        self.procs[rank].join(timeout=1)  # its exit code, if it is exiting
+        return f"tensor-parallel worker {rank} exited (code {self.procs[rank].exitcode}) during {method}"
 
     def _fail(self, why: str) -> None:
         self.dead = why
         log.error("%s: stopping every tensor-parallel worker", why)
-        for proc in self.procs:  # the others may wait in a collective for the one that is gone
+        for proc in self.procs:
             proc.kill()
         self.close()
         raise WorkerDiedError(why)
 
-    def check_adapter(self, info: AdapterInfo) -> None:
-        """Every rank reads and shards the adapter (kept for its first slot); one that cannot fails the load,
-        and what the others read is dropped."""
-        try:
-            self.call("check_adapter", _ref(info), fatal=False)
-        except WorkerDiedError:
-            raise
-        except RuntimeError:
-            self.call("forget_adapter", info.content_hash, fatal=False)
-            raise
+    def _unlink_segment(self) -> None:
+        if self.segment is not None:
+            self.segment.unlink(missing_ok=True)
 
     def close(self) -> None:
         self._finalizer()
 
 
-def _stop(procs, conns) -> None:
+def _stop(procs, conns, segment: Path | None) -> None:
+    if segment is not None:
+        segment.unlink(missing_ok=True)
     for conn in conns:
         conn.close()
     for proc in procs:
@@ -146,10 +148,6 @@ def _stop(procs, conns) -> None:
             proc.join(timeout=5)
 
 
-def _ref(info: AdapterInfo) -> AdapterRef:
-    return AdapterRef(info.name, info.path, info.content_hash, info.confined)
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -157,29 +155,22 @@ def _free_port() -> int:
 
 
 class TPRunner(ModelRunner):
-    """The engine's model runner under tensor parallelism: the batch built here, the model run by the workers."""
+    """The engine's model runner under tensor parallelism: the batch built here (`ModelRunner`'s host side), the
+    model run by the workers; it holds no model and no KV tensor."""
 
     def __init__(self, executor: TPExecutor, kv: KVCacheManager, adapters, device: torch.device) -> None:
         self.executor, self.kv, self.device = executor, kv, device
         self.block_size = kv.block_size
         self.block_table = BlockTable(8, 16, kv.block_size, torch.device("cpu"))
         self.graphs = None
-        self.adapters = adapters
-        self.slot_changes: list[tuple[int, AdapterRef | None]] = []
-        self.forgotten: list[str] = []  # content hashes of adapters unloaded since the last step
-        self.changes_lock = threading.Lock()
+        self.slot_changes: list[tuple[int, LoRAWeights | None]] = []
+        self.changes_lock = threading.Lock()  # slots are emptied from other threads too (an unload)
         adapters.slots.listen(self._slot_changed)
-        adapters.unloaded = self._unloaded
 
-    def _slot_changed(self, slot: int, weights) -> None:
+    def _slot_changed(self, slot: int, weights: LoRAWeights | None) -> None:
         """The engine's registry put an adapter in a slot (or emptied it): the workers follow at the next step."""
-        ref = None if weights is None else _ref(self.adapters.get(weights.name))
         with self.changes_lock:
-            self.slot_changes.append((slot, ref))
-
-    def _unloaded(self, info: AdapterInfo) -> None:
-        with self.changes_lock:
-            self.forgotten.append(info.content_hash)
+            self.slot_changes.append((slot, weights))
 
     def enable_graphs(self, *args, **kwargs) -> None:
         raise ValueError("CUDA graphs are not captured under tensor parallelism (the workers run eager)")
@@ -191,13 +182,18 @@ class TPRunner(ModelRunner):
         mix_passes = self._mix_passes(sched, adapter_slots or {})
         step = self._prepare(sched)
         with self.changes_lock:
-            changes, forgotten, self.slot_changes, self.forgotten = self.slot_changes, self.forgotten, [], []
-        row_slots = [lora_slots[row] for row in step.last_rows] if lora_slots else None
+            taken = list(self.slot_changes)
+        changes = [(slot, None if weights is None else pack_adapter(weights)) for slot, weights in taken]
         runs = [(rows.start, rows.stop) for _, rows, _ in step.prompt_rows]
-        msg = StepMessage(changes, forgotten, list(sched.block_copies), step.token_ids, step.positions, step.slots,
-                          self.block_table.commit(step.table_rows).clone(), step.seq_lens, step.starts,
-                          step.max_query_len, lora_slots, mix_passes, step.last_rows, row_slots, runs)
+        msg = StepMessage(
+            slot_changes=changes, block_copies=list(sched.block_copies), token_ids=step.token_ids,
+            positions=step.positions, slots=step.slots, block_tables=self.block_table.commit(step.table_rows).clone(),
+            seq_lens=step.seq_lens, starts=step.starts, max_query_len=step.max_query_len, lora_slots=lora_slots,
+            mix_passes=mix_passes, last_rows=step.last_rows,
+            row_slots=[lora_slots[row] for row in step.last_rows] if lora_slots else None, prompt_rows=runs)
         logits, prompt_hidden = self.executor.call("step", msg)
+        with self.changes_lock:  # sent: what came meanwhile goes with the next step
+            del self.slot_changes[:len(taken)]
         prompt = [PromptRows(req, to_device(hidden, self.device), first,
                              lora_slots[rows.start] if lora_slots else -1, self.compute_logits)
                   for (req, rows, first), hidden in zip(step.prompt_rows, prompt_hidden)]
@@ -207,4 +203,3 @@ class TPRunner(ModelRunner):
 
     def logits(self, hidden: torch.Tensor, slots: list[int] | None) -> torch.Tensor:
         return to_device(self.executor.call("logits", hidden.cpu(), slots), self.device)
-

@@ -1,18 +1,20 @@
 """A tensor-parallel worker process: one rank's shard of the model, its KV heads' cache and its shards of the
 adapters in the engine's slots. It runs what the engine sends (`tp_executor.py`), one message at a time: a step
-(`StepMessage`), the logits of given hidden rows, an adapter to read ahead of a load. Every rank runs every
-step; rank 0's answer is the step's (the hidden states and logits are the same on every rank after the
-collectives), the others answer that they are done.
+(`StepMessage`), or the logits of given hidden rows. Every rank runs every call; rank 0's answer is the call's
+(the hidden states and logits are the same on every rank after the collectives), the others answer None.
 
-Nothing here schedules, samples or reads a grammar: those stay in the engine's process (vLLM's worker split).
+Nothing here schedules, samples, reads a grammar or opens an adapter folder: those stay in the engine's process
+(vLLM's worker split). An adapter reaches a rank as the engine read and checked it, with the step whose slot
+change puts it in a slot, and the rank keeps its shards of it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 import pickle
-from collections import OrderedDict
+import signal
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -20,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from loraplex.adapters.lora_layers import attach_lora
-from loraplex.adapters.peft_format import LoRAWeights, read_peft_adapter
+from loraplex.adapters.peft_format import LoRAWeights
 from loraplex.adapters.slots import LoRASlots
 from loraplex.kernels import cpu_kernels
 from loraplex.kernels.paged_attention import PagedAttentionMetadata
@@ -34,25 +36,14 @@ from loraplex.platform.resolve import resolve
 
 log = logging.getLogger(__name__)
 
-COLLECTIVE_TIMEOUT = timedelta(seconds=120)  # a rank stuck past this in a collective fails instead of hanging
-
-
-@dataclass(frozen=True)
-class AdapterRef:
-    """An adapter as the engine's registry holds it: workers read it from the same folder and check its hash."""
-
-    name: str
-    path: str
-    content_hash: str
-    confined: bool = False
+COLLECTIVE_TIMEOUT = timedelta(seconds=120)  # a rank stuck past this in a gloo / NCCL collective fails
 
 
 @dataclass
 class StepMessage:
     """One step's flat batch, as the engine's runner built it (`model_runner.StepInputs`), for every rank."""
 
-    slot_changes: list[tuple[int, AdapterRef | None]]  # since the last step, in order
-    forgotten: list[str]  # content hashes of adapters unloaded since: their shards dropped
+    slot_changes: list[tuple[int, bytes | None]]  # since the last step, in order: `pack_adapter`'s (None: emptied)
     block_copies: list[tuple[int, int]]
     token_ids: list[int]
     positions: list[int]
@@ -69,56 +60,55 @@ class StepMessage:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int, size: int, num_blocks: int | None, segment: str) -> None:
+    def __init__(self, config: EngineConfig, rank: int, size: int, num_blocks: int | None,
+                 segment: str | None) -> None:
         resolved = resolve(config)
-        self.device = torch.device("cuda", rank) if resolved.device.type == "cuda" else torch.device("cpu")
+        self.rank, self.device = rank, torch.device("cuda", rank) if resolved.device.type == "cuda" else \
+            torch.device("cpu")
         select_device(self.device)
-        if self.device.type == "cpu" and resolved.kernels.dtype == torch.float32 and cpu_kernels.library():
-            use_shared_memory(segment, rank, size)  # before the model: its layers take the all-reduce once
+        if segment is not None:  # the engine decided (the same for every rank): float32 on the CPU, C kernels built
+            use_shared_memory(segment, rank, size)
         self.memory_start = MemorySnapshot.measure(self.device) if self.device.type == "cuda" else None
         self.plan = plan_for(resolved.model, size, rank)
-        self.full_config, self.config = resolved.model, local_config(resolved.model, self.plan)
+        self.config = local_config(resolved.model, self.plan)
         self.kernels, self.block_size = resolved.kernels, config.block_size
-        self.max_lora_rank, self.engine_config, self.max_model_len = config.max_lora_rank, config, \
-            resolved.max_model_len
+        self.engine_config, self.max_model_len = config, resolved.max_model_len
         self.model = load_model(config.model, self.config, resolved.kernels, resolved.max_model_len, None,
                                 self.device)
         stacked = resolved.kernels.stacked_lora
         self.slots = LoRASlots(self.config, resolved.max_loras, resolved.kernels.lora_dtype, self.device,
                                config.max_lora_rank if stacked else None)
         self.lora = attach_lora(self.model, self.slots, resolved.kernels)
-        self.adapters: OrderedDict[str, LoRAWeights] = OrderedDict()  # content hash -> this rank's shards
-        self.max_adapters = 2 * resolved.max_loras + 4
-        self.kv_cache = self._kv_cache(num_blocks) if num_blocks is not None else None
-        if self.device.type == "cpu":
-            cpu_kernels.library()
-        self.hidden: torch.Tensor | None = None
+        if num_blocks is not None:
+            self.allocate_kv(num_blocks)
 
     def allocate_kv(self, num_blocks: int) -> None:
-        self.kv_cache = self._kv_cache(num_blocks)
-
-    def _kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         c = self.config
-        cache = torch.zeros(c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim,
-                            dtype=self.kernels.kv_dtype, device=self.device)
-        self.kv_tensor = cache
-        return [(cache[i, 0], cache[i, 1]) for i in range(c.num_layers)]
+        self.kv_tensor = torch.zeros(c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim,
+                                     dtype=self.kernels.kv_dtype, device=self.device)
+        self.kv_cache = [(self.kv_tensor[i, 0], self.kv_tensor[i, 1]) for i in range(c.num_layers)]
 
     # ---- what the engine calls --------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self, msg: StepMessage):
-        """-> (logits of `last_rows` [R, vocab] on the CPU, hidden rows of each `prompt_rows` run)."""
-        for slot, ref in msg.slot_changes:
-            self.slots.clear(slot) if ref is None else self.slots.load(slot, self.read_adapter(ref))
-        for content_hash in msg.forgotten:
-            self.forget_adapter(content_hash)
+        """-> rank 0: (logits of `last_rows` [R, vocab] on the CPU or None, hidden rows of each `prompt_rows` run);
+        the other ranks: None."""
+        for slot, weights in msg.slot_changes:
+            if weights is None:
+                self.slots.clear(slot)
+            else:
+                self.slots.load(slot, shard_adapter(unpack_adapter(weights), self.plan))
         for src, dst in msg.block_copies:
             self.kv_tensor[:, :, dst].copy_(self.kv_tensor[:, :, src])
+        hidden = self._forward(msg)
+        logits = self.logits(hidden[self._put(msg.last_rows)], msg.row_slots) if msg.last_rows else None
+        if self.rank:
+            return None
+        return logits, [hidden[start:end].cpu() for start, end in msg.prompt_rows]
 
-        def put(values: list, dtype=torch.long) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device="cpu").to(self.device)
-
+    def _forward(self, msg: StepMessage) -> torch.Tensor:
+        put = self._put
         meta = PagedAttentionMetadata.build(
             slot_mapping=put(msg.slots), block_tables=msg.block_tables.to(self.device), seq_lens=put(msg.seq_lens),
             query_start_loc=put(msg.starts), block_size=self.block_size, max_query_len=msg.max_query_len,
@@ -128,39 +118,17 @@ class Worker:
         else:
             batch = LoRABatch.build(msg.lora_slots, self.device) if msg.lora_slots is not None else None
         with self.lora.mapping(batch=batch):
-            hidden = self.model(put(msg.token_ids), put(msg.positions), self.kv_cache, meta)
-        prompt = [hidden[start:end].cpu() for start, end in msg.prompt_rows]
-        if not msg.last_rows:
-            return None, prompt
-        return self.logits(hidden[put(msg.last_rows)], msg.row_slots), prompt
+            return self.model(put(msg.token_ids), put(msg.positions), self.kv_cache, meta)
+
+    def _put(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device="cpu").to(self.device)
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor, slots: list[int] | None) -> torch.Tensor:
-        """The whole logits of these rows (the head's all-gather), in the model's dtype, on the CPU."""
+    def logits(self, hidden: torch.Tensor, slots: list[int] | None) -> torch.Tensor | None:
+        """The whole logits of these rows (the head's all-gather), in the model's dtype; on the CPU at rank 0."""
         with self.lora.mapping(rows=slots):
-            return self.model.logits(hidden.to(self.device)).cpu()
-
-    def read_adapter(self, ref: AdapterRef) -> LoRAWeights:
-        """This rank's shards of an adapter, read once per content (the engine checked it first)."""
-        held = self.adapters.get(ref.content_hash)
-        if held is None:
-            full = read_peft_adapter(ref.name, ref.path, self.full_config, self.max_lora_rank,
-                                     self.kernels.lora_dtype, ref.confined)
-            if full.content_hash != ref.content_hash:
-                raise ValueError(f"adapter {ref.name!r} changed on disk since the engine read it ({ref.path})")
-            held = shard_adapter(full, self.plan)
-            self.adapters[ref.content_hash] = held
-            while len(self.adapters) > self.max_adapters:
-                self.adapters.popitem(last=False)
-        self.adapters.move_to_end(ref.content_hash)
-        return held
-
-    def check_adapter(self, ref: AdapterRef) -> None:
-        """An adapter being loaded: read and sharded now (a load fails on every rank if one cannot)."""
-        self.read_adapter(ref)
-
-    def forget_adapter(self, content_hash: str) -> None:
-        self.adapters.pop(content_hash, None)
+            logits = self.model.logits(hidden.to(self.device))
+        return logits.cpu() if self.rank == 0 else None
 
     def kv_blocks(self) -> int:
         """CUDA: how many KV blocks this rank's device holds after its shard and a profiling pass."""
@@ -168,6 +136,18 @@ class Worker:
 
         return device_kv_blocks(self.model, self.config, self.engine_config, self.max_model_len, self.device,
                                 self.memory_start)
+
+
+def pack_adapter(weights: LoRAWeights) -> bytes:
+    """An adapter for the pipe. Its tensors are views into one buffer, and pickle would copy the whole buffer for
+    each of them: torch.save writes each storage once."""
+    buffer = io.BytesIO()
+    torch.save(weights, buffer)
+    return buffer.getvalue()
+
+
+def unpack_adapter(data: bytes) -> LoRAWeights:
+    return torch.load(io.BytesIO(data), weights_only=False)  # from the engine's own pipe, never a client's bytes
 
 
 def shard_adapter(weights: LoRAWeights, plan: ShardPlan) -> LoRAWeights:
@@ -188,8 +168,9 @@ def shard_adapter(weights: LoRAWeights, plan: ShardPlan) -> LoRAWeights:
 
 
 def worker_main(config: EngineConfig, rank: int, size: int, init_method: str, num_blocks: int | None,
-                conn, threads: int, segment: str) -> None:
+                conn, threads: int, segment: str | None) -> None:
     """A worker process: join the group, build the shard, then answer the engine until it closes the pipe."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the engine stops the workers
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp{rank} %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(threads)
     backend = "nccl" if config.torch_device.type == "cuda" else "gloo"
@@ -215,9 +196,14 @@ def serve(worker: Worker, conn, rank: int) -> None:
         except (EOFError, OSError):  # the engine closed the pipe or died: nothing more to do
             return
         try:
-            result = getattr(worker, method)(*args)
-            reply = ("ok", result if rank == 0 or method != "step" else None)  # a step's answer is rank 0's
+            reply = ("ok", getattr(worker, method)(*args))
         except Exception as exc:
             log.exception("tensor-parallel rank %d: %s failed", rank, method)
             reply = ("error", f"rank {rank}: {type(exc).__name__}: {exc}")
         conn.send_bytes(pickle.dumps(reply))
+
+
+def uses_shared_memory(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the ranks all-reduce through shared memory: float32 on the CPU, with the C kernels built (decided once,
+    by the engine, for every rank)."""
+    return device.type == "cpu" and dtype == torch.float32 and cpu_kernels.library() is not None

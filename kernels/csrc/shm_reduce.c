@@ -14,7 +14,14 @@
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#define spin_pause() _mm_pause()
+#elif defined(__aarch64__)
+#define spin_pause() __asm__ volatile("yield")
+#else
+#define spin_pause() ((void)0)
+#endif
 
 #define FLAG_STRIDE 8 /* int64s: one flag per cache line */
 #define SPINS_BEFORE_YIELD 4096
@@ -24,7 +31,7 @@ static void wait_for_all(int64_t *flags, int world, int64_t s)
     for (int r = 0; r < world; r++) {
         int64_t spins = 0;
         while (__atomic_load_n(&flags[r * FLAG_STRIDE], __ATOMIC_ACQUIRE) < s) {
-            if (++spins < SPINS_BEFORE_YIELD) _mm_pause();
+            if (++spins < SPINS_BEFORE_YIELD) spin_pause();
             else sched_yield(); /* more ranks than free cores: let the one we wait for run */
         }
     }

@@ -98,7 +98,8 @@ def plan_for(config: ModelConfig, size: int, rank: int) -> ShardPlan:
     moe = config.moe
     if moe is not None and moe.num_experts < size:
         raise ValueError(f"tensor_parallel_size {size} is more than the model's {moe.num_experts} experts")
-    if min(config.vocab_size, config.intermediate_size) < size:
+    if min(config.vocab_size, config.intermediate_size) < size or moe is not None and \
+            0 < moe.shared_expert_size < size:
         raise ValueError(f"tensor_parallel_size {size} is more than the model can be split in")
     head_split(config.num_heads, config.num_kv_heads, size, rank)  # refuses a split it cannot make
     return ShardPlan(rank, size, config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size,

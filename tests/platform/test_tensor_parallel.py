@@ -307,13 +307,13 @@ def test_chunked_prefill_preemption_n2_prompt_logprobs_and_speculation_as_with_o
             assert g[token].logprob == pytest.approx(w[token].logprob, abs=1e-4)
 
 
-def _reduce_in_rank(rank: int, world: int, port: int, name: str, results) -> None:
+def _reduce_in_rank(rank: int, world: int, port: int, path: str, results) -> None:
     import torch.distributed as dist
 
     from loraplex.platform import distributed
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    distributed.use_shared_memory(name, rank, world, chunk=1000)  # small: a tensor goes through in chunks
+    distributed.use_shared_memory(path, rank, world, chunk=1000)  # small: a tensor goes through in chunks
     out = []
     for seed, n in ((0, 5), (1, 2500), (2, 7), (3, 4096)):  # sequence numbers go on across calls and chunks
         x = torch.randn(n, generator=torch.Generator().manual_seed(seed * 10 + rank))
@@ -322,21 +322,69 @@ def _reduce_in_rank(rank: int, world: int, port: int, name: str, results) -> Non
     dist.destroy_process_group()
 
 
-def test_the_shared_memory_all_reduce_sums_in_rank_order_on_every_rank(tmp_path):
+def test_the_shared_memory_all_reduce_sums_in_rank_order_on_every_rank():
     import multiprocessing
 
+    from loraplex.platform.distributed import create_segment
     from loraplex.platform.tp_executor import _free_port
 
     context = multiprocessing.get_context("spawn")
     results, port = context.Queue(), _free_port()
-    procs = [context.Process(target=_reduce_in_rank, args=(rank, 2, port, f"loraplex-test-{port}", results))
-             for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    got = dict(results.get(timeout=120) for _ in procs)
-    for proc in procs:
-        proc.join(30)
+    segment = create_segment(f"loraplex-test-{port}", 2, chunk=1000)
+    assert segment.stat().st_mode & 0o777 == 0o600
+    with pytest.raises(FileExistsError):  # never an existing file (nor a link planted under the name)
+        create_segment(segment.name, 2, chunk=1000)
+    procs = [context.Process(target=_reduce_in_rank, args=(rank, 2, port, str(segment), results)) for rank in range(2)]
+    try:
+        for proc in procs:
+            proc.start()
+        got = dict(results.get(timeout=120) for _ in procs)
+    finally:
+        segment.unlink()
+        for proc in procs:
+            proc.join(30)
     for k, (seed, n) in enumerate(((0, 5), (1, 2500), (2, 7), (3, 4096))):
         parts = [torch.randn(n, generator=torch.Generator().manual_seed(seed * 10 + rank)) for rank in range(2)]
         assert torch.equal(got[0][k], parts[0] + parts[1]) and torch.equal(got[1][k], got[0][k])
-    assert not list(Path("/dev/shm").glob(f"loraplex-test-{port}*"))  # unlinked once mapped
+
+
+def test_no_segment_is_left_behind_once_the_workers_run_or_stop(tmp_path):
+    folder = make_tiny_model(tmp_path / "m", "llama", seed=1)
+    before = set(Path("/dev/shm").glob("loraplex-tp-*"))
+    with LLM(str(folder), tensor_parallel_size=2, **ENGINE) as llm:
+        assert llm.engine.executor.segment is not None  # float32 on the CPU: the shared-memory all-reduce
+        assert set(Path("/dev/shm").glob("loraplex-tp-*")) == before  # unlinked once every rank mapped it
+        procs = llm.engine.executor.procs
+    assert not any(proc.is_alive() for proc in procs)
+
+
+def test_a_rank_that_fails_a_step_stops_the_others_waiting_for_it_without_a_hang(tmp_path):
+    """Rank 1 cannot take a slot change that rank 0 takes, so rank 0 goes on into the forward pass and waits in
+    the first all-reduce for rank 1, which never comes: the engine stops both at rank 1's error."""
+    from loraplex.adapters.peft_format import LoRAWeights
+
+    folder = make_tiny_model(tmp_path / "m", "llama", seed=1)  # 4 query heads of 16: rank 0's o inputs are 0..31
+    with LLM(str(folder), tensor_parallel_size=2, **ENGINE) as llm:
+        engine = llm.engine
+        a, b_t = torch.randn(4, 32), torch.randn(4, 64)  # o's A only as wide as rank 0's columns
+        bad = LoRAWeights("bad", "-", 4, 1.0, frozenset({"o_proj"}), {(0, "o_proj"): (a, b_t)})
+        engine.runner.slot_changes.append((0, bad))  # packed for the pipe as the registry's would be
+        engine.add_request("a", PROMPTS[0], GREEDY)
+        started = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="rank 1"):
+            engine.step()
+        assert time.monotonic() - started < 60
+        assert not any(proc.is_alive() for proc in engine.executor.procs)
+
+
+def test_an_adapter_goes_through_the_pipe_at_its_own_size(default_model_dir, default_adapters):
+    """Its tensors are views into one buffer: pickled one by one, each would carry the whole buffer (GBs)."""
+    from loraplex.adapters.peft_format import read_peft_adapter
+    from loraplex.platform.tp_worker import pack_adapter, unpack_adapter
+
+    weights = read_peft_adapter("d0", default_adapters[0], ModelConfig.from_folder(default_model_dir), 16)
+    packed = pack_adapter(weights)
+    assert len(packed) < 1.1 * weights.nbytes
+    back = unpack_adapter(packed)
+    assert back.content_hash == weights.content_hash and all(
+        torch.equal(back.projections[k][i], weights.projections[k][i]) for k in weights.projections for i in (0, 1))
