@@ -63,6 +63,42 @@ def profile_step(model: torch.nn.Module, config: ModelConfig, kv_dtype: torch.dt
         torch.cuda.synchronize(device)
 
 
+def kv_cache_for(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+                 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The paged KV tensor [layers, 2, blocks, block_size, kv_heads, head_dim] (a tensor-parallel rank: its KV
+    heads) and each layer's (K, V) views of it."""
+    shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    cache = torch.zeros(shape, dtype=dtype, device=device)
+    return cache, [(cache[i, 0], cache[i, 1]) for i in range(config.num_layers)]
+
+
+def copy_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:
+    """The scheduler's copy-on-write: each (source, destination) block, every layer's K and V."""
+    for src, dst in copies:
+        kv_cache[:, :, dst].copy_(kv_cache[:, :, src])
+
+
+def forward_batch(model: torch.nn.Module, lora: LoRAContext, kv_caches: list, step, block_tables: torch.Tensor,
+                  block_size: int, lora_slots: list[int] | None,
+                  mix_passes: list[tuple[list[int], list[float]]] | None, device: torch.device) -> torch.Tensor:
+    """One flat batch through the model: `step` is a `StepInputs` (or a tensor-parallel rank's `StepMessage`,
+    which carries the same fields), `block_tables` its rows on the device; each token's adapter from `lora_slots`
+    or, with adapter mixes, the weighted `mix_passes`."""
+    def put(values: list) -> torch.Tensor:
+        return to_device(torch.tensor(values, dtype=torch.long, device="cpu"), device)
+
+    meta = PagedAttentionMetadata.build(
+        slot_mapping=put(step.slots), block_tables=block_tables, seq_lens=put(step.seq_lens),
+        query_start_loc=put(step.starts), block_size=block_size, max_query_len=step.max_query_len,
+        max_seq_len=max(step.seq_lens))
+    if mix_passes is not None:
+        batch = LoRABatch.build_passes(mix_passes, device)
+    else:
+        batch = LoRABatch.build(lora_slots, device) if lora_slots is not None else None
+    with lora.mapping(batch=batch):
+        return model(put(step.token_ids), put(step.positions), kv_caches, meta)
+
+
 @dataclass
 class PromptRows:
     """Hidden states of prompt positions first..first+len-1: position p predicts prompt token p+1."""
@@ -86,9 +122,7 @@ class ModelRunner:
         self.kv = kv
         self.device = device
         self.block_size = kv.block_size
-        shape = (config.num_layers, 2, kv.pool.num_blocks, kv.block_size, config.num_kv_heads, config.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(config.num_layers)]
+        self.kv_cache, self.kv_caches = kv_cache_for(config, kv.pool.num_blocks, kv.block_size, kv_dtype, device)
         self.graphs: DecodeGraphs | None = None
         # sized by the first steps (rows and width double as needed) until graphs fix them
         self.block_table = BlockTable(8, 16, kv.block_size, device)
@@ -113,8 +147,7 @@ class ModelRunner:
         """Returns logits [R, vocab] (model dtype: a row per request, and one more per draft it verifies), the
         requests they belong to, and for requests that asked for prompt logprobs the hidden states of their
         chunk's prompt positions. `adapter_slots` maps each scheduled request's adapter to its device slot."""
-        for src, dst in sched.block_copies:
-            self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
+        copy_blocks(self.kv_cache, sched.block_copies)
         lora_slots = self._lora_slots(sched, adapter_slots or {})
         mix_passes = self._mix_passes(sched, adapter_slots or {})
         step = self._prepare(sched)
@@ -173,19 +206,8 @@ class ModelRunner:
 
     def _forward(self, step: "StepInputs", lora_slots: list[int] | None,
                  mix_passes: list[tuple[list[int], list[float]]] | None = None) -> torch.Tensor:
-        def put(values: list, dtype=torch.long) -> torch.Tensor:
-            return to_device(torch.tensor(values, dtype=dtype, device="cpu"), self.device)
-
-        meta = PagedAttentionMetadata.build(
-            slot_mapping=put(step.slots), block_tables=self.block_table.commit(step.table_rows),
-            seq_lens=put(step.seq_lens), query_start_loc=put(step.starts), block_size=self.block_size,
-            max_query_len=step.max_query_len, max_seq_len=max(step.seq_lens))
-        if mix_passes is not None:
-            lora = LoRABatch.build_passes(mix_passes, self.device)
-        else:
-            lora = LoRABatch.build(lora_slots, self.device) if lora_slots is not None else None
-        with self.lora.mapping(batch=lora):
-            return self.model(put(step.token_ids), put(step.positions), self.kv_caches, meta)
+        return forward_batch(self.model, self.lora, self.kv_caches, step, self.block_table.commit(step.table_rows),
+                             self.block_size, lora_slots, mix_passes, self.device)
 
     def _prepare(self, sched: SchedulerOutput) -> "StepInputs":
         bs = self.block_size

@@ -25,11 +25,10 @@ from loraplex.adapters.lora_layers import attach_lora
 from loraplex.adapters.peft_format import LoRAWeights
 from loraplex.adapters.slots import LoRASlots
 from loraplex.kernels import cpu_kernels
-from loraplex.kernels.paged_attention import PagedAttentionMetadata
-from loraplex.kernels.sgmv import LoRABatch
 from loraplex.platform.config import EngineConfig
 from loraplex.platform.device import MemorySnapshot, select_device
 from loraplex.platform.distributed import use_shared_memory
+from loraplex.platform.model_runner import copy_blocks, forward_batch, kv_cache_for
 from loraplex.platform.models.llama import load_model
 from loraplex.platform.models.sharding import ShardPlan, gate_up_rows, local_config, o_cols, plan_for, qkv_rows, span
 from loraplex.platform.resolve import resolve
@@ -83,10 +82,8 @@ class Worker:
             self.allocate_kv(num_blocks)
 
     def allocate_kv(self, num_blocks: int) -> None:
-        c = self.config
-        self.kv_tensor = torch.zeros(c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim,
-                                     dtype=self.kernels.kv_dtype, device=self.device)
-        self.kv_cache = [(self.kv_tensor[i, 0], self.kv_tensor[i, 1]) for i in range(c.num_layers)]
+        self.kv_tensor, self.kv_cache = kv_cache_for(self.config, num_blocks, self.block_size, self.kernels.kv_dtype,
+                                                     self.device)
 
     # ---- what the engine calls --------------------------------------------------------------
 
@@ -99,29 +96,14 @@ class Worker:
                 self.slots.clear(slot)
             else:
                 self.slots.load(slot, shard_adapter(unpack_adapter(weights), self.plan))
-        for src, dst in msg.block_copies:
-            self.kv_tensor[:, :, dst].copy_(self.kv_tensor[:, :, src])
-        hidden = self._forward(msg)
-        logits = self.logits(hidden[self._put(msg.last_rows)], msg.row_slots) if msg.last_rows else None
+        copy_blocks(self.kv_tensor, msg.block_copies)
+        hidden = forward_batch(self.model, self.lora, self.kv_cache, msg, msg.block_tables.to(self.device),
+                               self.block_size, msg.lora_slots, msg.mix_passes, self.device)
+        rows = torch.tensor(msg.last_rows, dtype=torch.long, device="cpu").to(self.device)
+        logits = self.logits(hidden[rows], msg.row_slots) if msg.last_rows else None
         if self.rank:
             return None
         return logits, [hidden[start:end].cpu() for start, end in msg.prompt_rows]
-
-    def _forward(self, msg: StepMessage) -> torch.Tensor:
-        put = self._put
-        meta = PagedAttentionMetadata.build(
-            slot_mapping=put(msg.slots), block_tables=msg.block_tables.to(self.device), seq_lens=put(msg.seq_lens),
-            query_start_loc=put(msg.starts), block_size=self.block_size, max_query_len=msg.max_query_len,
-            max_seq_len=max(msg.seq_lens))
-        if msg.mix_passes is not None:
-            batch = LoRABatch.build_passes(msg.mix_passes, self.device)
-        else:
-            batch = LoRABatch.build(msg.lora_slots, self.device) if msg.lora_slots is not None else None
-        with self.lora.mapping(batch=batch):
-            return self.model(put(msg.token_ids), put(msg.positions), self.kv_cache, meta)
-
-    def _put(self, values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device="cpu").to(self.device)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, slots: list[int] | None) -> torch.Tensor | None:

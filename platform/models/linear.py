@@ -35,7 +35,7 @@ class Linear(nn.Module):
 
     def shard_bias(self, bias: torch.Tensor) -> torch.Tensor:
         """A checkpoint's full bias as this layer holds it (a column-parallel layer's rows)."""
-        return bias if self.shard is None else bias.index_select(0, self.shard.index)
+        return bias if self.shard is None else self.shard.take(bias)
 
     def process_weights_after_loading(self) -> None:
         """Once, after the last dtype / device move: pack, quantize or tile the loaded weight."""

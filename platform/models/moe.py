@@ -139,9 +139,8 @@ class SparseMoEBlock(nn.Module):
         if self.moe.shared_expert_size:
             shared = block + "shared_expert."
             gate_up = torch.cat([take(shared + "gate_proj.weight"), take(shared + "up_proj.weight")])
-            _copy(self.shared_gate_up.weight, _held(self.shared_gate_up, gate_up), shared + "gate_proj + up_proj")
-            _copy(self.shared_down.weight, _held(self.shared_down, take(shared + "down_proj.weight")),
-                  shared + "down_proj.weight")
+            _load(self.shared_gate_up, gate_up, shared + "gate_proj + up_proj")
+            _load(self.shared_down, take(shared + "down_proj.weight"), shared + "down_proj.weight")
             _copy(self.shared_gate, take(block + "shared_expert_gate.weight"), block + "shared_expert_gate.weight")
 
 
@@ -196,9 +195,12 @@ def _take_first(take: Callable[[str], torch.Tensor], names: list[str]) -> tuple[
     return names[-1][:-len("gate.weight")], take(names[-1])
 
 
-def _held(layer: Linear, weight: torch.Tensor) -> torch.Tensor:
-    """A checkpoint's full weight as this rank holds it."""
-    return weight if layer.shard is None else layer.shard.take(weight)
+def _load(layer: Linear, weight: torch.Tensor, name: str) -> None:
+    """A checkpoint's full weight through the layer's loader (which takes a tensor-parallel rank's part)."""
+    try:
+        layer.weight_loader(weight)
+    except ValueError as exc:
+        raise ValueError(f"weight {name}: {exc}") from None
 
 
 def _copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
