@@ -3,7 +3,8 @@
     python benchmarks/speculative.py [--num-speculative-tokens 4,6,8] [--repeats 3] [--threads 1] [--json out.json]
     python benchmarks/speculative.py --quick           # smoke run: 2 documents / questions, 64 tokens, 1 repeat
 
-Two (or more) engines on the default model (or --model), identical but for `speculative_config`: the baseline
+Two (or more) engines on the default model (or --model), in the engine's default dtype (--dtype auto: on an
+AVX2 CPU float32 weights on plain rows), identical but for `speculative_config`: the baseline
 without it, one engine per k in --num-speculative-tokens with {"method": "ngram", "num_speculative_tokens": k, ...}.
 Prefix caching is off on every engine (each run pays its own prefill, so no side finds its prompts cached), each
 engine is warmed with the same short requests (the schema compiled), and every request (batch) runs on every engine
@@ -217,7 +218,9 @@ def code_version() -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="auto: the engine's default (on an AVX2 CPU float32 on plain rows); greedy outputs must be "
+                             "identical where it resolves to float32")
     parser.add_argument("--num-speculative-tokens", default="4",
                         help="k, or several comma-separated (one speculative engine each, same baseline): 4,6,8")
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
@@ -258,7 +261,10 @@ def main() -> int:
     spec_config = engines[f"k={ks[0]}"].engine.drafter.config
     spec_gate = spec_config.disable_by_batch_size
     cpu, code = cpu_name(), code_version()
-    header = (f"model={engines['off'].engine.config.model} dtype={args.dtype} max_tokens={args.max_tokens} "
+    resolved = engines["off"].engine.config
+    exact = resolved.dtype == "float32"  # in bfloat16 a verify pass sums in another order: near-ties may part
+    layout = "packed" if resolved.pack_weights else "plain rows"
+    header = (f"model={resolved.model} dtype={args.dtype} -> {resolved.dtype} ({layout}) max_tokens={args.max_tokens} "
               f"repeats={args.repeats} threads={torch.get_num_threads()} prompt_lookup={args.prompt_lookup_min}.."
               f"{args.prompt_lookup_max} disable_by_batch_size={spec_gate} min_acceptance={spec_config.min_acceptance} "
               f"prefix_caching=off cpu={cpu} code={code}")
@@ -301,7 +307,7 @@ def main() -> int:
                     continue
                 mine = totals[ename]["outputs"]
                 differ = [i for i, (a, b) in enumerate(zip(base, mine)) if a != b]
-                if not load["greedy"]:
+                if not load["greedy"] or not exact:
                     sampled_diff[wname][ename] += len(differ)
                     continue
                 for i in differ:
@@ -325,12 +331,13 @@ def main() -> int:
             on = statistics.median(r["tps"])
             on_decode = statistics.median(r["decode_tps"]) if r["decode_tps"] else None
             drafts, draft_tokens, accepted = r["spent"]
-            if load["greedy"]:
+            if load["greedy"] and exact:
                 same = "DIFFER" if any(f"workload {wname} " in m and f" {ename}:" in m for m in mismatches) \
                     else "identical"
             else:
-                same = f"{sampled_diff[wname][ename]} differ (sampled)" if sampled_diff[wname][ename] \
-                    else "identical (sampled)"
+                why = "sampled" if not load["greedy"] else resolved.dtype
+                same = f"{sampled_diff[wname][ename]} differ ({why})" if sampled_diff[wname][ename] \
+                    else f"identical ({why})"
             rows.append({"workload": wname, "label": load["label"], "engine": ename,
                          "requests": sum(len(b) for b in load["batches"]),
                          "tokens": statistics.median(r["tokens"]), "off_tps": off, "on_tps": on, "ratio": on / off,
@@ -375,7 +382,8 @@ def main() -> int:
             print(f"!!!   {m}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": {"model": engines["off"].engine.config.model, "dtype": args.dtype, "cpu": cpu,
+            json.dump({"config": {"model": resolved.model, "dtype": args.dtype, "resolved_dtype": resolved.dtype,
+                                  "weights": layout, "cpu": cpu,
                                   "python": sys.version.split()[0], "torch": torch.__version__,
                                   "threads": torch.get_num_threads(), "max_tokens": args.max_tokens,
                                   "repeats": args.repeats, "num_speculative_tokens": ks,

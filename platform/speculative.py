@@ -34,7 +34,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # the longest n-gram matched
     prompt_lookup_min: int = 2  # the shortest
     disable_by_batch_size: int = 4  # more running sequences than this: the step drafts nothing
-    min_acceptance: float = 0.1  # a request's recent acceptance below this pauses its drafts
+    min_acceptance: float = 0.02  # a request's recent acceptance below this pauses its drafts
     grammar_drafts: bool = True  # a structured request's forced tokens drafted (else jump-forward appends them)
 
     def __post_init__(self) -> None:

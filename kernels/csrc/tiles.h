@@ -53,9 +53,16 @@ static inline __attribute__((always_inline)) void tile_block(const float *x, int
 #endif
 
 #ifndef TILE_512  /* else tile_rows_512 below */
-/* out[r, n0 + j] for r < M, j < nb, from nb dequantized rows w[j * K ...] */
+/* Fetches into L2 the 64-byte lines of `ahead`'s 4 rows (NULL: none) at k, one line a row every 16 floats: the
+ * next tile's rows stream in while the first block of tokens is multiplied, not after it. */
+#define FETCH_AHEAD(ahead, K, k)                                                                   \
+    if ((ahead) && !((k) & 15))                                                                    \
+        for (int f = 0; f < 4; f++) __builtin_prefetch((ahead) + f * (K) + (k), 0, 2)
+
+/* out[r, n0 + j] for r < M, j < nb, from nb dequantized rows w[j * K ...]; `ahead` (4 rows, or NULL): rows to
+ * fetch while the first tokens are multiplied */
 static void tile_dots(const float *x, int64_t M, int64_t K, const float *w, int nb, float *out, int64_t N,
-                      int64_t n0)
+                      int64_t n0, const float *ahead)
 {
     int64_t r = 0;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -64,7 +71,9 @@ static void tile_dots(const float *x, int64_t M, int64_t K, const float *w, int 
         __m256 a[3][4];
         for (int i = 0; i < 3; i++)
             for (int j = 0; j < 4; j++) a[i][j] = _mm256_setzero_ps();
+        const float *fetch = r ? NULL : ahead;
         for (int64_t k = 0; k < K; k += 8) {
+            FETCH_AHEAD(fetch, K, k);
             __m256 u0 = _mm256_loadu_ps(x0 + k), u1 = _mm256_loadu_ps(x1 + k), u2 = _mm256_loadu_ps(x2 + k);
             for (int j = 0; j < 4; j++) {
                 __m256 wj = _mm256_loadu_ps(w + j * K + k);
@@ -79,7 +88,9 @@ static void tile_dots(const float *x, int64_t M, int64_t K, const float *w, int 
     for (; nb == 4 && r + 2 <= M; r += 2) {  /* 2 tokens x 4 rows: 8 independent FMA chains */
         const float *x0 = x + r * K, *x1 = x0 + K;
         __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+        const float *fetch = r ? NULL : ahead;
         for (int64_t k = 0; k < K; k += 8) {
+            FETCH_AHEAD(fetch, K, k);
             __m256 u = _mm256_loadu_ps(x0 + k), v = _mm256_loadu_ps(x1 + k);
             __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + K + k);
             __m256 w2 = _mm256_loadu_ps(w + 2 * K + k), w3 = _mm256_loadu_ps(w + 3 * K + k);
@@ -95,7 +106,7 @@ static void tile_dots(const float *x, int64_t M, int64_t K, const float *w, int 
     for (; nb == 4 && r < M; r++) {  /* the odd token: 4 chains */
         const float *x0 = x + r * K;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t k = 0; k < K; k += 8) {
+        for (int64_t k = 0; k < K; k += 8) {  /* 1 token (the bare stream is faster), or the last of an odd count */
             __m256 u = _mm256_loadu_ps(x0 + k);
             a0 = _mm256_fmadd_ps(u, _mm256_loadu_ps(w + k), a0);
             a1 = _mm256_fmadd_ps(u, _mm256_loadu_ps(w + K + k), a1);
@@ -146,7 +157,7 @@ static void tile_rows_512(const float *x, int64_t M, int64_t K, const float *w, 
 #else
 #define TILE_ROWS(x, M, K, w, rows, out, N, n0)                                                    \
     for (int j = 0; j < (rows); j += 4)                                                            \
-        tile_dots(x, M, K, (w) + j * (K), (rows) - j < 4 ? (rows) - j : 4, out, N, (n0) + j)
+        tile_dots(x, M, K, (w) + j * (K), (rows) - j < 4 ? (rows) - j : 4, out, N, (n0) + j, NULL)
 #endif
 /* Tiles of QTILE weight rows (dequantized once into an L2-sized buffer) times chunks of MCHUNK tokens
  * (kept in L1/L2 while the tile's row blocks pass over them). */
