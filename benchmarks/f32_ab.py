@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -31,7 +33,7 @@ def load(path: str) -> ctypes.CDLL:
     return lib
 
 
-def step(lib: ctypes.CDLL, weights: list[torch.Tensor], tokens: int):
+def step(lib: ctypes.CDLL, weights: list[torch.Tensor], tokens: int) -> Callable[[], None]:
     """One decode step's projections at `tokens` tokens through `lib` (a callable)."""
     x = {k: torch.randn(tokens, k) for k in {k for _, k in SHAPES}}
     out = {n: torch.empty(tokens, n) for n in {n for n, _ in SHAPES}}
@@ -56,7 +58,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     old, new = load(args.old), load(args.new)
     weights = [torch.randn(n, k) * k ** -0.5 for _ in range(LAYERS) for n, k in SHAPES]
-    print(f"threads={torch.get_num_threads()} old={args.old} new={args.new}")
+    print(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} torch threads={torch.get_num_threads()} "
+          f"old={args.old} new={args.new}")
     print("| tokens | old ms | new ms | new / old |\n| --- | --- | --- | --- |")
     for tokens in args.tokens:
         runs = {"old": step(old, weights, tokens), "new": step(new, weights, tokens)}

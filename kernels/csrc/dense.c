@@ -2,13 +2,28 @@
 #include "isa.h"
 #include "tiles.h"
 
+#ifndef TILE_512
+/* TILE_ROWS over plain rows on AVX2, where `fetch`: each 4-row block's first tokens also fetch the same rows of the
+ * next tile (none past the last row) */
+static void plain_rows(const float *x, int64_t M, int64_t K, const float *w, int64_t t0, int rows, float *out,
+                       int64_t N, int fetch)
+{
+    for (int j = 0; j < rows; j += 4) {
+        const int64_t later = t0 + j + QTILE;
+        const float *ahead = fetch && later + 4 <= N ? w + later * K : NULL;
+        tile_dots(x, M, K, w + (t0 + j) * K, rows - j < 4 ? rows - j : 4, out, N, t0 + j, ahead);
+    }
+}
+#endif
+
 /* out [M, N] = x [M, K] w^T for a plain float32 weight w [N, K] (K a multiple of 8), for decode-sized M:
  * each thread streams its QTILE-row tiles of w once, dotted with every token where they are (the same
- * blocks as the quantized kernels, with nothing to dequantize). From 2 tokens the next tile's rows are
+ * blocks as the quantized kernels, with nothing to dequantize). On AVX2, from 2 tokens the next tile's rows are
  * fetched into L2 while the first tokens are multiplied with this one's, so that reading the weights and
  * multiplying them overlap (a verify step's few tokens then cost little more than one); at 1 token the bare
- * stream is faster (docs/benchmarks-history.md, "float32 weights: plain rows and our kernel"; BENCHMARKS.md,
- * "float32 plain rows: the next tile fetched during the first tokens"). */
+ * stream is faster. AVX-512 fetches the whole next tile at a tile's start, from 3 tokens (docs/benchmarks-history.md,
+ * "float32 weights: plain rows and our kernel"; BENCHMARKS.md, "float32 plain rows: the next tile fetched during
+ * the first tokens"). */
 int f32_matmul(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *out)
 {
     if (K % 8) return -2;
@@ -19,21 +34,15 @@ int f32_matmul(const float *x, int64_t M, int64_t K, const float *w, int64_t N, 
         const int64_t next = t0 + QTILE, ahead = N - next < QTILE ? N - next : QTILE;
         for (int64_t b = 0; M >= 3 && b < ahead * K * 4; b += 64)
             __builtin_prefetch((const char *)(w + next * K) + b, 0, 2);  /* into L2 */
-        for (int64_t r0 = 0; r0 < M; r0 += MCHUNK) {
-            const int64_t mc = M - r0 < MCHUNK ? M - r0 : MCHUNK;
-            TILE_ROWS(x + r0 * K, mc, K, w + t0 * K, rows, out + r0 * N, N, t0);
-        }
-#else
-        for (int64_t r0 = 0; r0 < M; r0 += MCHUNK) {
-            const int64_t mc = M - r0 < MCHUNK ? M - r0 : MCHUNK;
-            for (int j = 0; j < rows; j += 4) {
-                const int64_t later = t0 + j + QTILE;  /* the same 4 rows of the next tile */
-                const float *ahead = M >= 2 && r0 == 0 && later + 4 <= N ? w + later * K : NULL;
-                tile_dots(x + r0 * K, mc, K, w + (t0 + j) * K, rows - j < 4 ? rows - j : 4, out + r0 * N, N,
-                          t0 + j, ahead);
-            }
-        }
 #endif
+        for (int64_t r0 = 0; r0 < M; r0 += MCHUNK) {
+            const int64_t mc = M - r0 < MCHUNK ? M - r0 : MCHUNK;
+#ifdef TILE_512
+            TILE_ROWS(x + r0 * K, mc, K, w + t0 * K, rows, out + r0 * N, N, t0);
+#else
+            plain_rows(x + r0 * K, mc, K, w, t0, rows, out + r0 * N, N, M >= 2 && r0 == 0);
+#endif
+        }
     }
     return 0;
 }

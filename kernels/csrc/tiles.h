@@ -56,8 +56,10 @@ static inline __attribute__((always_inline)) void tile_block(const float *x, int
 /* Fetches into L2 the 64-byte lines of `ahead`'s 4 rows (NULL: none) at k, one line a row every 16 floats: the
  * next tile's rows stream in while the first block of tokens is multiplied, not after it. */
 #define FETCH_AHEAD(ahead, K, k)                                                                   \
-    if ((ahead) && !((k) & 15))                                                                    \
-        for (int f = 0; f < 4; f++) __builtin_prefetch((ahead) + f * (K) + (k), 0, 2)
+    do {                                                                                           \
+        if ((ahead) && !((k) & 15))                                                                \
+            for (int f = 0; f < 4; f++) __builtin_prefetch((ahead) + f * (K) + (k), 0, 2);         \
+    } while (0)
 
 /* out[r, n0 + j] for r < M, j < nb, from nb dequantized rows w[j * K ...]; `ahead` (4 rows, or NULL): rows to
  * fetch while the first tokens are multiplied */
@@ -65,6 +67,7 @@ static void tile_dots(const float *x, int64_t M, int64_t K, const float *w, int 
                       int64_t n0, const float *ahead)
 {
     int64_t r = 0;
+    (void)ahead;  /* only the AVX2 blocks fetch */
 #if defined(__AVX2__) && defined(__FMA__)
     for (; nb == 4 && r + 3 <= M; r += 3) {  /* 3 tokens x 4 rows: 12 FMA chains, 7 loads per 12 FMAs */
         const float *x0 = x + r * K, *x1 = x0 + K, *x2 = x1 + K;

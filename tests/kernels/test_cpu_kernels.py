@@ -314,10 +314,10 @@ def test_dense_bf16_amx_kernel_is_the_bf16_gemm(m, dtype):
 
 @pytest.mark.parametrize("m", [1, 2, 3, 6, 7, 23, 24, 25])
 def test_float32_kernel_on_plain_rows_is_f_linear(m):
-    """Token counts across the register blocks and the 24-token chunks, 1 token (no prefetch) and 2+ (the next
-    tile's rows fetched while the first tokens are multiplied; none past the last row); row counts that end in a
-    partial 4-row block and a partial 8-row tile; K across the 16-lane tail and several of the AVX-512 kernel's K
-    parts."""
+    """Token counts across the register blocks and the 24-token chunks, 1 token (no prefetch) and 2+ (on AVX2 the
+    next tile's rows fetched while the first tokens are multiplied, none past the last row; on AVX-512 the next
+    tile from 3); row counts that end in a partial 4-row block and a partial 8-row tile; K across the 16-lane tail
+    and several of the AVX-512 kernel's K parts."""
     if cpu_kernels.library() is None:
         pytest.skip("no C compiler")
     for n, k in ((5, 8), (37, 72), (70, 1544), (13, 40)):
