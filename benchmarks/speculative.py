@@ -21,7 +21,8 @@ tokens) and mean acceptance length (1 + accepted / drafts) from the drafter's co
 decode-only ratio at batch 1 (the first token and the first step, a lone request's prefill, left out: what drafting
 can speed up), engine steps per side (the off side's jump-forward tokens, appended without a step, in brackets), and
 whether the greedy outputs are token for token the same on both sides (where the dtype resolves to float32 a
-difference is printed and the exit status is 1; in bfloat16 differences are counted, as near-ties may part). Targets (the issue): copy-heavy and JSON at batch 1 >= 2x, open chat >= 0.95x, mixed batch of 16 >= 0.95x.
+difference is printed and the exit status is 1; in bfloat16 differences are counted, as near-ties may part).
+Targets (the issue): copy-heavy and JSON at batch 1 >= 2x, open chat >= 0.95x, mixed batch of 16 >= 0.95x.
 """
 
 from __future__ import annotations
