@@ -220,8 +220,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="auto: the engine's default (on an AVX2 CPU float32 on plain rows); greedy outputs must be "
-                             "identical where it resolves to float32")
+                        help="auto: the engine's default (on an AVX2 CPU float32 on plain rows); greedy outputs "
+                             "must be identical where it resolves to float32")
     parser.add_argument("--num-speculative-tokens", default="4",
                         help="k, or several comma-separated (one speculative engine each, same baseline): 4,6,8")
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
