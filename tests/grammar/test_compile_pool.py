@@ -24,7 +24,7 @@ def tok(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def xgrammar(tok):
-    manager = GrammarManager(tok, 448, [tok.eos_token_id], backend="xgrammar", timeout_s=1.0, workers=2)
+    manager = GrammarManager(tok, 448, [tok.eos_token_id], backend="xgrammar", timeout_s=60.0, workers=2)
     yield manager
     manager.close()
 
@@ -49,12 +49,16 @@ def pids(manager) -> set[int]:
 
 
 def test_a_compile_past_its_timeout_is_killed_and_the_pool_refills(xgrammar):
+    """Only the hostile compile is held to 1 s: on a loaded machine the niced workers may take longer than that over
+    an ordinary spec (a fresh worker's first compile), which is not what this test is about."""
     assert xgrammar.compile(StructuredOutputs(regex="x+")).backend == "xgrammar"  # the workers are up
     before = pids(xgrammar)
+    xgrammar.timeout_s = 1.0
     start = time.monotonic()
     with pytest.raises(GrammarError, match="json took longer than 1s to compile"):
         xgrammar.compile(StructuredOutputs(json=HOSTILE))
     assert time.monotonic() - start < 5
+    xgrammar.timeout_s = 60.0
     assert xgrammar.pool.num_killed == 1
     killed = before - pids(xgrammar)
     assert len(killed) == 1 and not any(alive(pid) for pid in killed)  # gone, not abandoned
