@@ -22,7 +22,7 @@ def _default_model(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from loraplex.platform.config import EngineConfig
-    from loraplex.platform.engine_client import build_engine_client
+    from loraplex.platform.engine.engine_client import build_engine_client
     from loraplex.platform.request import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
@@ -36,7 +36,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 async def _generate_text(client, prompt: str, params, chat: bool) -> str:
-    from loraplex.platform.engine_client import accumulate
+    from loraplex.platform.engine.engine_client import accumulate
 
     if chat:
         prompt = {"prompt_token_ids": await client.tokenize_chat([{"role": "user", "content": prompt}])}
@@ -85,7 +85,7 @@ def _serve(args: argparse.Namespace) -> int:
             raise SystemExit("loraplex: error: adapters from object storage (--adapter-source, a tenant's "
                              "adapter_source) are not supported with --ray yet; serve without --ray, or load the "
                              "adapters through the admin endpoint")
-        from loraplex.api.ray_serve import serve_ray
+        from loraplex.api.cluster.ray_serve import serve_ray
 
         return serve_ray(args)
     from loraplex.api.serve import serve
@@ -94,7 +94,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _tenant_sources(path: str | None) -> bool:
-    from loraplex.api.tenants import load_tenants
+    from loraplex.api.tenancy.tenants import load_tenants
 
     return bool(path) and any(t.adapter_source for t in load_tenants(path).by_name.values())
 
@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(p)
     p.add_argument("--lora-modules", type=_lora_module, nargs="+", action="extend", default=[],
                    metavar="NAME=PATH", help="adapters to load at start-up (repeatable)")
-    ray = p.add_argument_group("Ray Serve (pip install -e .[ray]; api/ray_serve.py)")
+    ray = p.add_argument_group("Ray Serve (pip install -e .[ray]; api/cluster/ray_serve.py)")
     ray.add_argument("--ray", action="store_true", help="serve replicas on Ray Serve, routed by adapter")
     add_flags(ray, ClusterConfig)
     p.set_defaults(func=_serve)

@@ -15,7 +15,7 @@ from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
 from h11._receivebuffer import ReceiveBuffer
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from loraplex.api import openai_format as fmt
+from loraplex.api.openai import openai_format as fmt
 from loraplex.api.settings import ServerConfig
 
 log = logging.getLogger(__name__)

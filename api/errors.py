@@ -13,9 +13,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from loraplex.api import openai_format as fmt
-from loraplex.grammar.tools import ToolCallError
-from loraplex.platform.engine_client import (AdapterInUseError, ClientTooSlowError, EngineDeadError,
+from loraplex.api.openai import openai_format as fmt
+from loraplex.grammar.tooling.tools import ToolCallError
+from loraplex.platform.engine.engine_client import (AdapterInUseError, ClientTooSlowError, EngineDeadError,
                                              QueueFullError, StepFailedError, UnknownAdapterError)
 
 log = logging.getLogger(__name__)

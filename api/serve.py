@@ -21,12 +21,12 @@ import uvicorn
 from loraplex.api.cli import model_folder, engine_args
 from loraplex.api.connection_guard import guarded_protocol
 from loraplex.api.flags import values
-from loraplex.api.routes_tenants import reload_tenants_now
+from loraplex.api.admin.routes_tenants import reload_tenants_now
 from loraplex.api.server import build_app
 from loraplex.api.settings import ServerConfig
-from loraplex.api.tenants import TenantRegistry, TenantsError
+from loraplex.api.tenancy.tenants import TenantRegistry, TenantsError
 from loraplex.platform.config import EngineConfig
-from loraplex.platform.engine_client import EngineClient, build_engine_client
+from loraplex.platform.engine.engine_client import EngineClient, build_engine_client
 
 log = logging.getLogger(__name__)
 EXIT_HOOKS_S = 5.0  # what the exit hooks get before the process leaves without them

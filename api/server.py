@@ -2,9 +2,9 @@
 the routers (one module per endpoint family), the error handlers, the body limit, relative
 redirects and the web console; `loraplex serve` runs the app under uvicorn, each Ray replica calls it in-process.
 
-Each request: parse (pydantic, api/protocol.py) -> resolve `model` to base or adapter
-(api/adapter_directory.py) -> tokenize -> SamplingParams -> the client's `generate_many`
--> OpenAI JSON or SSE chunks (api/generation.py). A client that goes away cancels its handler,
+Each request: parse (pydantic, api/openai/protocol.py) -> resolve `model` to base or adapter
+(api/sources/adapter_directory.py) -> tokenize -> SamplingParams -> the client's `generate_many`
+-> OpenAI JSON or SSE chunks (api/openai/generation.py). A client that goes away cancels its handler,
 which aborts its requests (KV blocks and pins freed).
 """
 
@@ -16,14 +16,15 @@ from urllib.parse import urlsplit
 from fastapi import FastAPI
 
 import loraplex
-from loraplex.api import (auth, routes_adapters, routes_chat, routes_completions, routes_console, routes_models,
-                          routes_tenants, routes_tokenize)
-from loraplex.api.adapter_directory import SharedAdapters
+from loraplex.api.admin import routes_adapters, routes_console, routes_tenants
+from loraplex.api.openai import routes_chat, routes_completions, routes_models, routes_tokenize
+from loraplex.api.tenancy import auth
+from loraplex.api.sources.adapter_directory import SharedAdapters
 from loraplex.api.body_limit import BodyLimit
 from loraplex.api.errors import APIError, install_error_handlers
 from loraplex.api.settings import ServerConfig
 from loraplex.api.state import ServerState
-from loraplex.platform.engine_client import EngineClient
+from loraplex.platform.engine.engine_client import EngineClient
 
 __all__ = ["APIError", "ServerConfig", "ServerState", "SharedAdapters", "app_for", "build_app"]
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from loraplex.api.placement import LOAD_EPSILON
-from loraplex.api.s3_source import parse_url
-from loraplex.grammar.reasoning import PARSERS as REASONING_PARSERS
-from loraplex.grammar.tools import PARSERS as TOOL_CALL_PARSERS
+from loraplex.api.cluster.placement import LOAD_EPSILON
+from loraplex.api.sources.s3_source import parse_url
+from loraplex.grammar.tooling.reasoning import PARSERS as REASONING_PARSERS
+from loraplex.grammar.tooling.tools import PARSERS as TOOL_CALL_PARSERS
 
-# adapter: placement by load and bounded-load routing (api/placement.py); affinity: Ray's model multiplexing
+# adapter: placement by load and bounded-load routing (api/cluster/placement.py); affinity: Ray's model multiplexing
 # alone; round-robin: Ray's RoundRobinRouter, adapter-blind (the last two: baselines)
 ROUTINGS = ("adapter", "affinity", "round-robin")
 
@@ -127,7 +127,7 @@ class ClusterConfig:
     max_adapters_per_replica: int = setting(16, "adapters a replica keeps (LRU); Ray routes each adapter to "
                                                 "replicas holding it")
     routing: str = setting("adapter", "adapter: placement by load and bounded-load routing to the replicas holding "
-                                      "an adapter (api/placement.py); affinity: Ray's model multiplexing alone; "
+                                      "an adapter (api/cluster/placement.py); affinity: Ray's model multiplexing alone; "
                                       "round-robin: adapter-blind (the last two: baselines)", flag="--ray-routing",
                            dest="ray_routing", choices=list(ROUTINGS))
     load_epsilon: float = setting(LOAD_EPSILON, "adapter routing: a holder with more than ceil((1 + epsilon) x the mean) "

@@ -8,15 +8,15 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from loraplex.api.adapter_directory import AdapterDirectory, SharedAdapters
-from loraplex.api.adapter_roots import relative_to, spellings
-from loraplex.api.audit import AuditLog
-from loraplex.api.callers import OPEN, Caller
-from loraplex.api.metrics import ServerMetrics
-from loraplex.api.quotas import TenantLimits
+from loraplex.api.sources.adapter_directory import AdapterDirectory, SharedAdapters
+from loraplex.api.sources.adapter_roots import relative_to, spellings
+from loraplex.api.admin.audit import AuditLog
+from loraplex.api.tenancy.callers import OPEN, Caller
+from loraplex.api.admin.metrics import ServerMetrics
+from loraplex.api.tenancy.quotas import TenantLimits
 from loraplex.api.settings import ServerConfig
-from loraplex.api.tenants import TenantRegistry
-from loraplex.platform.engine_client import EngineClient
+from loraplex.api.tenancy.tenants import TenantRegistry
+from loraplex.platform.engine.engine_client import EngineClient
 
 
 @dataclass

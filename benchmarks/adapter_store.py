@@ -160,9 +160,9 @@ def start_server(model_dir: Path, config, max_num_seqs: int) -> Server:
     import uvicorn
 
     from loraplex.api.server import build_app
-    from loraplex.platform.async_engine import AsyncEngine
+    from loraplex.platform.engine.async_engine import AsyncEngine
     from loraplex.platform.config import EngineConfig
-    from loraplex.platform.engine import Engine
+    from loraplex.platform.engine.llm_engine import Engine
 
     engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=max_num_seqs))
     front = AsyncEngine(engine)

@@ -509,8 +509,8 @@ class Reference:
 @contextlib.contextmanager
 def drafting(llm, proposer, k: int = 4):
     """The engine verifying `proposer`'s drafts (k at most, never paused) for a block."""
-    from loraplex.platform.drafter import Drafter
-    from loraplex.platform.speculative import SpeculativeConfig
+    from loraplex.platform.spec_decode.drafter import Drafter
+    from loraplex.platform.spec_decode.speculative import SpeculativeConfig
 
     engine = llm.engine
     config = SpeculativeConfig(num_speculative_tokens=k, min_acceptance=0.0, disable_by_batch_size=256)
@@ -702,7 +702,7 @@ def profiled_decode(llm, batch_prompts, adapters, steps: int, path: Path) -> tup
 
 
 def section_kv_memory(check: Check) -> None:
-    from loraplex.platform.model_runner import kv_bytes_per_block
+    from loraplex.platform.worker.model_runner import kv_bytes_per_block
 
     engine_ = built_engine(check).engine
     blocks = engine_.kv.pool.num_blocks

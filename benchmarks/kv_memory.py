@@ -24,7 +24,7 @@ import time
 import torch
 
 from loraplex.platform import LLM, SamplingParams
-from loraplex.platform.model_runner import kv_bytes_per_block
+from loraplex.platform.worker.model_runner import kv_bytes_per_block
 
 
 def rss_mib() -> float:

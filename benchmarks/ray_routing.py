@@ -12,7 +12,7 @@ sends the same requests (same seed: Poisson arrivals, prompts, adapter per reque
 drawn with Zipf popularity: the k-th most popular with weight k^-s). Routings:
 - round-robin: Ray's RoundRobinRouter, adapter-blind;
 - affinity: Ray's multiplexing alone (holders first, a new adapter on the replica with the fewest);
-- bounded: loraplex's placement by load and bounded-load routing (`api/placement.py`).
+- bounded: loraplex's placement by load and bounded-load routing (`api/cluster/placement.py`).
 Adapter reads per request come from the replicas' `loraplex:adapter_cache_misses_total`, tokens
 served per replica from `loraplex:generation_tokens_total` (`/metrics`, by replica).
 """

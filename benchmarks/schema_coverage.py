@@ -7,7 +7,7 @@ JSON-Schema-Test-Suite.
 
 For each schema: compiled, refused (a keyword the backend would not enforce, named), or a
 compile error (an unresolvable `$ref`, a schema the backend finds unsatisfiable, ...). For each
-compiled grammar, the oracle of `loraplex.grammar.oracle`: does it accept every valid instance
+compiled grammar, the oracle of `loraplex.grammar.schema.oracle`: does it accept every valid instance
 and reject every invalid one? Compile time p50 / p99 (first compile of each schema, cold
 cache). Over the suite, the share compiled per keyword (its file). Uses the default model's
 tokenizer.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from loraplex.grammar import oracle
+from loraplex.grammar.schema import oracle
 from loraplex.grammar.manager import BACKENDS, GrammarManager
 
 

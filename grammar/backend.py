@@ -55,7 +55,7 @@ def _depth(value) -> int:
 @dataclass(frozen=True)
 class StructuredOutputs:
     """Exactly one of: a JSON Schema, any JSON object, a regex, a list of choices, an EBNF grammar,
-    tool calls (`grammar/tools.py`); after `reasoning` (grammar/reasoning.py) if given, which
+    tool calls (`grammar/tooling/tools.py`); after `reasoning` (grammar/tooling/reasoning.py) if given, which
     alone means free text after it (kind "text": the reasoning's budget is all there is)."""
 
     json: dict | str | None = None
@@ -65,7 +65,7 @@ class StructuredOutputs:
     grammar: str | None = None
     any_whitespace: bool = False  # JSON: allow free whitespace (bounded otherwise)
     strict: bool = True  # JSON Schema: refuse what cannot be enforced exactly (else drop it, and say so)
-    # strict in OpenAI's sense, asked for by name: only the formats OpenAI documents (grammar/formats.py)
+    # strict in OpenAI's sense, asked for by name: only the formats OpenAI documents (grammar/schema/formats.py)
     openai_strict: bool = False
     tools: Any = None  # grammar.tools.ToolCalls: each function's own `strict` applies
     # whose compile this is (a tenant's prefix-cache namespace): part of the key, so no cache, at any level,

@@ -23,10 +23,10 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import recvfds
 
 PR_SET_PDEATHSIG = 1
-PRELOAD = {"llguidance": ["llguidance.hf", "loraplex.grammar.llguidance_backend"],
-           "xgrammar": ["xgrammar", "loraplex.grammar.xgrammar_backend"],
-           "outlines": ["xgrammar", "loraplex.grammar.outlines_backend"],
-           "auto": ["llguidance.hf", "loraplex.grammar.llguidance_backend"]}
+PRELOAD = {"llguidance": ["llguidance.hf", "loraplex.grammar.backends.llguidance_backend"],
+           "xgrammar": ["xgrammar", "loraplex.grammar.backends.xgrammar_backend"],
+           "outlines": ["xgrammar", "loraplex.grammar.backends.outlines_backend"],
+           "auto": ["llguidance.hf", "loraplex.grammar.backends.llguidance_backend"]}
 
 
 def _die_with_parent() -> None:

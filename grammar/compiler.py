@@ -7,7 +7,7 @@ the first of llguidance, xgrammar, outlines that builds it. A backend that canno
 try; one that refuses it for soundness (`RefusedError`: a keyword, format or regex feature it
 would not enforce exactly) ends the chain, since each backend after it enforces less. A JSON
 Schema is first validated against its draft's metaschema, then rewritten exactly
-(grammar/json_schema.py `normalize`); with `strict: false` a keyword the refusing backend names
+(grammar/schema/json_schema.py `normalize`); with `strict: false` a keyword the refusing backend names
 is dropped and listed (`Compiled.unenforced`), one at a time. Every finished JSON output is
 checked against the schema as given (`Compiled.violation`).
 """
@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from loraplex.grammar.backend import GrammarBackend, GrammarError, RefusedError, StructuredOutputs, UnsatisfiableError
-from loraplex.grammar.formats import settle_formats
-from loraplex.grammar.json_schema import UnsupportedKeywordError, check_metaschema, normalize, relaxed
-from loraplex.grammar.tool_formats import tool_format
-from loraplex.grammar.tools import ToolCallError, ToolCalls, parse_tool_calls
+from loraplex.grammar.schema.formats import settle_formats
+from loraplex.grammar.schema.json_schema import UnsupportedKeywordError, check_metaschema, normalize, relaxed
+from loraplex.grammar.tooling.tool_formats import tool_format
+from loraplex.grammar.tooling.tools import ToolCallError, ToolCalls, parse_tool_calls
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def _normalized(spec: StructuredOutputs, deep: bool) -> StructuredOutputs:
 @dataclass
 class Compiled:
     """A spec as compiled by one backend; `unenforced` lists what a non-strict schema dropped and the
-    annotations left out (formats JSON Schema does not define, grammar/formats.py)."""
+    annotations left out (formats JSON Schema does not define, grammar/schema/formats.py)."""
 
     spec: StructuredOutputs  # after exact rewrites and what was dropped
     backend: str
@@ -132,11 +132,11 @@ def schema_error(validator, value) -> str | None:
 
 def backend_class(name: str):
     if name == "xgrammar":
-        from loraplex.grammar.xgrammar_backend import XGrammarBackend as cls
+        from loraplex.grammar.backends.xgrammar_backend import XGrammarBackend as cls
     elif name == "llguidance":
-        from loraplex.grammar.llguidance_backend import LLGuidanceBackend as cls
+        from loraplex.grammar.backends.llguidance_backend import LLGuidanceBackend as cls
     else:
-        from loraplex.grammar.outlines_backend import OutlinesBackend as cls
+        from loraplex.grammar.backends.outlines_backend import OutlinesBackend as cls
     return cls
 
 
@@ -253,7 +253,7 @@ class SpecCompiler:
 
     def _compile_reasoning(self, spec: StructuredOutputs) -> Compiled:
         """A spec after reasoning: the spec compiled alone by llguidance (its refusals, its
-        relaxing), then the whole as one Lark grammar (grammar/reasoning.py)."""
+        relaxing), then the whole as one Lark grammar (grammar/tooling/reasoning.py)."""
         self._llguidance_only("structured outputs after reasoning (--reasoning-parser)")
         alone = None if spec.kind == "text" else self.compile(dataclasses.replace(spec, reasoning=None),
                                                               ("llguidance",))

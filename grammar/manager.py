@@ -13,7 +13,7 @@ or waiting for a worker at once.
 The chain itself (backends, `auto`, refusals that are final, `strict: false` relaxing,
 `Compiled.violation`) is grammar/compiler.py. All backends write the same packed bitmask.
 
-Tool calls and specs after a reasoning prefix (grammar/reasoning.py) are llguidance Lark; the
+Tool calls and specs after a reasoning prefix (grammar/tooling/reasoning.py) are llguidance Lark; the
 latter's matchers are wrapped in a `ReasoningGate` (the reasoning budget, and no closing steer
 while the model thinks).
 """
@@ -33,7 +33,7 @@ from loraplex.grammar.backend import CompileCache, Grammar, GrammarError, Struct
 from loraplex.grammar.compile_pool import CompilePool, Job
 from loraplex.grammar.compiler import (AUTO_ORDER, BACKENDS, KINDS, MAX_RELAXED, Compiled,  # noqa: F401 (re-exported)
                                        SpecCompiler, json_validator, schema_error)
-from loraplex.grammar.reasoning import CLOSE, ReasoningGate
+from loraplex.grammar.tooling.reasoning import CLOSE, ReasoningGate
 
 log = logging.getLogger(__name__)
 

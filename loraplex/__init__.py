@@ -16,19 +16,19 @@ __version__ = "0.1.0"
 
 # In an editable install the five folders sit beside this one (in a wheel, inside it).
 _checkout = Path(__file__).resolve().parent.parent
-if (_checkout / "platform" / "engine.py").is_file():
+if (_checkout / "platform" / "config.py").is_file():
     __path__.append(str(_checkout))
 
 _EXPORTS: dict[str, dict[str, str]] = {
     "platform": {
-        "LLM": "llm",
+        "LLM": "engine.llm",
         "SamplingParams": "request",
         "RequestOutput": "request",
         "CompletionOutput": "request",
         "Logprob": "request",
         "EngineConfig": "config",
-        "Engine": "engine",
-        "AsyncEngine": "async_engine",
+        "Engine": "engine.llm_engine",
+        "AsyncEngine": "engine.async_engine",
         "StructuredOutputs": "request",
     },
     "grammar": {"StructuredOutputs": "backend", "GrammarError": "backend"},

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from loraplex.kernels.dispatch import PrefillAttention
-from loraplex.platform.speculative import SpeculativeConfig
+from loraplex.platform.spec_decode.speculative import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = {"auto": None, "float16": torch.float16, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loraplex.grammar.backend import StructuredOutputs
-from loraplex.grammar.reasoning import Reasoning
+from loraplex.grammar.tooling.reasoning import Reasoning
 
 
 INT32_MAX = 2**31 - 1

@@ -16,7 +16,7 @@ from loraplex.kernels.dispatch import Backend, CpuCaps, KernelConfig, kernel_con
 from loraplex.kernels.linear_methods import can_pack
 from loraplex.platform.config import EngineConfig, ModelConfig, quantized_activation_dtype
 from loraplex.platform.device import normalize_device
-from loraplex.platform.model_runner import kv_bytes_per_block
+from loraplex.platform.worker.model_runner import kv_bytes_per_block
 from loraplex.platform.models.linear import Linear
 from loraplex.platform.models.sharding import plan_for
 

@@ -238,7 +238,7 @@ def _count_strict_violations():
     """Every engine's schema backstop (`OutputProcessor._check`) also reports here; a test that
     replaced `Compiled.violation` itself (to check the counting) is left out."""
     from loraplex.grammar.compiler import Compiled
-    from loraplex.platform.output_processor import OutputProcessor
+    from loraplex.platform.engine.output_processor import OutputProcessor
 
     check, real = OutputProcessor._check, Compiled.violation
 

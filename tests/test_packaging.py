@@ -20,7 +20,7 @@ def test_no_top_level_init_in_package_folders():
 
 def test_stdlib_platform_and_our_package_both_import_from_the_repo_root():
     code = ("import platform; platform.system(); import torch; "
-            "from loraplex.platform import LLM, SamplingParams; import loraplex.platform.engine")
+            "from loraplex.platform import LLM, SamplingParams; import loraplex.platform.engine.llm_engine")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 
 
@@ -30,7 +30,7 @@ def test_wheel_contains_every_package_folder(tmp_path):
     (wheel,) = tmp_path.glob("loraplex-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     for folder in FOLDERS:
-        sources = sorted(p.name for p in (ROOT / folder).glob("*.py"))
+        sources = sorted(str(p.relative_to(ROOT / folder)) for p in (ROOT / folder).rglob("*.py") if "ui" not in p.parts)
         for name in sources:
             assert f"loraplex/{folder}/{name}" in names
     assert "loraplex/platform/models/llama.py" in names
@@ -49,6 +49,6 @@ def test_installed_wheel_imports_without_the_checkout(tmp_path):
     code = ("import sys; sys.path = [p for p in sys.path if 'work' not in p or 'site-packages' in p]; "
             f"sys.path.insert(0, {str(target)!r}); import loraplex; "
             f"assert loraplex.__file__.startswith({str(target)!r}), loraplex.__file__; "
-            "from loraplex.platform import LLM; import loraplex.platform.engine as e; "
+            "from loraplex.platform import LLM; import loraplex.platform.engine.llm_engine as e; "
             f"assert e.__file__.startswith({str(target)!r}), e.__file__")
     subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True, timeout=120)

@@ -12,7 +12,7 @@ from torch import nn
 from loraplex.kernels.custom_ops import RMSNorm
 from loraplex.kernels.dispatch import KernelConfig
 from loraplex.platform.config import ModelConfig
-from loraplex.platform.distributed import all_gather_rows
+from loraplex.platform.executor.distributed import all_gather_rows
 from loraplex.platform.models.llama import MLP, Attention
 
 

@@ -98,7 +98,7 @@ def test_triton_expand_takes_token_weights():
 
 from loraplex.platform import LLM, SamplingParams  # noqa: E402
 from loraplex.platform.adapter_mix import AdapterMix  # noqa: E402
-from loraplex.platform.output_processor import accumulate  # noqa: E402
+from loraplex.platform.engine.output_processor import accumulate  # noqa: E402
 from tests.conftest import assert_all_blocks_free  # noqa: E402
 
 MIXES = [

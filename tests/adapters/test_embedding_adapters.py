@@ -221,7 +221,7 @@ class EagerGraphs:
         return mix_passes == 0
 
     def run(self, step):
-        from loraplex.platform.model_runner import StepInputs
+        from loraplex.platform.worker.model_runner import StepInputs
 
         self.replays += 1
         from loraplex.adapters.lora_layers import VocabAdapters

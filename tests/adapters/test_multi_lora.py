@@ -120,10 +120,10 @@ def test_more_adapters_than_memory_holds_match_peft_and_the_engine_thread_never_
 
     from loraplex.adapters import registry as registry_module
     from loraplex.adapters.peft_format import adapter_bytes
-    from loraplex.platform.async_engine import AsyncEngine
+    from loraplex.platform.engine.async_engine import AsyncEngine
     from loraplex.platform.config import EngineConfig, ModelConfig
-    from loraplex.platform.engine import Engine
-    from loraplex.platform.output_processor import accumulate
+    from loraplex.platform.engine.llm_engine import Engine
+    from loraplex.platform.engine.output_processor import accumulate
 
     two = 2 * adapter_bytes(ModelConfig.from_folder(tiny_model_dir), 16, torch.float32)
     engine = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=128, lora_memory=two,

@@ -49,9 +49,9 @@ def start_server(model_dir: Path, config, lora_modules: dict[str, Path] | None =
     import uvicorn
 
     from loraplex.api.server import build_app
-    from loraplex.platform.async_engine import AsyncEngine
+    from loraplex.platform.engine.async_engine import AsyncEngine
     from loraplex.platform.config import EngineConfig
-    from loraplex.platform.engine import Engine
+    from loraplex.platform.engine.llm_engine import Engine
 
     engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", **engine_args))
     for name, path in (lora_modules or {}).items():

@@ -5,9 +5,9 @@ import threading
 
 import pytest
 
-from loraplex.api.adapter_cache import AdapterCache
-from loraplex.api.adapter_store import AdapterStore
-from loraplex.api.s3_source import StoreError, parse_url, valid_name
+from loraplex.api.sources.adapter_cache import AdapterCache
+from loraplex.api.sources.adapter_store import AdapterStore
+from loraplex.api.sources.s3_source import StoreError, parse_url, valid_name
 from s3_server import S3Server
 
 BUCKET, PREFIX = "adapters", "team/prod"

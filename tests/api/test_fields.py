@@ -11,7 +11,7 @@ from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
 from live_server import assert_error, client, http, live  # noqa: F401
-from loraplex.api.protocol import IGNORED, REFUSED, ChatCompletionRequest, CompletionRequest
+from loraplex.api.openai.protocol import IGNORED, REFUSED, ChatCompletionRequest, CompletionRequest
 
 MSG = [{"role": "user", "content": "Hello"}]
 ENDPOINTS = {"chat": (chat_create_params.CompletionCreateParamsBase, ChatCompletionRequest, "/v1/chat/completions",

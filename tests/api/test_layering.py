@@ -1,5 +1,5 @@
 """The layers hold (.importlinter, also run by `make test`): the API talks to the engine only
-through `platform/engine_client.py` and value types, grammar and adapters never import the API,
+through `platform/engine/engine_client.py` and value types, grammar and adapters never import the API,
 kernels import none of the layers above them, models import nothing of adapters, adapters import no model file. A forbidden import is caught, not just absent."""
 
 from __future__ import annotations

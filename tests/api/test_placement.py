@@ -1,4 +1,4 @@
-"""Adapter placement across replicas and bounded-load routing (`api/placement.py`), without Ray:
+"""Adapter placement across replicas and bounded-load routing (`api/cluster/placement.py`), without Ray:
 the router's calls (choose, dispatched, finished, Ray's reports) made by hand on a fake clock."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 
 import numpy as np
 
-from loraplex.api.placement import (DEFAULT_OUTPUT_TOKENS, LOAD_EPSILON, PLACED_GRACE_S, UNDISPATCHED_S, Placement,
+from loraplex.api.cluster.placement import (DEFAULT_OUTPUT_TOKENS, LOAD_EPSILON, PLACED_GRACE_S, UNDISPATCHED_S, Placement,
                                     request_tokens)
 
 

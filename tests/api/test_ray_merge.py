@@ -1,4 +1,4 @@
-"""The replicas' views merged into the cluster's (`api/ray_merge.py`): plain dicts in, plain dicts
+"""The replicas' views merged into the cluster's (`api/cluster/ray_merge.py`): plain dicts in, plain dicts
 out, no Ray. One test per merged view, and `merged_view`, the ingress's dispatch over them."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loraplex.api.ray_merge import (JSON_VIEWS, merge_adapters, merge_metrics, merge_stats, merge_usage, merged_view,
+from loraplex.api.cluster.ray_merge import (JSON_VIEWS, merge_adapters, merge_metrics, merge_stats, merge_usage, merged_view,
                                     scoped_stats, tenant_adapters)
 
 

@@ -11,10 +11,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.adapters.registry import AdapterInfo
-from loraplex.api.in_process import call_asgi
-from loraplex.api.ray_catalog import AdapterCatalog
-from loraplex.api.ray_ingress import adapter_named
-from loraplex.api.ray_merge import (merge_adapters, merge_metrics, merge_stats, merge_usage, scoped_stats,
+from loraplex.api.cluster.in_process import call_asgi
+from loraplex.api.cluster.ray_catalog import AdapterCatalog
+from loraplex.api.cluster.ray_ingress import adapter_named
+from loraplex.api.cluster.ray_merge import (merge_adapters, merge_metrics, merge_stats, merge_usage, scoped_stats,
                                     tenant_adapters)
 from loraplex.api.settings import ClusterConfig
 
@@ -174,7 +174,7 @@ def test_an_evicted_adapter_is_unloaded_once_its_requests_end(tiny_model_dir, ti
     import torch
 
     from loraplex.adapters.registry import AdapterRegistry
-    from loraplex.api.replica import EngineReplica, _Held
+    from loraplex.api.cluster.replica import EngineReplica, _Held
     from loraplex.platform.config import ModelConfig
 
     registry = AdapterRegistry(ModelConfig.from_folder(tiny_model_dir), 2, 16, None, torch.float32)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from loraplex.api.ray_serve import _replica_on_gpus, _replica_options, _tensor_parallel_placement
+from loraplex.api.cluster.ray_serve import _replica_on_gpus, _replica_options, _tensor_parallel_placement
 from loraplex.api.settings import ClusterConfig, ServerConfig
 
 PLACEMENT_KEYS = {"placement_group_bundles", "placement_group_strategy"}

@@ -9,11 +9,11 @@ import json
 
 import pytest
 
-from loraplex.api.ray_serve import AdapterCatalog
-from loraplex.api.replica import CACHE_HEADER, REPLICA_HEADER, EngineReplica
+from loraplex.api.cluster.ray_serve import AdapterCatalog
+from loraplex.api.cluster.replica import CACHE_HEADER, REPLICA_HEADER, EngineReplica
 from loraplex.api.settings import ServerConfig
 from loraplex.platform.config import EngineConfig
-from loraplex.platform.engine_client import build_engine_client, read_adapter_info
+from loraplex.platform.engine.engine_client import build_engine_client, read_adapter_info
 
 
 class _Remote:

@@ -10,13 +10,13 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loraplex.api.callers import Caller
-from loraplex.api.metrics import ServerMetrics
-from loraplex.api.ray_merge import merge_spec_decode, merge_stats, scoped_stats
-from loraplex.api.routes_console import stats as stats_route
-from loraplex.api.tenants import parse_tenants
-from loraplex.platform.engine import EngineStats
-from loraplex.platform.speculative import SpecCounters
+from loraplex.api.tenancy.callers import Caller
+from loraplex.api.admin.metrics import ServerMetrics
+from loraplex.api.cluster.ray_merge import merge_spec_decode, merge_stats, scoped_stats
+from loraplex.api.admin.routes_console import stats as stats_route
+from loraplex.api.tenancy.tenants import parse_tenants
+from loraplex.platform.engine.llm_engine import EngineStats
+from loraplex.platform.spec_decode.speculative import SpecCounters
 
 TENANTS = parse_tenants({"tenants": {
     "acme": {"api_keys": ["sk-acme"], "adapters": ["acme-*", "shared-*"]},

@@ -14,8 +14,8 @@ import pytest
 from pydantic import BaseModel
 
 from live_server import ADMIN_KEY, http, start_server
-from loraplex.api.protocol import ChatCompletionRequest, CompletionRequest
-from loraplex.api.tenants import TenantsError, parse_tenants
+from loraplex.api.openai.protocol import ChatCompletionRequest, CompletionRequest
+from loraplex.api.tenancy.tenants import TenantsError, parse_tenants
 
 ACME, GLOBEX, INITECH = "sk-acme-strict", "sk-globex-strict", "sk-initech-strict"
 KEYS = (ACME, GLOBEX, INITECH)

@@ -238,7 +238,7 @@ def test_an_adapter_unloaded_mid_request_is_the_404_of_an_unknown_name(served, w
         assert name not in json.dumps(gone[1])
     wait_idle(served.engine)
     assert not served.engine.adapters.num_pins()
-    gc.collect()  # a refused request's timer leaves the in-flight count when dropped (api/metrics.py)
+    gc.collect()  # a refused request's timer leaves the in-flight count when dropped (api/admin/metrics.py)
     stats = _stats(served, ACME)
     assert (stats["num_requests_running"], stats["num_requests_waiting"]) == (0, 0), stats
 
@@ -277,7 +277,7 @@ def test_a_tenants_load_errors_name_its_folders_relative_to_its_root(served, fol
 
 def test_only_the_tenants_own_root_is_relative(served):
     """Outside its root: refused without naming a folder; a folder of the server's is a placeholder."""
-    from loraplex.api.callers import Caller
+    from loraplex.api.tenancy.callers import Caller
     from loraplex.api.state import ServerState
 
     outside = http(served, "/v1/load_lora_adapter", {"lora_name": "globex-x", "lora_path": "../server-root"},

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from loraplex.api.quotas import RateLimited, TenantLimits, TooLarge
-from loraplex.api.tenants import Tenant, TenantsError, load_tenants, parse_tenants
+from loraplex.api.tenancy.quotas import RateLimited, TenantLimits, TooLarge
+from loraplex.api.tenancy.tenants import Tenant, TenantsError, load_tenants, parse_tenants
 
 GOOD = {"tenants": {
     "acme": {"api_keys": ["sk-acme-1"], "adapters": ["acme-*"], "base_model": True, "requests_per_minute": 600,

@@ -1,8 +1,8 @@
 """Coverage round three: `oneOf`, `uniqueItems` and `propertyNames` served exactly where that is
-possible (grammar/rewrite.py), and still refused by name where it is not.
+possible (grammar/schema/rewrite.py), and still refused by name where it is not.
 
 For each rule: the rewrite is applied (the keyword is gone after `normalize`), the result
-compiles under `auto`, and the oracle (grammar/oracle.py) finds the grammar accepting exactly the
+compiles under `auto`, and the oracle (grammar/schema/oracle.py) finds the grammar accepting exactly the
 valid instances of hand-written cases. Each case's labels are first checked against the
 `jsonschema` validator, except the few marked ECMA, where Python's regex engine (which the
 validator uses) reads a pattern otherwise than ECMA-262, the dialect JSON Schema names.
@@ -14,12 +14,12 @@ import jsonschema
 import pytest
 from transformers import AutoTokenizer
 
-from loraplex.grammar import oracle
+from loraplex.grammar.schema import oracle
 from loraplex.grammar.backend import StructuredOutputs
 from loraplex.grammar.compiler import json_validator
-from loraplex.grammar.disjoint import disjoint
-from loraplex.grammar.finite_keywords import MAX_UNIQUE_BRANCHES
-from loraplex.grammar.json_schema import UnsupportedKeywordError, normalize
+from loraplex.grammar.schema.disjoint import disjoint
+from loraplex.grammar.schema.finite_keywords import MAX_UNIQUE_BRANCHES
+from loraplex.grammar.schema.json_schema import UnsupportedKeywordError, normalize
 from loraplex.grammar.manager import GrammarManager
 
 DRAFT7 = "http://json-schema.org/draft-07/schema#"

@@ -1,15 +1,15 @@
 """`.` in a JSON Schema `pattern` (or a `patternProperties` name) as ECMA-262 says: any
 character but a line terminator (\\n, \\r, U+2028, U+2029). llguidance's own `.` lets \\r and
-U+2028 / U+2029 through, so its backend writes each `.` out first (grammar/ecma_regex.py)."""
+U+2028 / U+2029 through, so its backend writes each `.` out first (grammar/schema/ecma_regex.py)."""
 
 import pytest
 from transformers import AutoTokenizer
 
-from loraplex.grammar import oracle
+from loraplex.grammar.schema import oracle
 from loraplex.grammar.backend import StructuredOutputs
 from loraplex.grammar.compiler import json_validator
-from loraplex.grammar.ecma_regex import exact_dots
-from loraplex.grammar.llguidance_backend import ecma_dots
+from loraplex.grammar.schema.ecma_regex import exact_dots
+from loraplex.grammar.backends.llguidance_backend import ecma_dots
 from loraplex.grammar.manager import GrammarManager
 
 BREAKS = ["\r", "\n", "\u2028", "\u2029"]

@@ -1,4 +1,4 @@
-"""`format` as the specification says (#51, grammar/formats.py): a format JSON Schema does not define is an
+"""`format` as the specification says (#51, grammar/schema/formats.py): a format JSON Schema does not define is an
 annotation, served exactly with it left out and listed; OpenAPI's numeric formats are the ranges they mean;
 known formats stay enforced by grammar (the oracle asserts them); strict in OpenAI's sense follows OpenAI's list
 and refuses the rest by name."""
@@ -6,12 +6,12 @@ and refuses the rest by name."""
 import pytest
 from transformers import AutoTokenizer
 
-from loraplex.grammar import oracle
+from loraplex.grammar.schema import oracle
 from loraplex.grammar.backend import StructuredOutputs
-from loraplex.grammar.formats import OPENAI_FORMATS, settle_formats
-from loraplex.grammar.json_schema import UnsupportedKeywordError
+from loraplex.grammar.schema.formats import OPENAI_FORMATS, settle_formats
+from loraplex.grammar.schema.json_schema import UnsupportedKeywordError
 from loraplex.grammar.manager import GrammarManager
-from loraplex.grammar.tools import Function, ToolCalls
+from loraplex.grammar.tooling.tools import Function, ToolCalls
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from loraplex.grammar.backend import GrammarError, StructuredOutputs
-from loraplex.grammar.json_schema import UnsupportedKeywordError
+from loraplex.grammar.schema.json_schema import UnsupportedKeywordError
 from loraplex.grammar.manager import GrammarManager
 from loraplex.platform import LLM, SamplingParams
 from test_grammar import EBNF, SCHEMA, walk

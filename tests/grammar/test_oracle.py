@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from loraplex.grammar import oracle
+from loraplex.grammar.schema import oracle
 from loraplex.grammar.backend import GrammarError, StructuredOutputs
-from loraplex.grammar.disjoint import disjoint
-from loraplex.grammar.json_schema import UnsupportedKeywordError, normalize
+from loraplex.grammar.schema.disjoint import disjoint
+from loraplex.grammar.schema.json_schema import UnsupportedKeywordError, normalize
 from loraplex.grammar.manager import GrammarManager
 
 SUITE = Path(__file__).resolve().parent / "json-schema-test-suite"  # vendored: MIT, see its SOURCE.md

@@ -142,7 +142,7 @@ def test_outlines_on_the_default_model(default_model_dir):
 
 
 def test_a_backend_that_cannot_load_is_passed_over_by_auto(tok, monkeypatch):
-    import loraplex.grammar.llguidance_backend as llg
+    import loraplex.grammar.backends.llguidance_backend as llg
 
     def unavailable(*args, **kwargs):
         raise ValueError("Only fast tokenizers are supported")

@@ -1,4 +1,4 @@
-"""Reasoning (grammar/reasoning.py): where the output starts (the prompt's end), the split into
+"""Reasoning (grammar/tooling/reasoning.py): where the output starts (the prompt's end), the split into
 reasoning and content (whole, or in any split), the grammar that constrains only what follows
 `</think>`, and the budget that forces the close tag after exactly `max_tokens` tokens, with
 the close tag as text or as one token."""
@@ -17,8 +17,8 @@ from transformers import AutoTokenizer
 
 from loraplex.grammar.backend import GrammarError, StructuredOutputs
 from loraplex.grammar.manager import GrammarManager
-from loraplex.grammar.reasoning import CLOSE, Reasoning, ReasoningGate, ReasoningSplitter, prompt_start, split_reasoning
-from loraplex.grammar.tools import Function, ToolCalls, parse_tool_calls
+from loraplex.grammar.tooling.reasoning import CLOSE, Reasoning, ReasoningGate, ReasoningSplitter, prompt_start, split_reasoning
+from loraplex.grammar.tooling.tools import Function, ToolCalls, parse_tool_calls
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["n"],
           "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}

@@ -7,11 +7,11 @@ import pickle
 import pytest
 from transformers import AutoTokenizer
 
-from loraplex.grammar import oracle, regex_features
+from loraplex.grammar.schema import oracle, regex_features
 from loraplex.grammar.backend import GrammarError, RefusedError, StructuredOutputs
-from loraplex.grammar.json_schema import UnsupportedKeywordError
+from loraplex.grammar.schema.json_schema import UnsupportedKeywordError
 from loraplex.grammar.manager import GrammarManager
-from loraplex.grammar.tools import Function, ToolCalls
+from loraplex.grammar.tooling.tools import Function, ToolCalls
 
 BACKENDS = ("auto", "llguidance", "xgrammar", "outlines")
 # one pattern per feature, each one a backend once compiled as something else (or refused unnamed)

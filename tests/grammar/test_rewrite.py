@@ -7,10 +7,10 @@ import itertools
 import jsonschema
 import pytest
 
-from loraplex.grammar.disjoint import disjoint
-from loraplex.grammar.json_schema import normalize
-from loraplex.grammar.rewrite import negate
-from loraplex.grammar.rewrite_state import Inexpressible
+from loraplex.grammar.schema.disjoint import disjoint
+from loraplex.grammar.schema.json_schema import normalize
+from loraplex.grammar.schema.rewrite import negate
+from loraplex.grammar.schema.rewrite_state import Inexpressible
 
 VALUES = [None, True, False, 0, 1, 2, 3, 2.5, -1, "", "a", "ab", "abc", "x", "xy", [], [1], [1, 2], [1, "a"],
           ["a", "b", "c"], {}, {"a": 1}, {"b": 2}, {"a": 1, "b": 2}, {"a": "s"}, {"a": 1, "c": 3}, {"k": "cat"},

@@ -10,7 +10,7 @@ import pytest
 from conftest import assert_all_blocks_free
 from loraplex.grammar.backend import GrammarError
 from loraplex.platform import LLM, SamplingParams, StructuredOutputs
-from loraplex.platform.output_processor import accumulate
+from loraplex.platform.engine.output_processor import accumulate
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "n"],
           "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 6},
@@ -122,7 +122,7 @@ def test_slow_compile_never_stalls_other_requests(tiny_model_dir, monkeypatch):
     engine thread keeps stepping other requests to completion."""
     import threading
 
-    from loraplex.platform.async_engine import AsyncEngine
+    from loraplex.platform.engine.async_engine import AsyncEngine
 
     llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, grammar_backend="xgrammar",
               grammar_compile_workers=0)  # in this process: the patched backend is the one that compiles

@@ -1,4 +1,4 @@
-"""Every tool-call format (grammar/tool_formats.py): the grammar writes calls its reader reads
+"""Every tool-call format (grammar/tooling/tool_formats.py): the grammar writes calls its reader reads
 back and whose arguments validate (plain markers and markers held as special tokens), `auto`
 recognizes the format in a chat template, the reader takes hand-written outputs whole or in any
 split, a malformed call is an error, a cut-off one content, and what a format cannot write is
@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from loraplex.grammar.backend import GrammarError, StructuredOutputs
 from loraplex.grammar.manager import GrammarManager
-from loraplex.grammar.tools import (FORMATS, Function, ToolCallError, ToolCallParser, ToolCalls, lark_rules,
+from loraplex.grammar.tooling.tools import (FORMATS, Function, ToolCallError, ToolCallParser, ToolCalls, lark_rules,
                                     parse_tool_calls, resolve)
 from test_grammar import walk
 

@@ -1,4 +1,4 @@
-"""Tool calls (grammar/tools.py): the grammar enforces calls whose arguments match their
+"""Tool calls (grammar/tooling/tools.py): the grammar enforces calls whose arguments match their
 function's schema (required, named, parallel or not, auto), refusals name the function, and the
 parser reads the same calls back whole or streamed in any split."""
 
@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from loraplex.grammar.backend import GrammarError, StructuredOutputs
 from loraplex.grammar.manager import GrammarManager
-from loraplex.grammar.tools import (Function, ToolCallError, ToolCallParser, ToolCalls, parse_tool_calls,
+from loraplex.grammar.tooling.tools import (Function, ToolCallError, ToolCallParser, ToolCalls, parse_tool_calls,
                                     plain_messages, template_takes_tools)
 from test_grammar import walk
 

@@ -1,6 +1,6 @@
 import pytest
 
-from loraplex.platform.block_pool import BlockPool, FreeBlockQueue, Block, hash_block
+from loraplex.platform.core.block_pool import BlockPool, FreeBlockQueue, Block, hash_block
 
 
 def test_free_queue_removes_from_the_middle_and_keeps_order():

@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from loraplex.platform.block_table import BlockTable
-from loraplex.platform.kv_cache_manager import KVCacheManager
+from loraplex.platform.core.block_table import BlockTable
+from loraplex.platform.core.kv_cache_manager import KVCacheManager
 from loraplex.platform.request import Request, SamplingParams
 
 BLOCK = 4

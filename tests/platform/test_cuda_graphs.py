@@ -12,10 +12,10 @@ from loraplex.adapters.lora_layers import LoRAContext
 from loraplex.platform import LLM, SamplingParams
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from loraplex.platform.block_table import BlockTable
-from loraplex.platform.cuda_graphs import DecodeGraphs, DecodeInputs, FakeCapture, GraphMode, capture_sizes, padded_size
+from loraplex.platform.core.block_table import BlockTable
+from loraplex.platform.worker.cuda_graphs import DecodeGraphs, DecodeInputs, FakeCapture, GraphMode, capture_sizes, padded_size
 from loraplex.platform.device import HostSyncError, NoHostSync
-from loraplex.platform.kv_cache_manager import KVCacheManager
+from loraplex.platform.core.kv_cache_manager import KVCacheManager
 from loraplex.platform.request import Request
 
 pytest.importorskip("triton")

@@ -1,7 +1,7 @@
 import pytest
 from transformers import AutoTokenizer
 
-from loraplex.platform.detokenizer import Detokenizer
+from loraplex.platform.engine.detokenizer import Detokenizer
 
 TEXT = "Grüße aus München 日本語 🙂🚀 done"
 

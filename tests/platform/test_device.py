@@ -11,7 +11,7 @@ from loraplex.grammar.backend import StructuredOutputs
 from loraplex.platform import LLM, SamplingParams
 from loraplex.platform.config import EngineConfig
 from loraplex.platform.device import DeviceAudit, DeviceAuditError, DeviceMemory, kv_blocks_for
-from loraplex.platform.model_runner import profile_step
+from loraplex.platform.worker.model_runner import profile_step
 
 GIB = 2 ** 30
 
@@ -75,7 +75,7 @@ def test_no_step_tensor_without_a_device(tiny_model_dir, tiny_adapters, kernels)
     """Under the audit tensors made without `device=` land on `meta` and raise. `triton`: the
     CUDA engine's code path (Triton kernels, stacked adapter slots, decode graphs) on CPU;
     `auto`: the CPU engine's (C kernels, adapters read in place)."""
-    from loraplex.platform.cuda_graphs import FakeCapture
+    from loraplex.platform.worker.cuda_graphs import FakeCapture
 
     with forced_kernels(kernels):
         llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32", num_kv_blocks=64, max_num_seqs=8,

@@ -8,8 +8,8 @@ import torch
 
 from conftest import assert_all_blocks_free
 from loraplex.platform import LLM, SamplingParams
-from loraplex.platform.async_engine import AsyncEngine
-from loraplex.platform.output_processor import accumulate
+from loraplex.platform.engine.async_engine import AsyncEngine
+from loraplex.platform.engine.output_processor import accumulate
 
 PROMPTS = [{"prompt_token_ids": list(range(3 + i, 3 + i + n))} for i, n in enumerate([5, 17, 33, 2, 48, 16])]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -198,7 +198,7 @@ def test_async_generate_leaving_early_aborts(tiny_model_dir):
 
 def test_float16_kv_cache_holds_twice_the_blocks_and_stays_close(tiny_model_dir):
     from loraplex.platform.config import EngineConfig
-    from loraplex.platform.engine import Engine
+    from loraplex.platform.engine.llm_engine import Engine
 
     engines = {kv: Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=1 << 22,
                                        kv_cache_dtype=kv)) for kv in ("auto", "float16")}
@@ -210,7 +210,7 @@ def test_float16_kv_cache_holds_twice_the_blocks_and_stays_close(tiny_model_dir)
 
 def chunked_logits(engine, ids: list[int]) -> torch.Tensor:
     """The last position's logits after a prefill chunk, a short chunk (C kernel) and a decode-sized one."""
-    from loraplex.platform.scheduler import SchedulerOutput
+    from loraplex.platform.core.scheduler import SchedulerOutput
 
     req = engine.inputs.process("r", {"prompt_token_ids": ids}, SamplingParams(max_tokens=1))
     for chunk in (30, 9, 1):
@@ -225,7 +225,7 @@ def test_fp8_kv_cache_holds_a_byte_a_value_and_stays_close(tiny_model_dir, model
     """`--kv-cache-dtype fp8` (vLLM's name; float8 e4m3): one byte a value, written and read by the C
     kernels (prefill chunks through the reference, which reads the same bytes)."""
     from loraplex.platform.config import EngineConfig
-    from loraplex.platform.engine import Engine
+    from loraplex.platform.engine.llm_engine import Engine
 
     engines = {kv: Engine(EngineConfig(model=str(tiny_model_dir), dtype=model_dtype, kv_cache_memory=1 << 22,
                                        kv_cache_dtype=kv)) for kv in ("auto", "fp8")}
@@ -241,7 +241,7 @@ def test_fp8_kv_cache_holds_a_byte_a_value_and_stays_close(tiny_model_dir, model
 
 def test_bad_kv_cache_dtype_is_refused(tiny_model_dir, monkeypatch):
     from loraplex.platform.config import EngineConfig
-    from loraplex.platform.engine import Engine
+    from loraplex.platform.engine.llm_engine import Engine
 
     for bad in ("fp8_e5m2", "int4"):
         with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
@@ -254,7 +254,7 @@ def test_bad_kv_cache_dtype_is_refused(tiny_model_dir, monkeypatch):
 def test_a_reader_that_stops_reading_is_aborted_not_buffered_forever(tiny_model_dir):
     import asyncio
 
-    from loraplex.platform.async_engine import ClientTooSlowError
+    from loraplex.platform.engine.async_engine import ClientTooSlowError
 
     llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64)
     front = AsyncEngine(llm.engine, max_unread_outputs=8)
@@ -313,7 +313,7 @@ def test_chat_renders_tools_and_constrained_calls_come_back(tiny_llm, monkeypatc
     import json
 
     from loraplex.grammar.backend import StructuredOutputs
-    from loraplex.grammar.tools import Function, ToolCalls, parse_tool_calls
+    from loraplex.grammar.tooling.tools import Function, ToolCalls, parse_tool_calls
 
     tokenizer = tiny_llm.get_tokenizer()
     monkeypatch.setattr(tokenizer, "chat_template", "{% for t in tools or [] %}{{ t.function.name }}{% endfor %}"

@@ -7,8 +7,8 @@ import pytest
 
 from conftest import assert_all_blocks_free
 from loraplex.platform import LLM, SamplingParams
-from loraplex.platform.fair_share import TenantShare, fair_seats, next_to_admit, preemption_victims, seats
-from loraplex.platform.output_processor import accumulate
+from loraplex.platform.core.fair_share import TenantShare, fair_seats, next_to_admit, preemption_victims, seats
+from loraplex.platform.engine.output_processor import accumulate
 from loraplex.platform.request import Request
 
 A, B = TenantShare("a"), TenantShare("b")

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from conftest import make_peft_adapter, make_tiny_model, peft_greedy
 from loraplex.platform import LLM, SamplingParams
 from loraplex.platform.config import EngineConfig, ModelConfig
-from loraplex.platform.engine import Engine
+from loraplex.platform.engine.llm_engine import Engine
 from test_model import prompt_logits
 
 WINDOW = 24  # shorter than the prompts: sliding layers drop the oldest keys

@@ -132,9 +132,9 @@ def test_kv_blocks_follow_vllms_formula(monkeypatch):
 def test_the_engine_sizes_its_kv_with_the_formula(tiny_model_dir, monkeypatch):
     """`Engine._kv_blocks_from_device` wired to the readings: graphs reserved unless eager."""
     from loraplex.platform import LLM
-    from loraplex.platform import engine as engine_mod
-    from loraplex.platform.cuda_graphs import capture_sizes
-    from loraplex.platform.model_runner import kv_bytes_per_block
+    from loraplex.platform.engine import llm_engine as engine_mod
+    from loraplex.platform.worker.cuda_graphs import capture_sizes
+    from loraplex.platform.worker.model_runner import kv_bytes_per_block
 
     engine = LLM(str(tiny_model_dir), device="cpu", dtype="float32", num_kv_blocks=16, max_num_seqs=24,
                  max_num_batched_tokens=96).engine
@@ -161,7 +161,7 @@ def test_the_engine_sizes_its_kv_with_the_formula(tiny_model_dir, monkeypatch):
 
 def test_profile_kv_blocks_are_what_the_profiling_pass_allocates(tiny_model_dir, monkeypatch):
     from loraplex.platform import LLM
-    from loraplex.platform.model_runner import profile_step
+    from loraplex.platform.worker.model_runner import profile_step
 
     engine = LLM(str(tiny_model_dir), device="cpu", dtype="float32", num_kv_blocks=16).engine
     shapes, zeros = [], torch.zeros
@@ -224,7 +224,7 @@ def test_the_engine_thread_makes_its_device_current(tiny_model_dir, monkeypatch)
     """`--device cuda:N`: the thread that runs the steps sets N before its first step (the CUDA runtime's
     current device is per thread; the default is 0)."""
     from loraplex.platform import LLM, SamplingParams
-    from loraplex.platform.async_engine import AsyncEngine
+    from loraplex.platform.engine.async_engine import AsyncEngine
 
     engine = LLM(str(tiny_model_dir), device="cpu", dtype="float32", num_kv_blocks=16).engine
     calls, step_threads = [], []
@@ -290,7 +290,7 @@ def test_a_bf16_load_never_holds_a_float32_copy(tmp_path, monkeypatch):
 
 
 def test_the_engine_selects_its_device_before_loading(tiny_model_dir, monkeypatch):
-    from loraplex.platform import engine as engine_mod
+    from loraplex.platform.engine import llm_engine as engine_mod
     from loraplex.platform.config import EngineConfig
 
     order = []

@@ -2,8 +2,8 @@ from collections import Counter
 
 from hypothesis.stateful import invariant
 
-from loraplex.platform.block_pool import NULL_BLOCK, live
-from loraplex.platform.kv_cache_manager import KVCacheManager, reclaim_window
+from loraplex.platform.core.block_pool import NULL_BLOCK, live
+from loraplex.platform.core.kv_cache_manager import KVCacheManager, reclaim_window
 from loraplex.platform.request import Request, SamplingParams
 from test_kv_properties import BLOCK, KVMachine
 

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from loraplex.platform.kv_cache_manager import KVCacheManager, cdiv
+from loraplex.platform.core.kv_cache_manager import KVCacheManager, cdiv
 from loraplex.platform.request import Request, SamplingParams
 
 BLOCK = 4

@@ -7,9 +7,9 @@ import torch
 
 from conftest import forced_kernels, make_tiny_model
 from loraplex.platform.config import EngineConfig
-from loraplex.platform.engine import Engine
+from loraplex.platform.engine.llm_engine import Engine
 from loraplex.platform.request import SamplingParams
-from loraplex.platform.scheduler import SchedulerOutput
+from loraplex.platform.core.scheduler import SchedulerOutput
 
 VARIANTS = {
     "llama-untied": ("llama", {}),

@@ -9,7 +9,7 @@ import torch
 from conftest import make_peft_adapter, make_tiny_model, peft_greedy
 from loraplex.platform import LLM, SamplingParams
 from loraplex.platform.config import EngineConfig, ModelConfig
-from loraplex.platform.engine import Engine
+from loraplex.platform.engine.llm_engine import Engine
 from loraplex.platform.models.registry import FAMILIES as SUPPORTED_ARCHITECTURES
 from loraplex.platform.models.experts import lora_refusal
 from loraplex.platform.models.moe import SparseMoEBlock

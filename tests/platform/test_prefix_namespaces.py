@@ -8,7 +8,7 @@ import pytest
 
 from conftest import assert_all_blocks_free
 from loraplex.platform import LLM, SamplingParams
-from loraplex.platform.fair_share import TenantShare
+from loraplex.platform.core.fair_share import TenantShare
 
 PROMPT = list(range(3, 3 + 80))  # five full blocks; a hit stops before the last token: four are found
 

@@ -18,7 +18,7 @@ from loraplex.kernels import quant
 from loraplex.kernels.quant import dequantize
 from loraplex.platform import LLM, SamplingParams
 from loraplex.platform.config import EngineConfig, ModelConfig
-from loraplex.platform.engine import Engine
+from loraplex.platform.engine.llm_engine import Engine
 from loraplex.platform.models.family import FUSED_PROJECTIONS
 from test_model import prompt_logits
 

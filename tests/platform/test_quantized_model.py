@@ -15,7 +15,7 @@ from loraplex.kernels import cpu_kernels, quant
 from loraplex.kernels.quant import dequantize
 from loraplex.platform import LLM
 from loraplex.platform.config import EngineConfig, quantized_activation_dtype
-from loraplex.platform.engine import Engine
+from loraplex.platform.engine.llm_engine import Engine
 from loraplex.platform.models.linear import Linear
 from loraplex.platform.request import SamplingParams
 from test_model import prompt_logits

@@ -11,7 +11,7 @@ import torch
 from loraplex.kernels import autotune
 from loraplex.kernels.linear_methods import can_pack
 from loraplex.platform.config import EngineConfig
-from loraplex.platform.engine import Engine
+from loraplex.platform.engine.llm_engine import Engine
 from loraplex.platform.models.linear import Linear
 from loraplex.platform.resolve import resolve
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from loraplex.platform.request import Request, SamplingParams
-from loraplex.platform.sampler import Sampler, argmax, filter_and_softmax, logprobs_of, ranked_top
+from loraplex.platform.sample.sampler import Sampler, argmax, filter_and_softmax, logprobs_of, ranked_top
 
 V = 50
 
@@ -200,9 +200,9 @@ def test_bad_logit_bias_is_refused_at_submission(bias):
 
 import math  # noqa: E402
 
-from loraplex.platform import sampler as sampler_module  # noqa: E402
+from loraplex.platform.sample import sampler as sampler_module  # noqa: E402
 from loraplex.platform.device import HostSyncError, NoHostSync  # noqa: E402
-from loraplex.platform.sampler import prompt_logprobs  # noqa: E402
+from loraplex.platform.sample.sampler import prompt_logprobs  # noqa: E402
 
 WIDE = 4096  # a vocabulary much wider than any per-request value list or logprob read
 

@@ -1,6 +1,6 @@
-from loraplex.platform.kv_cache_manager import KVCacheManager
+from loraplex.platform.core.kv_cache_manager import KVCacheManager
 from loraplex.platform.request import Request, RequestStatus, SamplingParams
-from loraplex.platform.scheduler import Scheduler
+from loraplex.platform.core.scheduler import Scheduler
 
 
 def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, caching=False):

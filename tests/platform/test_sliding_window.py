@@ -9,7 +9,7 @@ import torch
 from conftest import assert_all_blocks_free, forced_kernels, make_tiny_model, peft_greedy
 from loraplex.platform import LLM, SamplingParams
 from loraplex.platform.config import EngineConfig
-from loraplex.platform.engine import Engine
+from loraplex.platform.engine.llm_engine import Engine
 from test_model import prompt_logits
 
 WINDOW, BLOCK = 8, 4

@@ -12,8 +12,8 @@ from conftest import assert_all_blocks_free
 from loraplex.grammar.backend import StructuredOutputs
 from loraplex.platform import LLM, SamplingParams
 from loraplex.platform.config import EngineConfig
-from loraplex.platform.drafter import Drafter
-from loraplex.platform.speculative import Acceptance, NgramIndex, SpeculativeConfig
+from loraplex.platform.spec_decode.drafter import Drafter
+from loraplex.platform.spec_decode.speculative import Acceptance, NgramIndex, SpeculativeConfig
 
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 64})
 ALWAYS = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "min_acceptance": 0})  # never paused
@@ -459,8 +459,8 @@ def test_the_models_own_spelling_of_forced_text_is_learned():
     text is drafted as the model wrote it."""
     from types import SimpleNamespace
 
-    from loraplex.platform.drafter import GrammarForced
-    from loraplex.platform.speculative import DraftState
+    from loraplex.platform.spec_decode.drafter import GrammarForced
+    from loraplex.platform.spec_decode.speculative import DraftState
 
     forced = ['":"']
     req = SimpleNamespace(grammar=SimpleNamespace(jump_forward_string=lambda: forced[0]), output_token_ids=[5],

@@ -17,8 +17,8 @@ from conftest import FAMILY_CLASSES, make_tiny_model, write_random_adapter
 from loraplex.platform import LLM, SamplingParams
 from loraplex.platform.config import ModelConfig
 from loraplex.platform.models.sharding import ShardPlan, head_split, plan_for
-from loraplex.platform.tp_executor import WorkerDiedError
-from loraplex.platform.tp_worker import shard_adapter
+from loraplex.platform.executor.multiproc import WorkerDiedError
+from loraplex.platform.worker.worker import shard_adapter
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[1, 5, 9, 22, 40, 17, 3, 8, 100, 7], [7, 8, 9, 10], [3, 200, 11, 57, 12, 90, 2, 33]]
@@ -268,8 +268,8 @@ def test_a_killed_worker_fails_the_requests_and_the_engine_without_a_hang(tmp_pa
 
 
 def test_a_killed_worker_fails_the_streams_and_the_engine_reports_unhealthy(tmp_path):
-    from loraplex.platform.async_engine import AsyncEngine
-    from loraplex.platform.engine_client import EngineDeadError
+    from loraplex.platform.engine.async_engine import AsyncEngine
+    from loraplex.platform.engine.engine_client import EngineDeadError
 
     folder = make_tiny_model(tmp_path / "m", "llama", seed=2)
     front = AsyncEngine(LLM(str(folder), tensor_parallel_size=2, **ENGINE).engine)
@@ -318,7 +318,7 @@ def test_chunked_prefill_preemption_n2_prompt_logprobs_and_speculation_as_with_o
 def _reduce_in_rank(rank: int, world: int, port: int, path: str, results) -> None:
     import torch.distributed as dist
 
-    from loraplex.platform import distributed
+    from loraplex.platform.executor import distributed
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     distributed.use_shared_memory(path, rank, world, chunk=1000)  # small: a tensor goes through in chunks
@@ -333,8 +333,8 @@ def _reduce_in_rank(rank: int, world: int, port: int, path: str, results) -> Non
 def test_the_shared_memory_all_reduce_sums_in_rank_order_on_every_rank():
     import multiprocessing
 
-    from loraplex.platform.distributed import create_segment
-    from loraplex.platform.tp_executor import _free_port
+    from loraplex.platform.executor.distributed import create_segment
+    from loraplex.platform.executor.multiproc import _free_port
 
     context = multiprocessing.get_context("spawn")
     results, port = context.Queue(), _free_port()
@@ -388,7 +388,7 @@ def test_a_rank_that_fails_a_step_stops_the_others_waiting_for_it_without_a_hang
 def test_an_adapter_goes_through_the_pipe_at_its_own_size(default_model_dir, default_adapters):
     """Its tensors are views into one buffer: pickled one by one, each would carry the whole buffer (GBs)."""
     from loraplex.adapters.peft_format import read_peft_adapter
-    from loraplex.platform.tp_worker import pack_adapter, unpack_adapter
+    from loraplex.platform.worker.worker import pack_adapter, unpack_adapter
 
     weights = read_peft_adapter("d0", default_adapters[0], ModelConfig.from_folder(default_model_dir), 16)
     packed = pack_adapter(weights)

@@ -1,0 +1,351 @@
+"""Which requests run this step, and how many tokens each (vLLM V1's model).
+
+There are no prefill and decode phases: every request has `num_computed_tokens` catching up
+with its token count. Running requests go first (oldest first), then waiting ones in arrival
+order, under a token budget and a sequence cap; a long prompt is cut into chunks. When blocks
+run out the newest running request is preempted: its blocks are freed and it is recomputed
+later from the front of the queue, so no request starves.
+
+Adapter slots never block the queue: a waiting request whose adapter has no slot (`max_loras`
+distinct adapters already run) is skipped, and base requests and requests of resident adapters
+behind it go on (vLLM V1 does the same). So that no adapter starves, a resident adapter that
+has held its slot `lora_cycle_steps` steps while others wait stops admitting new requests; its
+slot frees when its running requests finish and goes to the oldest waiting adapter (LoRAX's
+adapter cycling). Within one adapter, and for KV blocks, admission stays FCFS.
+
+Requests of several tenants share the batch by weight (`fair_share.py`): admission takes the next
+request from the tenant with the fewest seats per weight, and a tenant waiting below its share gets
+seats preempted from the one furthest above its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable
+
+from loraplex.platform.core import fair_share
+from loraplex.platform.core.kv_cache_manager import KVCacheManager
+from loraplex.platform.request import Logprob, Request, RequestStatus
+
+
+@dataclass
+class SeqDelta:
+    """What one step did to one sequence: the core's output, O(new tokens)."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, num new tokens)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, max_loras: int = 1, lora_cycle_steps: int = 32,
+                 eos_token_ids: tuple[int, ...] = (), new_grammar: Callable | None = None) -> None:
+        self.kv = kv
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.new_grammar = new_grammar  # compiled grammar -> a fresh matcher, for forked sequences
+        self.groups: dict[str, list[Request]] = {}  # request id -> its sequences (n > 1: forks)
+        self._finished_groups: list[list[Request]] = []
+        self.max_loras = max_loras
+        self.lora_cycle_steps = lora_cycle_steps
+        self._step = 0
+        self._resident_since: dict[str, int] = {}  # running adapter -> step it took its slot
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.tenanted = False  # a request named its tenant: the fair share applies while several are in flight
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.groups:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.groups[request.request_id] = [request]
+        self.waiting.append(request)
+        self.tenanted = self.tenanted or request.tenant is not None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        self._step += 1
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+        fair = self.tenanted and fair_share.several_tenants(self.waiting, self.running)
+        if fair:
+            self._make_room_for_tenants(out)
+        made_room = len(out.preempted)
+        i = 0
+        while i < len(self.running) and budget > 0 and len(out.scheduled) < self.max_num_seqs:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while self.kv.allocate_slots(req, num_new) is None:
+                victim = self.running.pop()  # newest first
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append((req, num_new))
+                scheduled_ids.add(req.seq_id)
+                budget -= num_new
+                i += 1
+                continue
+            break  # req itself was preempted: nothing newer is left to schedule
+        if len(out.preempted) == made_room:  # else blocks ran short above: nothing new this step
+            budget = self._admit_waiting(out, budget, fair)
+        self._add_drafts(out, budget)
+        out.block_copies = self.kv.take_copies()
+        return out
+
+    def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
+        """Last, from what the step has left (budget, blocks): each scheduled running request's drafts, computed
+        after its own tokens and verified; drafts never take what a running or waiting request's own tokens would
+        (so they cause no preemption and delay no admission)."""
+        for n, (req, num_new) in enumerate(out.scheduled):
+            drafts = req.spec_token_ids
+            if not drafts:
+                continue
+            del drafts[max(budget, 0):]
+            # a chunk short of its known tokens samples nothing to verify against; no block left: no drafts
+            if not drafts or num_new != req.num_tokens - req.num_computed_tokens or \
+                    self.kv.allocate_slots(req, num_new + len(drafts)) is None:
+                req.spec_token_ids = []
+                continue
+            out.scheduled[n] = (req, num_new + len(drafts))
+            budget -= len(drafts)
+
+    def running_adapters(self) -> set[str]:
+        return {name for r in self.running for name in r.adapter_names}
+
+    def _make_room_for_tenants(self, out: SchedulerOutput) -> None:
+        """Preempt the seats that tenants waiting below their share can take (before anything runs)."""
+        adapters = self.running_adapters()
+        admissible = partial(self._admissible, resident=adapters, yielding=self._yielding_adapters(adapters))
+        for victim in fair_share.preemption_victims(list(self.waiting), self.running, self.max_num_seqs, admissible):
+            self.running.remove(victim)
+            self._preempt(victim)
+            out.preempted.append(victim)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, fair: bool = False) -> int:
+        adapters = self.running_adapters()  # grows as requests are admitted: `admissible` sees it
+        admissible = partial(self._admissible, resident=adapters, yielding=self._yielding_adapters(adapters))
+        held = fair_share.seats(self.running) if fair else None
+        i = 0
+        while i < len(self.waiting) and budget > 0:
+            if fair:  # the next from the tenant with the fewest seats per weight
+                i = fair_share.next_to_admit(self.waiting, held, admissible)
+                if i is None:
+                    break
+            req = self.waiting[i]
+            group = req.pending_forks + 1
+            if self.running and len(self.running) + group > self.max_num_seqs:
+                break
+            if not admissible(req):
+                i += 1  # no slot for it now: base requests and resident adapters behind it go on
+                continue
+            hits, num_hit = ([], 0)
+            if req.num_computed_tokens == 0 and req.prompt_logprobs is None:  # those need every position
+                hits, num_hit = self.kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_hit, budget)
+            if self.kv.allocate_slots(req, num_new, hits) is None:
+                break  # FCFS for KV blocks: nobody overtakes the first request that fits no slot
+            del self.waiting[i]
+            self.kv.record_prefix_lookup(req.num_tokens, num_hit)
+            if req.status == RequestStatus.WAITING:
+                req.num_cached_tokens = num_hit
+                req.queue_time_s = time.monotonic() - req.arrival_time
+            req.num_computed_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            adapters.update(req.adapter_names)
+            out.scheduled.append((req, num_new))
+            budget -= num_new
+            if held is not None:
+                held[fair_share.tenant_of(req).name] += 1
+        return budget
+
+    def _admissible(self, req: Request, resident: set[str], yielding: set[str]) -> bool:
+        """Whether `req` may be admitted now as far as adapter slots go (the base model always may)."""
+        return not req.adapter_names or self._slots_for(req.adapter_names, resident, yielding)
+
+    def _slots_for(self, names: tuple[str, ...], resident: set[str], yielding: set[str]) -> bool:
+        """Whether a request's adapters (a mix: each of them, counted once however many mixes share it) all
+        fit in `max_loras` beside the resident ones, none of them yielding its slot."""
+        if any(name in yielding for name in names):
+            return False
+        return len(resident.union(names)) <= self.max_loras
+
+    def _yielding_adapters(self, resident: set[str]) -> set[str]:
+        """Resident adapters that stop admitting so that waiting ones get a slot: while adapters
+        wait for a slot, the longest-resident ones past `lora_cycle_steps`, one per waiting adapter."""
+        for name in [n for n in self._resident_since if n not in resident]:
+            del self._resident_since[name]
+        for name in resident:
+            self._resident_since.setdefault(name, self._step)
+        if len(resident) < self.max_loras:
+            return set()
+        starved = {name for r in self.waiting for name in r.adapter_names if name not in resident}
+        overdue = sorted((since, name) for name, since in self._resident_since.items()
+                         if self._step - since >= self.lora_cycle_steps)
+        return {name for _, name in overdue[:len(starved)]}
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.spec_token_ids = []
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    # ---- after the forward pass ---------------------------------------------------------------
+
+    def sampling_batch(self, out: SchedulerOutput) -> tuple[list[int], list[Request]]:
+        """Count the scheduled tokens as computed; return the sequences to sample and the first row of
+        the step's logits each samples from (rows: the requests whose chunk reached their last
+        known token, in scheduled order; a request with drafts has a row more for each). A request of
+        n > 1 forks here, at its first token: its children share its prompt blocks (copy-on-write) and
+        sample from its row."""
+        rows, batch = [], []
+        row = 0
+        for req, num_new in out.scheduled:
+            req.num_computed_tokens += num_new
+            if req.num_computed_tokens == req.num_tokens + len(req.spec_token_ids):
+                for seq in [req, *self._fork(req)]:
+                    rows.append(row)
+                    batch.append(seq)
+                row += 1 + len(req.spec_token_ids)
+        return rows, batch
+
+    def reject_drafts(self, seq: Request, num_accepted: int) -> None:
+        """After verification: the KV of the drafts after the accepted ones is not the sequence's (their
+        positions are computed again), and blocks that held only those go back to the pool."""
+        seq.num_computed_tokens -= len(seq.spec_token_ids) - num_accepted
+        seq.spec_token_ids = []
+        if not seq.status.finished:
+            self.kv.trim(seq)
+
+    def _fork(self, parent: Request) -> list[Request]:
+        if not parent.pending_forks:
+            return []
+        children = []
+        for index in range(1, parent.params.n):
+            child = Request(parent.request_id, parent.prompt_token_ids, parent.params, parent.prompt, index=index,
+                            extra_keys=parent.extra_keys, adapter=parent.adapter,
+                            compiled_grammar=parent.compiled_grammar, mix=parent.mix, tenant=parent.tenant)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            if parent.compiled_grammar is not None:  # forks happen before any token: a fresh matcher
+                child.grammar = self.new_grammar(parent.compiled_grammar)
+            self.kv.fork(parent, child)
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+            self.groups[parent.request_id].append(child)
+            children.append(child)
+        parent.pending_forks = 0
+        return children
+
+    def update(self, batch: list[Request], token_ids: list[int], logprobs: list[dict[int, Logprob] | None],
+               forced: Callable[[Request], list[int]] | None = None) -> list[SeqDelta]:
+        """Append each sequence's sampled token (and the tokens its grammar forces next, from
+        `forced`), finish what ended (grammar end, EOS, stop token, max_tokens, max_model_len),
+        free finished sequences' blocks. One delta per sequence: only the new tokens."""
+        deltas = []
+        for seq, token, lp in zip(batch, token_ids, logprobs):
+            delta = self.new_delta(seq)
+            self.append(seq, token, lp, delta)
+            self.close_delta(seq, delta, forced)
+            deltas.append(delta)
+        return deltas
+
+    @staticmethod
+    def new_delta(seq: Request) -> SeqDelta:
+        return SeqDelta(seq.request_id, seq.index, [], [] if seq.logprobs is not None else None,
+                        num_cached_tokens=seq.num_cached_tokens)
+
+    def close_delta(self, seq: Request, delta: SeqDelta, forced: Callable[[Request], list[int]] | None = None) -> None:
+        """After a step's tokens: the tokens its grammar forces next (from `forced`), then the finish."""
+        if not seq.status.finished and forced is not None:
+            for extra in forced(seq):
+                self.append(seq, extra, {extra: Logprob(0.0, 1)} if seq.logprobs is not None else None, delta)
+                if seq.status.finished:
+                    break
+        delta.finish_reason, delta.stop_reason = seq.finish_reason, seq.stop_reason
+
+    def append(self, seq: Request, token: int, logprobs: dict[int, Logprob] | None, delta: SeqDelta) -> bool:
+        """Append one token (its grammar advanced, its finish checked); whether the sequence still runs."""
+        seq.output_token_ids.append(token)
+        delta.new_token_ids.append(token)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+            delta.new_logprobs.append(logprobs)
+        p = seq.params
+        grammar_done = False
+        if seq.grammar is not None:
+            if not seq.grammar.accept_token(token):  # cannot happen with a sane mask: end this one only
+                seq.stop_reason = f"grammar rejected token {token}"
+                self.finish(seq, RequestStatus.FINISHED_ABORTED)
+                return False
+            grammar_done = seq.grammar.is_terminated()
+        if grammar_done or (token in self.eos_token_ids and not p.ignore_eos):
+            self.finish(seq, RequestStatus.FINISHED_STOPPED)
+        elif token in p.stop_token_ids:
+            seq.stop_reason = token
+            self.finish(seq, RequestStatus.FINISHED_STOPPED)
+        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            self.finish(seq, RequestStatus.FINISHED_LENGTH)
+        return not seq.status.finished
+
+    def stop(self, request_id: str, index: int, reason: str) -> None:
+        """A stop string ended sequence `index` (the output processor found it in the text)."""
+        seq = self.groups.get(request_id, [])[index:index + 1]
+        if seq and not seq[0].status.finished:
+            seq[0].stop_reason = reason
+            self.finish(seq[0], RequestStatus.FINISHED_STOPPED)
+
+    def abort(self, request_id: str) -> bool:
+        """End every unfinished sequence of a request; False if it is unknown (or already over)."""
+        seqs = self.groups.get(request_id)
+        if seqs is None:
+            return False
+        seqs[0].pending_forks = 0
+        for seq in seqs:
+            if not seq.status.finished:
+                self.finish(seq, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def pop_finished_groups(self) -> list[list[Request]]:
+        """Requests whose every sequence finished since the last call (their adapter pins go)."""
+        done, self._finished_groups = self._finished_groups, []
+        return done
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.forget(req)
+        seqs = self.groups.get(req.request_id)
+        if seqs is not None and not seqs[0].pending_forks and all(s.status.finished for s in seqs):
+            self._finished_groups.append(self.groups.pop(req.request_id))

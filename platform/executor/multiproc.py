@@ -1,0 +1,205 @@
+"""Tensor parallelism, the engine's side: `TPExecutor` starts and supervises `--tensor-parallel-size` worker
+processes (`tp_worker.py`), and `TPRunner` is the model runner the engine uses with them: it builds each step's
+flat batch on the host as `ModelRunner` does and sends it to every rank; rank 0 answers with the logits.
+
+Each call goes to every worker through its own pipe and waits for every answer, watching the processes. Every
+call takes part in collectives, so a rank that fails one leaves the others waiting in it: a worker that exits,
+closes its pipe or answers with an error fails the call at once with `WorkerDiedError`, the other workers are
+stopped, and every later call fails the same way. Nothing waits forever. The engine's adapter slots reach the
+workers as changes sent with the next step, each new one with the adapter's weights as the engine's registry read
+and checked them (a worker never opens an adapter folder).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import pickle
+import secrets
+import socket
+import threading
+import weakref
+from multiprocessing.connection import wait
+from pathlib import Path
+
+import torch
+
+from loraplex.adapters.peft_format import LoRAWeights
+from loraplex.kernels.dispatch import to_device
+from loraplex.platform.core.block_table import BlockTable
+from loraplex.platform.executor.distributed import create_segment
+from loraplex.platform.core.kv_cache_manager import KVCacheManager
+from loraplex.platform.worker.model_runner import ModelRunner, PromptRows
+from loraplex.platform.request import Request
+from loraplex.platform.resolve import ResolvedConfig
+from loraplex.platform.core.scheduler import SchedulerOutput
+from loraplex.platform.worker.worker import StepMessage, pack_adapter, uses_shared_memory, worker_main
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 600.0  # loading a shard of a large checkpoint takes minutes
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker exited or failed a call: the engine cannot go on."""
+
+
+class TPExecutor:
+    def __init__(self, resolved: ResolvedConfig) -> None:
+        config, size = resolved.engine, resolved.engine.tensor_parallel_size
+        context = multiprocessing.get_context("spawn")  # no fork of a process holding threads and a torch pool
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self.conns, self.procs = [], []
+        self.segment = create_segment(f"loraplex-tp-{os.getpid()}-{secrets.token_hex(8)}", size) \
+            if uses_shared_memory(resolved.device, resolved.kernels.dtype) else None
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self.segment)  # whatever starts
+        threads = max(1, torch.get_num_threads() // size)
+        for rank in range(size):
+            parent, child = context.Pipe()
+            proc = context.Process(target=worker_main, name=f"loraplex-tp{rank}", daemon=True,
+                                   args=(config, rank, size, init_method, resolved.num_kv_blocks, child, threads,
+                                         self.segment and str(self.segment)))
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self.lock = threading.Lock()  # one call at a time: the engine thread's, or a closing thread's
+        self.dead: str | None = None
+        try:
+            self._gather("start", START_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
+        self._unlink_segment()  # every rank has it mapped: the mappings stay, the name goes
+        log.info("tensor parallelism: %d worker processes (pids %s)", size, [p.pid for p in self.procs])
+
+    def call(self, method: str, *args, every: bool = False):
+        """Every rank runs `method(*args)`; rank 0's answer (`every`: each rank's, in rank order)."""
+        with self.lock:
+            if self.dead is not None:
+                raise WorkerDiedError(self.dead)
+            payload = pickle.dumps((method, args))
+            try:
+                for conn in self.conns:
+                    conn.send_bytes(payload)
+            except OSError:
+                self._fail("a tensor-parallel worker's pipe is closed")
+            answers = self._gather(method, None)
+            return answers if every else answers[0]
+
+    def _gather(self, method: str, timeout: float | None) -> list:
+        """Every rank's answer, in rank order; the first error, closed pipe or exit fails the call."""
+        answers: dict[int, object] = {}
+        waiting = {conn: rank for rank, conn in enumerate(self.conns)}
+        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self.procs)}
+        while waiting:
+            ready = wait([*waiting, *sentinels], timeout)
+            if not ready:
+                self._fail(f"tensor-parallel workers did not answer {method} within {timeout:.0f} s")
+            for item in ready:
+                rank = waiting.pop(item, None)
+                if rank is None:
+                    rank = sentinels.pop(item)
+                    if rank in waiting.values():
+                        self._fail(self._exited(rank, method))
+                    continue
+                answers[rank] = self._answer(item, rank, method)
+        return [answers[rank] for rank in range(len(self.conns))]
+
+    def _answer(self, conn, rank: int, method: str):
+        try:
+            status, reply = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):  # a worker's pipe closes as it exits
+            self._fail(self._exited(rank, method))
+        if status == "error":  # the others may wait in a collective for this one: stop them all
+            self._fail(f"{method} failed on tensor-parallel {reply}")
+        return reply
+
+    def _exited(self, rank: int, method: str) -> str:
+        self.procs[rank].join(timeout=1)  # its exit code, if it is exiting
+        return f"tensor-parallel worker {rank} exited (code {self.procs[rank].exitcode}) during {method}"
+
+    def _fail(self, why: str) -> None:
+        self.dead = why
+        log.error("%s: stopping every tensor-parallel worker", why)
+        for proc in self.procs:
+            proc.kill()
+        self.close()
+        raise WorkerDiedError(why)
+
+    def _unlink_segment(self) -> None:
+        if self.segment is not None:
+            self.segment.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _stop(procs, conns, segment: Path | None) -> None:
+    if segment is not None:
+        segment.unlink(missing_ok=True)
+    for conn in conns:
+        conn.close()
+    for proc in procs:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TPRunner(ModelRunner):
+    """The engine's model runner under tensor parallelism: the batch built here (`ModelRunner`'s host side), the
+    model run by the workers; it holds no model and no KV tensor."""
+
+    def __init__(self, executor: TPExecutor, kv: KVCacheManager, adapters, device: torch.device) -> None:
+        self.executor, self.kv, self.device = executor, kv, device
+        self.block_size = kv.block_size
+        self.block_table = BlockTable(8, 16, kv.block_size, torch.device("cpu"))
+        self.graphs = None
+        self.slot_changes: list[tuple[int, LoRAWeights | None]] = []
+        self.changes_lock = threading.Lock()  # slots are emptied from other threads too (an unload)
+        adapters.slots.listen(self._slot_changed)
+
+    def _slot_changed(self, slot: int, weights: LoRAWeights | None) -> None:
+        """The engine's registry put an adapter in a slot (or emptied it): the workers follow at the next step."""
+        with self.changes_lock:
+            self.slot_changes.append((slot, weights))
+
+    def enable_graphs(self, *args, **kwargs) -> None:
+        raise ValueError("CUDA graphs are not captured under tensor parallelism (the workers run eager)")
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, adapter_slots: dict[str, int] | None = None
+                ) -> tuple[torch.Tensor, list[Request], list[PromptRows]]:
+        lora_slots = self._lora_slots(sched, adapter_slots or {})
+        mix_passes = self._mix_passes(sched, adapter_slots or {})
+        step = self._prepare(sched)
+        with self.changes_lock:
+            taken = list(self.slot_changes)
+        changes = [(slot, None if weights is None else pack_adapter(weights)) for slot, weights in taken]
+        runs = [(rows.start, rows.stop) for _, rows, _ in step.prompt_rows]
+        msg = StepMessage(
+            slot_changes=changes, block_copies=list(sched.block_copies), token_ids=step.token_ids,
+            positions=step.positions, slots=step.slots, block_tables=self.block_table.commit(step.table_rows).clone(),
+            seq_lens=step.seq_lens, starts=step.starts, max_query_len=step.max_query_len, lora_slots=lora_slots,
+            mix_passes=mix_passes, last_rows=step.last_rows,
+            row_slots=[lora_slots[row] for row in step.last_rows] if lora_slots else None, prompt_rows=runs)
+        logits, prompt_hidden = self.executor.call("step", msg)
+        with self.changes_lock:  # sent: what came meanwhile goes with the next step
+            del self.slot_changes[:len(taken)]
+        prompt = [PromptRows(req, to_device(hidden, self.device), first,
+                             lora_slots[rows.start] if lora_slots else -1, self.compute_logits)
+                  for (req, rows, first), hidden in zip(step.prompt_rows, prompt_hidden)]
+        if logits is None:
+            return torch.empty(0, 0), [], prompt
+        return to_device(logits, self.device), step.sampled, prompt
+
+    def logits(self, hidden: torch.Tensor, slots: list[int] | None) -> torch.Tensor:
+        return to_device(self.executor.call("logits", hidden.cpu(), slots), self.device)
