@@ -23,7 +23,8 @@ from torch import nn
 
 from loraplex.kernels.custom_ops import LoRADelta
 from loraplex.kernels.dispatch import KernelConfig, to_device
-from loraplex.kernels.sgmv import LoRABatch, LoRATable, StackedLoRA
+from loraplex.kernels.lora_batch import LoRABatch
+from loraplex.kernels.sgmv import LoRATable, StackedLoRA
 from loraplex.platform.models.experts import is_sparse_layer
 from loraplex.platform.models.family import PROJECTION_BLOCKS
 from loraplex.platform.models.linear import Linear

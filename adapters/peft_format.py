@@ -21,9 +21,9 @@ import regex
 import torch
 
 from loraplex.adapters.vocab_weights import VOCAB_KEY, VOCAB_MODULES, BaseTables, read_vocab_weights, vocab_shapes
-from loraplex.platform.config import ModelConfig
 from loraplex.platform.models.experts import lora_refusal
 from loraplex.platform.models.family import FUSED_PROJECTIONS, PREFUSED_PROJECTIONS
+from loraplex.platform.models.model_config import ModelConfig
 
 # peft module name -> (our fused layer, slice index within it), of every family (`_collect` refuses a module
 # the base model does not have: Phi-3's qkv_proj on a Llama, q_proj on a Phi-3)

@@ -18,7 +18,7 @@ import torch
 
 from loraplex.adapters.peft_format import AdapterError, LoRAWeights, read_peft_adapter
 from loraplex.adapters.slots import LoRASlots
-from loraplex.platform.config import ModelConfig
+from loraplex.platform.models.model_config import ModelConfig
 
 
 class AdapterInUseError(AdapterError):

@@ -24,8 +24,8 @@ from loraplex.adapters.lora_layers import VocabAdapters
 from loraplex.adapters.peft_format import LoRAWeights, fused_offsets, module_shapes
 from loraplex.adapters.vocab_weights import BaseTables
 from loraplex.kernels.sgmv import LoRATable, StackedLoRA
-from loraplex.platform.config import ModelConfig
 from loraplex.platform.models.family import FUSED_PROJECTIONS
+from loraplex.platform.models.model_config import ModelConfig
 
 
 class LoRASlots:

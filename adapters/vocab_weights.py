@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from loraplex.platform.config import ModelConfig
+from loraplex.platform.models.model_config import ModelConfig
 
 VOCAB_MODULES = ("embed_tokens", "lm_head")
 # peft's module names for them (with ensure_weight_tying peft also lists "model.embed_tokens" itself)

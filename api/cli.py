@@ -6,9 +6,9 @@ import argparse
 import asyncio
 import logging
 import sys
-from pathlib import Path
 
-from loraplex.api.flags import add_flags, values
+from loraplex.api.flags import add_flags
+from loraplex.api.launch import add_engine_flags, model_folder
 from loraplex.api.settings import ClusterConfig, ServerConfig
 
 
@@ -44,29 +44,6 @@ async def _generate_text(client, prompt: str, params, chat: bool) -> str:
     async for _, delta in client.generate_many([prompt], [params], [None]):
         whole = accumulate(whole, delta)
     return whole.outputs[0].text
-
-
-def model_folder(model: str | None) -> str:
-    """The model folder given, else the default model's (converted on first use)."""
-    if model is not None:
-        return str(Path(model).resolve())
-    from loraplex.platform.model_store import materialize_default_model
-
-    return str(materialize_default_model())
-
-
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per `EngineConfig` field (but `model`)."""
-    from loraplex.platform.config import EngineConfig
-
-    add_flags(parser, EngineConfig, skip=("model",))
-
-
-def engine_args(args: argparse.Namespace) -> dict:
-    """The parsed engine flags, as EngineConfig keyword arguments."""
-    from loraplex.platform.config import EngineConfig
-
-    return values(EngineConfig, args, skip=("model",))
 
 
 def _lora_module(text: str) -> tuple[str, str]:

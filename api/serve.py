@@ -7,45 +7,25 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
-import dataclasses
 import logging
 import os
 import signal
 import sys
 import threading
-from pathlib import Path
 from typing import NoReturn
 
 import uvicorn
 
-from loraplex.api.cli import model_folder, engine_args
 from loraplex.api.connection_guard import guarded_protocol
-from loraplex.api.flags import values
 from loraplex.api.admin.routes_tenants import reload_tenants_now
+from loraplex.api.launch import engine_config, model_folder, server_config
 from loraplex.api.server import build_app
 from loraplex.api.settings import ServerConfig
-from loraplex.api.tenancy.tenants import TenantRegistry, TenantsError
-from loraplex.platform.config import EngineConfig
+from loraplex.api.tenancy.tenants import TenantsError
 from loraplex.platform.engine.engine_client import EngineClient, build_engine_client
 
 log = logging.getLogger(__name__)
 EXIT_HOOKS_S = 5.0  # what the exit hooks get before the process leaves without them
-
-
-def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
-    return EngineConfig(model=model, **engine_args(args))
-
-
-def server_config(args: argparse.Namespace, model: str) -> ServerConfig:
-    """The server flags; the served name defaults to the model folder's name."""
-    config = ServerConfig(**values(ServerConfig, args))
-    for root in config.adapter_roots:
-        if not Path(root).is_dir():
-            raise ValueError(f"--adapter-root {root!r} is not a folder")
-    if config.tenants_file:  # a broken file fails here, before the model is loaded
-        TenantRegistry(config.tenants_file, (config.admin_api_key, config.metrics_api_key, config.api_key))
-    return dataclasses.replace(config, served_model_name=config.served_model_name or Path(model).name,
-                               model_path=model)
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -510,16 +510,16 @@ class Reference:
 def drafting(llm, proposer, k: int = 4):
     """The engine verifying `proposer`'s drafts (k at most, never paused) for a block."""
     from loraplex.platform.spec_decode.drafter import Drafter
-    from loraplex.platform.spec_decode.speculative import SpeculativeConfig
+    from loraplex.platform.config import SpeculativeConfig
 
-    engine = llm.engine
+    engine, plain = llm.engine, llm.engine.core.drafter
     config = SpeculativeConfig(num_speculative_tokens=k, min_acceptance=0.0, disable_by_batch_size=256)
-    engine.drafter = Drafter(config, engine.tokenizer, engine.max_model_len)
-    engine.drafter.proposers = [proposer]
+    engine.core.drafter = Drafter(config, engine.tokenizer, engine.max_model_len, plain.jump_forward)
+    engine.core.drafter.proposers = [proposer]
     try:
-        yield engine.drafter
+        yield engine.core.drafter
     finally:
-        engine.drafter = None
+        engine.core.drafter = plain
 
 
 def section_spec_parity(check: Check, llm, batch_prompts) -> None:
@@ -618,17 +618,17 @@ def floor_note(check: Check, batch: int, context: float, ours: float) -> str:
 
 def section_graphs(check: Check) -> None:
     llm, plan = built_engine(check), check.plan
-    graphs = llm.engine.runner.graphs
+    graphs = llm.engine.core.executor.worker.runner.graphs
     if graphs is None:
         check.report.row("decode graphs vs eager", "graphs off (not CUDA)")
         return
     batch_prompts = prompts(plan.graph_batch, plan.prompt_len, check.found["vocab"], 16)
     with_graphs = engine_decode_rate(llm, batch_prompts, plan.new_tokens)
-    llm.engine.runner.graphs = None
+    llm.engine.core.executor.worker.runner.graphs = None
     try:
         eager = engine_decode_rate(llm, batch_prompts, plan.new_tokens)
     finally:
-        llm.engine.runner.graphs = graphs
+        llm.engine.core.executor.worker.runner.graphs = graphs
     check.report.row(f"decode graphs vs eager, batch {plan.graph_batch}",
                      f"{with_graphs:.0f} vs {eager:.0f} tok/s = {with_graphs / eager:.2f}x", "> 1x")
 
@@ -674,7 +674,7 @@ def profiled_decode(llm, batch_prompts, adapters, steps: int, path: Path) -> tup
     started: set[str] = set()
     while len(started) < len(batch_prompts) and engine.has_unfinished():
         started |= {out.request_id for out in engine.step() if out.outputs[0].token_ids}
-    graphs = engine.runner.graphs
+    graphs = engine.core.executor.worker.runner.graphs
     before = dict(graphs.num_replays) if graphs is not None else {}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
     sync(engine.device)
@@ -705,7 +705,7 @@ def section_kv_memory(check: Check) -> None:
     from loraplex.platform.worker.model_runner import kv_bytes_per_block
 
     engine_ = built_engine(check).engine
-    blocks = engine_.kv.pool.num_blocks
+    blocks = engine_.core.kv.pool.num_blocks
     kv = blocks * kv_bytes_per_block(engine_.model_config, engine_.config.block_size, engine_.config.torch_kv_dtype)
     if not check.cuda:
         check.report.row("KV blocks", f"{blocks} blocks = {kv / 2**30:.2f} GiB (CPU: from kv_cache_memory)")

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from loraplex.kernels.custom_ops import PagedAttention
 from loraplex.kernels.dispatch import Backend, KernelConfig
 from loraplex.kernels.paged_attention import PagedAttentionMetadata, attention_kernel
-from loraplex.kernels.sgmv import LoRABatch, sgmv_expand, sgmv_shrink
+from loraplex.kernels.lora_batch import LoRABatch
+from loraplex.kernels.sgmv import sgmv_expand, sgmv_shrink
 
 L2_FLUSH_BYTES = 256 << 20  # several times any current L2 (H100 / H200: 50 MiB)
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B's attention

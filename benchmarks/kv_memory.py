@@ -40,15 +40,15 @@ def occupancy(engine) -> dict:
     bs = engine.config.block_size
     filled: dict[int, int] = {}
     reserve_max = reserve_own = logical = 0
-    for req in engine.scheduler.running:
-        for j, block in enumerate(engine.kv.block_ids(req)):
+    for req in engine.core.scheduler.running:
+        for j, block in enumerate(engine.core.kv.block_ids(req)):
             n = max(0, min(bs, req.num_computed_tokens - j * bs))
             filled[block] = max(filled.get(block, 0), n)
         logical += req.num_computed_tokens
         reserve_max += engine.max_model_len
         reserve_own += len(req.prompt_token_ids) + req.params.max_tokens
     return {"stored": sum(filled.values()), "allocated": len(filled) * bs, "logical": logical,
-            "reserve_max": reserve_max, "reserve_own": reserve_own, "running": len(engine.scheduler.running)}
+            "reserve_max": reserve_max, "reserve_own": reserve_own, "running": len(engine.core.scheduler.running)}
 
 
 def main() -> None:
@@ -68,12 +68,12 @@ def main() -> None:
               block_size=args.block_size)
     engine = llm.engine
     rss_ready = rss_mib()
-    unique = {t.data_ptr(): t for t in engine.model.state_dict().values()}  # tied embeddings once
+    unique = {t.data_ptr(): t for t in engine.core.executor.worker.model.state_dict().values()}  # tied embeddings once
     weights_mib = sum(t.numel() * t.element_size() for t in unique.values()) / 2**20
-    packed = [t for m in engine.model.modules() for t in (getattr(m, "packed", None), getattr(m, "amx_packed", None))
+    packed = [t for m in engine.core.executor.worker.model.modules() for t in (getattr(m, "packed", None), getattr(m, "amx_packed", None))
               if t is not None]  # oneDNN's layout, or the AMX kernel's tiles
     packed_mib = sum(t.numel() * t.element_size() for t in packed) / 2**20
-    pool_mib = engine.kv.pool.num_blocks * kv_bytes_per_block(engine.model_config, args.block_size,
+    pool_mib = engine.core.kv.pool.num_blocks * kv_bytes_per_block(engine.model_config, args.block_size,
                                                               engine.config.torch_dtype) / 2**20
 
     rng = random.Random(args.seed)
@@ -118,7 +118,7 @@ def main() -> None:
     print(f"resident memory: {rss_start:.0f} MiB before the engine, {rss_ready:.0f} MiB ready, "
           f"{peak_rss:.0f} MiB peak (ru_maxrss {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB)")
     print(f"  weights (plain tensors) {weights_mib:.0f} MiB + prepacked linears {packed_mib:.0f} MiB; "
-          f"KV pool {pool_mib:.0f} MiB ({engine.kv.pool.num_blocks} blocks); threads={torch.get_num_threads()}")
+          f"KV pool {pool_mib:.0f} MiB ({engine.core.kv.pool.num_blocks} blocks); threads={torch.get_num_threads()}")
 
 
 if __name__ == "__main__":

@@ -56,8 +56,8 @@ def itl_under_prefill(llm: LLM, decoders: int, decode_tokens: int, long_len: int
     for rid in sorted(decode_ids):
         engine.add_request(rid, random_prompt(rng, 32, vocab),
                            SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True))
-    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running) \
-            or engine.scheduler.waiting:  # the decoders' own prefill is not what we measure
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.core.scheduler.running) \
+            or engine.core.scheduler.waiting:  # the decoders' own prefill is not what we measure
         engine.step()
     start = time.perf_counter()
     last_token_at: dict[str, float] = {rid: start for rid in decode_ids}

@@ -19,7 +19,8 @@ import torch
 
 from loraplex.kernels import cpu_kernels
 from loraplex.kernels.dispatch import kernel_config
-from loraplex.kernels.sgmv import (LoRABatch, LoRATable, lora_kernel, sgmv_expand_reference, sgmv_lora_table_torch,
+from loraplex.kernels.lora_batch import LoRABatch
+from loraplex.kernels.sgmv import (LoRATable, lora_kernel, sgmv_expand_reference, sgmv_lora_table_torch,
                                    sgmv_shrink_reference)
 
 # SmolLM2-135M's fused qkv projection: 576 -> 576 (q) + 192 (k) + 192 (v)

@@ -33,8 +33,9 @@ from safetensors.torch import save_file
 
 from loraplex.adapters.peft_format import module_shapes
 from loraplex.api.bench_serve import build_parser, run, summarize
-from loraplex.platform.config import ModelConfig
 from loraplex.platform.model_store import default_model_dir
+from loraplex.platform.models.model_config import ModelConfig
+from loraplex.platform.models.registry import read_model_config
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -188,7 +189,7 @@ def main() -> None:
                         help="extra flag for loraplex serve (repeatable), e.g. --server-arg=--max-loras=8")
     parser.add_argument("--skip-serving", action="store_true", help="only the registry phase")
     args = parser.parse_args()
-    config = ModelConfig.from_folder(default_model_dir())
+    config = read_model_config(default_model_dir())
     with tempfile.TemporaryDirectory(prefix="loraplex-many-", dir=os.environ.get("TMPDIR")) as tmp:
         if not args.skip_serving:
             serving_phases(args, config, Path(tmp) / "serving")

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.kernels import autotune, cpu_kernels, quant
-from loraplex.kernels.dispatch import CpuCaps, kernel_config
+from loraplex.kernels.cpu_kernels import CpuCaps
+from loraplex.kernels.dispatch import kernel_config
 from loraplex.platform.models.linear import Linear
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of qkv, o, gate_up, down
@@ -57,7 +58,8 @@ def float32_formats(gen: torch.Generator) -> dict[str, list[list]]:
 
 
 _CAPS = CpuCaps.detect()
-TUNE = autotune.resolve(_CAPS.native_bf16, _CAPS.dpbf16, _CAPS.amx) if _CAPS.library else autotune.DEFAULT
+TUNE = autotune.resolve(_CAPS.native_bf16, _CAPS.dpbf16, _CAPS.amx, kernel_seconds=quant.kernel_seconds) \
+    if _CAPS.library else autotune.DEFAULT
 
 
 def bf16_formats(gen: torch.Generator) -> dict[str, list[list]]:

@@ -46,7 +46,7 @@ TEXT = Path(__file__).with_name("data") / "perplexity.txt"
 
 def weight_bytes(llm: LLM) -> int:
     """Bytes of the linear layers' weights as the engine keeps them (a tied head counted once)."""
-    model, total = llm.engine.model, 0
+    model, total = llm.engine.core.executor.worker.model, 0
     for module in model.modules():
         if isinstance(module, Linear):
             if module.quantized is not None:
@@ -59,7 +59,7 @@ def weight_bytes(llm: LLM) -> int:
 def takes_int8_activations(llm: LLM) -> bool:
     """Whether decode's small calls multiply int8 activations: quantized weights by rows (q4 in tile order,
     as kept on AMX, takes the tile kernel from 1 token on)."""
-    weights = [m.quantized for m in llm.engine.model.modules() if isinstance(m, Linear) and m.quantized]
+    weights = [m.quantized for m in llm.engine.core.executor.worker.model.modules() if isinstance(m, Linear) and m.quantized]
     return bool(weights) and not any(w.tiles for w in weights)
 
 
@@ -69,7 +69,7 @@ def perplexity(llm: LLM, int8_activations: bool = False) -> float:
     sends every matmul through the int8-activation kernels that decode takes, to measure what
     rounding x to 8 bits costs."""
     ids = llm.get_tokenizer()(TEXT.read_text())["input_ids"]
-    layers = [m for m in llm.engine.model.modules() if isinstance(m, Linear) and m.quantized is not None]
+    layers = [m for m in llm.engine.core.executor.worker.model.modules() if isinstance(m, Linear) and m.quantized is not None]
     plans = [m.plan for m in layers]
     if int8_activations:  # each weight's plan rebuilt with the int8 kernels' range covering the whole prompt
         kernels = llm.engine.resolved.kernels

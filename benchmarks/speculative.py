@@ -159,22 +159,22 @@ def time_steps(llm: LLM) -> list[float]:
 def run(llm: LLM, batch, steps: list[float]) -> dict:
     """One `llm.chat` call: output tokens, seconds, the first step's seconds (a lone request's prefill), steps,
     every output's token ids, the drafter's [drafts, draft tokens, accepted] and the jump-forward tokens spent."""
-    engine, drafter = llm.engine, llm.engine.drafter
-    before = drafter.counters.copy() if drafter is not None else None
-    jumped = engine.num_jump_forward_tokens
+    drafter = llm.engine.core.drafter
+    before = drafter.counters.copy()
+    jumped = drafter.num_jump_forward_tokens
     steps.clear()
     start = time.perf_counter()
     outs = llm.chat([m for m, _ in batch], [p for _, p in batch])
     seconds = time.perf_counter() - start
     outputs = [list(out.outputs[0].token_ids) for out in outs]
     spent = [0, 0, 0]
-    if drafter is not None:
+    if drafter.config is not None:
         after = drafter.counters
         spent = [after.num_drafts - before.num_drafts, after.num_draft_tokens - before.num_draft_tokens,
                  after.num_accepted_tokens - before.num_accepted_tokens]
     return {"tokens": sum(map(len, outputs)), "seconds": seconds, "first_step": steps[0] if steps else 0.0,
             "steps": len(steps), "outputs": outputs, "spent": spent,
-            "jumped": engine.num_jump_forward_tokens - jumped}
+            "jumped": drafter.num_jump_forward_tokens - jumped}
 
 
 def run_workload(engines: dict[str, LLM], steps: dict[str, list[float]], batches, flip: bool) -> dict[str, dict]:
@@ -259,7 +259,7 @@ def main() -> int:
         if args.min_acceptance is not None:
             spec["min_acceptance"] = args.min_acceptance
         engines[f"k={k}"] = LLM(args.model, speculative_config=json.dumps(spec), **common)
-    spec_config = engines[f"k={ks[0]}"].engine.drafter.config
+    spec_config = engines[f"k={ks[0]}"].engine.core.drafter.config
     spec_gate = spec_config.disable_by_batch_size
     cpu, code = cpu_name(), code_version()
     resolved = engines["off"].engine.config

@@ -53,7 +53,7 @@ def main() -> None:
                   num_kv_blocks=args.batch * (max_len // 16 + 2))
     engine = llm.engine
     forward_s: list[float] = []
-    execute = engine.runner.execute
+    execute = engine.core.executor.execute  # the ranks' forward pass (the batch is built before it, in the core)
 
     def timed_execute(*a, **k):
         start = time.perf_counter()
@@ -61,7 +61,7 @@ def main() -> None:
         forward_s.append(time.perf_counter() - start)
         return result
 
-    engine.runner.execute = timed_execute
+    engine.core.executor.execute = timed_execute
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True, logprobs=1,
                             stop=["never appears \u2603"] if args.stop else None)
     for i in range(args.batch):

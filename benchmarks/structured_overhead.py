@@ -13,7 +13,6 @@ the schema cold and from the cache.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import time
 
@@ -72,14 +71,14 @@ def main() -> None:
         return tokens / (time.perf_counter() - start), tokens
 
     engine = llm.engine
-    engine.config = dataclasses.replace(engine.config, jump_forward=False)
+    engine.core.drafter.jump_forward = False
     free_tps, free_tokens = run(None)
     apply_times.clear()
     json_tps, json_tokens = run(spec)
-    engine.config = dataclasses.replace(engine.config, jump_forward=True)
-    jumped_before = engine.num_jump_forward_tokens
+    engine.core.drafter.jump_forward = True
+    jumped_before = engine.core.drafter.num_jump_forward_tokens
     jump_tps, jump_tokens = run(spec)
-    jumped = engine.num_jump_forward_tokens - jumped_before
+    jumped = engine.core.drafter.num_jump_forward_tokens - jumped_before
     print(f"model={llm.engine.config.model} dtype={args.dtype} batch={args.batch} new_tokens={args.new_tokens} "
           f"threads={torch.get_num_threads()} grammar backend={compiled.backend}")
     print(f"unconstrained: {free_tps:.1f} tok/s ({free_tokens} tokens)")

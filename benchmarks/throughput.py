@@ -53,7 +53,7 @@ def bench_loraplex(llm: LLM, prompts, new_tokens: int) -> dict:
     start = time.perf_counter()
     while engine.has_unfinished():
         t = time.perf_counter()
-        sched_tokens = len(engine.scheduler.running)
+        sched_tokens = len(engine.core.scheduler.running)
         engine.step()
         if sched_tokens == len(prompts):  # every request decoding: a pure decode step
             decode_steps.append(time.perf_counter() - t)
@@ -96,7 +96,7 @@ def bench_matmul_floor(llm: LLM, batch: int, packed: bool, repeats: int = 10) ->
     """The decode step's linear layers alone, back to back: through the layers themselves
     (`packed`: what loraplex runs, prepacked for oneDNN or, bf16 on AMX, for our tile kernel) or as
     `F.linear` on the plain weights (what an unpacked engine, transformers included, runs)."""
-    model = llm.engine.model
+    model = llm.engine.core.executor.worker.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     dtype = model.norm.weight.dtype  # the model's (a tied table may live in the head's AMX tiles only)
     x_in = {m.in_features: torch.randn(batch, m.in_features, dtype=dtype) for m in linears}

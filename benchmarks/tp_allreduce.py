@@ -86,10 +86,10 @@ def measure(tokens: int, args: argparse.Namespace) -> dict:
 
 
 def all_reduce_fn(kind: str):
-    """gloo's all-reduce, or the engine's (`platform/executor/distributed.py`: shared memory once `use_shared_memory` ran)."""
+    """gloo's all-reduce, or the engine's (`platform/distributed.py`: shared memory once `use_shared_memory` ran)."""
     if kind == "gloo":
         return dist.all_reduce
-    from loraplex.platform.executor.distributed import all_reduce
+    from loraplex.platform.distributed import all_reduce
 
     return all_reduce
 
@@ -98,7 +98,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     if args.all_reduce == "shm":
-        from loraplex.platform.executor.distributed import use_shared_memory
+        from loraplex.platform.distributed import use_shared_memory
 
         use_shared_memory(f"loraplex-bench-{port}", rank, WORLD)
     try:

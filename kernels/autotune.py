@@ -9,7 +9,8 @@ Two kinds of entries:
   kernels, keyed by the CPU's flags, the torch build and the kernels' source.
 
 The engine resolves the table once (`resolve`) and hands it to whatever it builds; nothing on the
-hot path reads it again except through the plans built from it.
+hot path reads it again except through the plans built from it. The quantized kernels read this table
+(`quant.py`), so their probe is handed in (`quant.kernel_seconds`) rather than imported.
 """
 
 from __future__ import annotations
@@ -95,24 +96,6 @@ def gemm_seconds(dtypes: tuple[torch.dtype, ...], tokens: int = 256, size: int =
     return best
 
 
-def kernel_seconds(tokens: int = 32, size: int = 1024, rounds: int = 4) -> dict[str, float]:
-    """The best of `rounds` calls of each mid-size quantized kernel on a q4 weight, taking turns."""
-    from loraplex.kernels import quant
-
-    gen = torch.Generator().manual_seed(0)
-    w = quant.quantize(torch.randn(size, size, generator=gen), "q4")
-    x = torch.randn(tokens, size, generator=gen)
-    kernels = {"bf16 dot-product": lambda: quant.dpbf16_matmul(x, w),
-               "float": lambda: quant.float_matmul(x, w)}
-    best = {name: float("inf") for name in kernels}
-    for _ in range(rounds + 1):
-        for name, kernel in kernels.items():
-            start = time.perf_counter()
-            kernel()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
-
-
 def _ms(times: dict) -> str:
     return ", ".join(f"{str(k).removeprefix('torch.')} {t * 1e3:.2f} ms" for k, t in times.items())
 
@@ -126,12 +109,13 @@ def measure_dense_dtype(native_bf16: bool, seconds: Callable | None = None) -> t
     return str(min(times, key=times.get)).removeprefix("torch."), _ms(times)
 
 
-def measure_dpbf16(dpbf16: bool, amx: bool, margin: float, seconds: Callable | None = None) -> tuple[bool, str]:
+def measure_dpbf16(dpbf16: bool, amx: bool, margin: float, seconds: Callable[[], dict[str, float]]
+                   ) -> tuple[bool, str]:
     """Whether bf16 dot products beat the float kernel at mid-size calls by `margin` (only asked where the
-    library has them and no AMX takes those calls instead)."""
+    library has them and no AMX takes those calls instead); `seconds()` times both (`quant.kernel_seconds`)."""
     if not dpbf16 or amx:
         return False, "not asked (no AVX512-BF16 kernel, or AMX takes those calls)"
-    times = (seconds or kernel_seconds)()
+    times = seconds()
     return times["bf16 dot-product"] * margin < times["float"], _ms(times)
 
 
@@ -231,11 +215,15 @@ def cached(entry: str, measure: Callable[[], object]) -> object:
     return value
 
 
-def resolve(native_bf16: bool, dpbf16: bool, amx: bool, base: TuneTable | None = None) -> TuneTable:
-    """The table for this machine: `base`'s thresholds (`DEFAULT`'s) plus the probes' choices (cached)."""
+def resolve(native_bf16: bool, dpbf16: bool, amx: bool, base: TuneTable | None = None, *,
+            kernel_seconds: Callable[[], dict[str, float]]) -> TuneTable:
+    """The table for this machine: `base`'s thresholds (`DEFAULT`'s) plus the probes' choices (cached).
+    `kernel_seconds` times the quantized kernels the table chooses between (`quant.kernel_seconds`: handed in,
+    since those kernels read this table)."""
     base = base or DEFAULT
     dense, dense_why = cached("dense_dtype", lambda: list(measure_dense_dtype(native_bf16)))
-    wins, wins_why = cached("dpbf16_wins", lambda: list(measure_dpbf16(dpbf16, amx, base.dpbf16_margin)))
+    wins, wins_why = cached("dpbf16_wins",
+                            lambda: list(measure_dpbf16(dpbf16, amx, base.dpbf16_margin, kernel_seconds)))
     return dataclasses.replace(base, dense_dtype=dense, dpbf16_wins=bool(wins),
                                measured={"dense_dtype": dense_why, "dpbf16_wins": wins_why})
 

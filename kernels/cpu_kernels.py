@@ -21,6 +21,7 @@ import subprocess
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -228,6 +229,24 @@ def bf16w_matmul_c(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def _f16c() -> bool:
     return library() is not None and _kv_f16
+
+
+@dataclass(frozen=True)
+class CpuCaps:
+    """What this CPU and our built C library can do, read once when an engine resolves its config."""
+
+    library: bool = False  # the C kernels were built
+    native_bf16: bool = False  # AVX512-BF16 or AMX: bf16 matmuls not emulated
+    amx: bool = False  # the library has the AMX tile kernels and the OS grants the tiles
+    dpbf16: bool = False  # the library has the AVX512-BF16 dot-product kernels
+    int8_dot: bool = False  # the library has integer dot products for int8 activations
+    f16c: bool = False  # the library converts float16 K/V
+
+    @staticmethod
+    def detect() -> "CpuCaps":
+        built = library() is not None
+        return CpuCaps(built, native_bf16(), built and amx_supported(), built and dpbf16_supported(),
+                       built and int8_dot_supported(), built and _f16c())
 
 
 def paged_attention_c(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -16,8 +16,9 @@ from enum import StrEnum
 
 import torch
 
-from loraplex.kernels import autotune
+from loraplex.kernels import autotune, quant
 from loraplex.kernels.autotune import TuneTable
+from loraplex.kernels.cpu_kernels import CpuCaps
 
 SETTINGS = ("auto", "triton", "torch")  # what LORAPLEX_KERNELS may say
 
@@ -69,27 +70,6 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
     """Triton's CPU interpreter computes bf16 tl.dot wrongly (triton 3.8): there, and only
     there, kernels upcast bf16 tiles before the dot."""
     return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@dataclass(frozen=True)
-class CpuCaps:
-    """What this CPU and our built C library can do, read once when an engine resolves its config."""
-
-    library: bool = False  # the C kernels were built
-    native_bf16: bool = False  # AVX512-BF16 or AMX: bf16 matmuls not emulated
-    amx: bool = False  # the library has the AMX tile kernels and the OS grants the tiles
-    dpbf16: bool = False  # the library has the AVX512-BF16 dot-product kernels
-    int8_dot: bool = False  # the library has integer dot products for int8 activations
-    f16c: bool = False  # the library converts float16 K/V
-
-    @staticmethod
-    def detect() -> "CpuCaps":
-        from loraplex.kernels import cpu_kernels
-
-        built = cpu_kernels.library() is not None
-        return CpuCaps(built, cpu_kernels.native_bf16(), built and cpu_kernels.amx_supported(),
-                       built and cpu_kernels.dpbf16_supported(), built and cpu_kernels.int8_dot_supported(),
-                       built and cpu_kernels._f16c())
 
 
 @dataclass(frozen=True)
@@ -162,7 +142,8 @@ def machine(device: torch.device, backend: Backend | str | None = None) -> tuple
     caps = CpuCaps.detect() if device.type == "cpu" else CpuCaps()
     if backend != Backend.CPU:
         return backend, caps, autotune.DEFAULT
-    return backend, caps, autotune.resolve(caps.native_bf16, caps.dpbf16, caps.amx)
+    return backend, caps, autotune.resolve(caps.native_bf16, caps.dpbf16, caps.amx,
+                                           kernel_seconds=quant.kernel_seconds)
 
 
 def kernel_config(device: torch.device | str, dtype: torch.dtype, kv_dtype: torch.dtype | None = None,

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraplex.kernels import cpu_kernels, quant
-from loraplex.kernels.dispatch import Backend, CpuCaps, KernelConfig
+from loraplex.kernels.cpu_kernels import CpuCaps
+from loraplex.kernels.dispatch import Backend, KernelConfig
 from loraplex.kernels.quant import QuantizedWeight
 
 

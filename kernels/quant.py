@@ -20,6 +20,7 @@ the reference, `x @ dequantize(w).T`; tests compare each kernel with the referen
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,10 +28,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from loraplex.kernels import cpu_kernels
-from loraplex.kernels.cpu_kernels import KV_KINDS, WEIGHT_KINDS
+from loraplex.kernels import autotune, cpu_kernels
 from loraplex.kernels.autotune import TuneTable
-from loraplex.kernels.dispatch import CpuCaps
+from loraplex.kernels.cpu_kernels import KV_KINDS, WEIGHT_KINDS, CpuCaps
 
 Q4_GROUP = 32
 
@@ -350,8 +350,23 @@ def quantized_matmul(x: torch.Tensor, w: QuantizedWeight, tune: TuneTable | None
                      caps: CpuCaps | None = None) -> torch.Tensor:
     """x [..., K] float32 or bfloat16 -> [..., N] in x's dtype, through a plan made for this call (tests and
     benchmarks; the engine makes one plan per weight at load)."""
-    from loraplex.kernels import autotune
-
     caps = CpuCaps.detect() if caps is None else caps
-    tune = tune or autotune.resolve(caps.native_bf16, caps.dpbf16, caps.amx) if caps.library else autotune.DEFAULT
+    tune = tune or autotune.resolve(caps.native_bf16, caps.dpbf16, caps.amx, kernel_seconds=kernel_seconds) \
+        if caps.library else autotune.DEFAULT
     return plan(w, tune, caps)(x)
+
+
+def kernel_seconds(tokens: int = 32, size: int = 1024, rounds: int = 4) -> dict[str, float]:
+    """The best of `rounds` calls of each mid-size quantized kernel on a q4 weight, taking turns: the probe
+    `autotune.resolve` is handed to measure whether bf16 dot products beat the float kernel here."""
+    gen = torch.Generator().manual_seed(0)
+    w = quantize(torch.randn(size, size, generator=gen), "q4")
+    x = torch.randn(tokens, size, generator=gen)
+    kernels = {"bf16 dot-product": lambda: dpbf16_matmul(x, w), "float": lambda: float_matmul(x, w)}
+    best = {name: float("inf") for name in kernels}
+    for _ in range(rounds + 1):
+        for name, kernel in kernels.items():
+            start = time.perf_counter()
+            kernel()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best

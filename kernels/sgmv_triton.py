@@ -18,7 +18,7 @@ import triton.language as tl
 
 from loraplex.kernels.dispatch import dot_in_fp32, ieee_fp32
 from loraplex.kernels.paged_attention_triton import DEFAULT_NUM_SMS
-from loraplex.kernels.sgmv import LoRABatch
+from loraplex.kernels.lora_batch import LoRABatch
 
 BLOCK_M = 16  # tokens per program (tl.dot needs >= 16)
 MIN_SPLIT_K = 256  # input features per split-K share: below it the atomics cost more than the idle SMs

@@ -1,126 +1,22 @@
-"""Engine configuration: frozen dataclasses, validated once at start-up."""
+"""Engine configuration: frozen dataclasses, validated once at start-up. A model's own configuration is
+`ModelConfig` (`platform/models/model_config.py`), read by `platform/models/registry.py`'s `read_model_config`."""
 
 from __future__ import annotations
 
 import functools
 import json
 import re
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from loraplex.kernels.dispatch import PrefillAttention
-from loraplex.platform.spec_decode.speculative import SpeculativeConfig
+from loraplex.platform.models import model_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = {"auto": None, "float16": torch.float16, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 LORA_DTYPES = {name: (dtype, torch.bfloat16) if dtype == torch.float32 else (dtype,)  # what the LoRA paths multiply
                for name, dtype in DTYPES.items()}
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The subset of a Hugging Face config.json our decoder needs; what a family changes in it is a field
-    (docs/families.md)."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    layer_types: tuple[str, ...]  # each layer's: "full_attention" or "sliding_attention"
-    rope_parameters: dict[str, dict]  # layer type -> its RoPE, standardized (models/rope.py)
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    sliding_window: int | None  # the windowed layers' window (None: no layer has one)
-    eos_token_ids: tuple[int, ...]
-    layer_windows: tuple[int | None, ...]  # each layer's sliding window (None: it sees its whole context)
-    hidden_act: str  # the MLP gate's activation (transformers' name)
-    norm_offset: float  # each RMSNorm multiplies by (norm_offset + w): Gemma's are 1 + w
-    post_norms: bool  # Gemma: attention and MLP outputs normalized too, and a norm before the MLP (4 a layer)
-    qk_norm: bool  # Qwen3, Gemma 3: RMSNorm on each q and k head before RoPE
-    attention_scale: float  # of q.k: head_dim^-0.5, Gemma's query_pre_attn_scalar^-0.5, Granite's multiplier
-    attn_logit_softcap: float | None  # Gemma 2: scores become c tanh(s / c)
-    final_logit_softcap: float | None  # Gemma: logits become c tanh(l / c)
-    embedding_multiplier: float  # Gemma: sqrt(hidden) (rounded to the model's dtype, as transformers does); Granite's
-    residual_multiplier: float  # Granite: each block's output is scaled before the residual add
-    logits_scaling: float  # Granite: the logits are divided by it
-    rope_layers: tuple[bool, ...] = ()  # each layer's: rotated by RoPE (SmolLM3 leaves some out); (): every one
-    prequantized: tuple[str, int, bool] | None = None  # a GPTQ / AWQ checkpoint: (method, group, v1 zeros)
-    moe: "MoEConfig | None" = None  # experts and routing of a mixture-of-experts model (models/experts.py)
-    family: "Family | None" = field(default=None, compare=False, repr=False)  # its declaration (models/family.py)
-    shard: "ShardPlan | None" = field(default=None, compare=False, repr=False)  # one TP rank's part (models/sharding.py)
-
-    @staticmethod
-    def from_folder(path: str | Path) -> "ModelConfig":
-        from loraplex.platform.models.experts import MoEConfig
-        from loraplex.platform.models.quantized import checkpoint_quantization
-        from loraplex.platform.models.registry import family_for
-
-        raw = json.loads((Path(path) / "config.json").read_text())
-        arch = (raw.get("architectures") or [raw.get("model_type", "unknown")])[0]
-        try:
-            family = family_for(arch)
-            raw = {**family.defaults, **raw}  # what the file leaves out, as transformers fills it in
-            num_heads = raw["num_attention_heads"]
-            head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
-            fields = _family_fields(raw, family, head_dim)
-        except ValueError as exc:
-            raise ValueError(f"{exc} (in {path})") from None
-        return ModelConfig(
-            architecture=arch,
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_layers=raw["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=family.qkv_bias(raw),
-            eos_token_ids=_as_tuple(raw.get("eos_token_id")),
-            **fields,
-            prequantized=checkpoint_quantization(raw.get("quantization_config")),
-            moe=MoEConfig.from_raw(raw, family.experts, arch),
-            family=family,
-        )
-
-
-def _family_fields(raw: dict, family: "Family", head_dim: int) -> dict:
-    """The ModelConfig fields in which the families differ: the shared decoder's defaults, then what the family's
-    declaration sets (docs/families.md); what we would not serve exactly is a ValueError naming it."""
-    from loraplex.platform.models.family import ACTIVATIONS
-    from loraplex.platform.models.rope import rope_parameters
-
-    if raw.get("use_bidirectional_attention"):
-        raise ValueError("use_bidirectional_attention (attention to later tokens) is not supported")
-    if raw.get("mlp_bias"):
-        raise ValueError("mlp_bias (biases on the MLP projections) is not supported")
-    act = raw.get(family.activation_key, "silu")
-    if act not in ACTIVATIONS:
-        raise ValueError(f"hidden activation {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
-    types, window = family.layer_types(raw), family.window(raw)
-    windows = tuple(window if kind == "sliding_attention" else None for kind in types)
-    shared = dict(layer_types=types, rope_parameters=rope_parameters(raw, family.rope_aliases, head_dim),
-                  sliding_window=window if any(windows) else None, layer_windows=windows, hidden_act=act,
-                  norm_offset=0.0, post_norms=False, qk_norm=False, attention_scale=head_dim ** -0.5,
-                  attn_logit_softcap=None, final_logit_softcap=None, embedding_multiplier=1.0,
-                  residual_multiplier=1.0, logits_scaling=1.0)
-    return {**shared, **family.fields(raw, head_dim)}
-
-
-def _as_tuple(value) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return tuple(value) if isinstance(value, list) else (int(value),)
 
 
 QUANTIZATIONS = ("none", "q4", "int8")
@@ -131,6 +27,58 @@ def _setting(default, help: str, **cli):
     """An engine setting: its default, and what `loraplex serve` says of it (the CLI flags are
     generated from these fields; `cli` may name the vLLM flag, choices, or a size parser)."""
     return field(default=default, metadata={"help": help, **cli})
+
+
+# ---- speculative decoding (`platform/spec_decode/`) --------------------------------------------
+
+METHODS = ("ngram", "grammar")  # grammar: forced tokens only; ngram: forced tokens, then prompt lookup
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-config` (vLLM's JSON spelling)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # the most drafts a request verifies in one step
+    prompt_lookup_max: int = 4  # the longest n-gram matched
+    prompt_lookup_min: int = 2  # the shortest
+    disable_by_batch_size: int = 4  # more running sequences than this: the step drafts nothing
+    min_acceptance: float = 0.02  # a request's recent acceptance below this pauses its drafts
+    grammar_drafts: bool = True  # a structured request's forced tokens drafted (else jump-forward appends them)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative {name} must be an integer >= 1, got {value!r}")
+        if self.num_speculative_tokens > 64:
+            raise ValueError(f"speculative num_speculative_tokens must be at most 64, got {self.num_speculative_tokens}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative prompt_lookup_min ({self.prompt_lookup_min}) must be at most "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if not isinstance(self.min_acceptance, (int, float)) or not 0 <= self.min_acceptance < 1:
+            raise ValueError(f"speculative min_acceptance must be in [0, 1), got {self.min_acceptance!r}")
+        if not isinstance(self.grammar_drafts, bool):
+            raise ValueError(f"speculative grammar_drafts must be a boolean, got {self.grammar_drafts!r}")
+
+    @classmethod
+    def parse(cls, text: str | None) -> SpeculativeConfig | None:
+        """The flag's JSON; None: no speculation. Unknown keys are refused by name."""
+        if text is None or text == "":
+            return None
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"speculative_config is not JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("speculative_config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**raw)
 
 
 @dataclass(frozen=True)
@@ -287,7 +235,7 @@ class EngineConfig:
     def torch_kv_dtype(self) -> torch.dtype:
         return self.torch_dtype if self.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[self.kv_cache_dtype]
 
-    def resolve_max_model_len(self, model: ModelConfig) -> int:
+    def resolve_max_model_len(self, model: model_config.ModelConfig) -> int:
         limit = model.max_position_embeddings
         # not capped by a sliding window: every attention kernel applies each layer's window (layer_windows)
         if self.max_model_len is None:

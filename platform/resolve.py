@@ -12,12 +12,15 @@ import torch
 
 from loraplex.adapters.peft_format import adapter_bytes
 from loraplex.kernels import autotune
-from loraplex.kernels.dispatch import Backend, CpuCaps, KernelConfig, kernel_config, machine, resolve_backend
+from loraplex.kernels.cpu_kernels import CpuCaps
+from loraplex.kernels.dispatch import Backend, KernelConfig, kernel_config, machine, resolve_backend
 from loraplex.kernels.linear_methods import can_pack
-from loraplex.platform.config import EngineConfig, ModelConfig, quantized_activation_dtype
+from loraplex.platform.config import EngineConfig, quantized_activation_dtype
 from loraplex.platform.device import normalize_device
 from loraplex.platform.worker.model_runner import kv_bytes_per_block
 from loraplex.platform.models.linear import Linear
+from loraplex.platform.models.model_config import ModelConfig
+from loraplex.platform.models.registry import read_model_config
 from loraplex.platform.models.sharding import plan_for
 
 
@@ -34,7 +37,7 @@ class ResolvedConfig:
 
 
 def resolve(config: EngineConfig) -> ResolvedConfig:
-    model = ModelConfig.from_folder(config.model)
+    model = read_model_config(config.model)
     device = normalize_device(config.torch_device)  # cuda -> cuda:N: compared with tensors' devices
     notes: list[str] = []
     config = _quantization(config, model, device, notes)

@@ -148,9 +148,9 @@ def default_model_dir() -> Path:
 def assert_all_blocks_free(engine) -> None:
     """Every block is free or cached-free, and no request holds any."""
     assert not engine.has_unfinished()
-    assert engine.kv.req_blocks == {}
-    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
-    assert all(b.ref_cnt == 0 for b in engine.kv.pool.blocks)
+    assert engine.core.kv.req_blocks == {}
+    assert engine.core.kv.num_free_blocks == engine.core.kv.pool.num_blocks
+    assert all(b.ref_cnt == 0 for b in engine.core.kv.pool.blocks)
 
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -221,6 +221,38 @@ def swapping_in_a_link(file: Path, target: Path):
     finally:
         stop.set()
         swapper.join()
+
+
+def spy_on_matches(monkeypatch, pattern: str) -> list[tuple[object, bool]]:
+    """(the timeout it was given, whether it timed out) of each `regex.fullmatch` of `pattern` (in any thread,
+    a server's too). A match of it without a timeout fails at once (it would backtrack for hours)."""
+    import regex
+
+    calls, real = [], regex.fullmatch
+
+    def fullmatch(pat, string, *args, **kwargs):
+        if pat != pattern:
+            return real(pat, string, *args, **kwargs)
+        if kwargs.get("timeout") is None:
+            calls.append((None, False))
+            raise AssertionError(f"{pattern!r} matched without a timeout")
+        try:
+            out = real(pat, string, *args, **kwargs)
+        except TimeoutError:
+            calls.append((kwargs["timeout"], True))
+            raise
+        calls.append((kwargs["timeout"], False))
+        return out
+
+    monkeypatch.setattr(regex, "fullmatch", fullmatch)
+    return calls
+
+
+def assert_refused_at_its_first_deadline(calls) -> None:
+    """Quick by construction, not by a stopwatch: every match ran under a short deadline (at most 1 s), and the
+    refusal came at the first match that hit it (none ran after)."""
+    assert calls and all(isinstance(t, (int, float)) and 0 < t <= 1.0 for t, _ in calls), calls
+    assert [timed_out for _, timed_out in calls] == [False] * (len(calls) - 1) + [True], calls
 
 
 @pytest.fixture(scope="session")

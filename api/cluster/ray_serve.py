@@ -24,6 +24,7 @@ import signal
 import threading
 from pathlib import Path
 
+from loraplex.api import launch
 from loraplex.api.flags import values
 from loraplex.api.cluster.ray_catalog import AdapterCatalog
 from loraplex.api.cluster.ray_ingress import Ingress
@@ -196,14 +197,11 @@ def serve_ray(args: argparse.Namespace) -> int:
     except ImportError:
         raise ValueError("--ray needs Ray Serve, the optional extra: pip install -e '.[ray]' (make setup-ray)") from None
 
-    from loraplex.api.cli import engine_args, model_folder
-    from loraplex.api.serve import server_config
-
-    engine = engine_args(args)
+    engine = launch.engine_args(args)
     # replicas get None for the default model (each machine converts its own copy); checks here need a folder
-    local_model = model_folder(args.model) if args.model else None
-    model_for_checks = local_model or model_folder(None)
-    server = server_config(args, model_for_checks)
+    local_model = launch.model_folder(args.model) if args.model else None
+    model_for_checks = local_model or launch.model_folder(None)
+    server = launch.server_config(args, model_for_checks)
     adapters = described_adapters(args.lora_modules, engine, model_for_checks)
     _start_ray(cluster)
     serve.start(http_options={"host": server.host, "port": server.port})

@@ -21,12 +21,14 @@ from typing import AsyncIterator, Iterator
 from loraplex.platform.adapter_mix import AdapterMix
 from loraplex.platform.device import select_device
 from loraplex.platform.core.fair_share import TenantShare
-from loraplex.platform.engine.llm_engine import Engine, EngineStats
-from loraplex.platform.engine.engine_client import (AdapterInfo, AdapterStatus, ClientTooSlowError, EngineDeadError,
-                                             Health, QueueFullError, StepFailedError, StructuredCheck,
-                                             StructuredOutputs)
+from loraplex.platform.core.engine_core import EngineStats
+from loraplex.platform.engine.llm_engine import Engine
+from loraplex.adapters.registry import AdapterInfo, AdapterStatus
+from loraplex.grammar.backend import StructuredOutputs
+from loraplex.platform.engine.values import (ClientTooSlowError, EngineDeadError, Health, QueueFullError,
+                                             StepFailedError, StructuredCheck)
 from loraplex.platform.request import Request, RequestOutput, SamplingParams
-from loraplex.platform.executor.multiproc import WorkerDiedError
+from loraplex.platform.executor.abstract import WorkerDiedError
 
 __all__ = ["AsyncEngine", "ClientTooSlowError", "EngineDeadError", "QueueFullError", "StepFailedError"]
 
@@ -94,6 +96,8 @@ class AsyncEngine:
     def __init__(self, engine: Engine, max_waiting_requests: int | None = None,
                  max_unread_outputs: int = 4096) -> None:
         self.engine = engine
+        # the front end's own parts: prompts in, adapters by name, structured specs compiled
+        self.inputs, self.adapters, self.grammars = engine.inputs, engine.adapters, engine.grammars
         self.max_waiting_requests = max_waiting_requests
         self.max_unread_outputs = max_unread_outputs  # per stream (per API call): a reader that stops reading
         self._commands: queue.Queue = queue.Queue()
@@ -114,41 +118,41 @@ class AsyncEngine:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.inputs.limits.max_model_len
+        return self.inputs.limits.max_model_len
 
     @property
     def max_adapters_per_request(self) -> int:
-        return self.engine.inputs.limits.max_adapters_per_request
+        return self.inputs.limits.max_adapters_per_request
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await asyncio.to_thread(self.engine.inputs.token_ids, text, add_special_tokens)
+        return await asyncio.to_thread(self.inputs.token_ids, text, add_special_tokens)
 
     async def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
-        return await asyncio.to_thread(self.engine.inputs.chat_token_ids, messages, add_generation_prompt,
+        return await asyncio.to_thread(self.inputs.chat_token_ids, messages, add_generation_prompt,
                                        chat_template_kwargs, tools)
 
     async def detokenize(self, ids: list[int], param: str = "tokens") -> str:
-        return await asyncio.to_thread(self.engine.inputs.detokenize, ids, param)
+        return await asyncio.to_thread(self.inputs.detokenize, ids, param)
 
     def default_max_tokens(self, prompt_ids: list[int]) -> int:
-        return self.engine.inputs.default_max_tokens(prompt_ids)
+        return self.inputs.default_max_tokens(prompt_ids)
 
     async def validate_structured(self, spec: StructuredOutputs, tenant: TenantShare | None = None) -> StructuredCheck:
-        compiled = await self.engine.grammars.compiled(spec, tenant.cache_namespace if tenant is not None else "")
+        compiled = await self.grammars.compiled(spec, tenant.cache_namespace if tenant is not None else "")
         return StructuredCheck(compiled.backend, tuple(compiled.unenforced))
 
     async def load_adapter(self, name: str, path: str, confined: bool = False) -> AdapterInfo:
-        return await asyncio.to_thread(self.engine.adapters.load, name, path, False, confined)
+        return await asyncio.to_thread(self.adapters.load, name, path, False, confined)
 
     def unload_adapter(self, name: str) -> None:
-        self.engine.adapters.unload(name)
+        self.adapters.unload(name)
 
     def list_adapters(self) -> list[AdapterInfo]:
-        return self.engine.adapters.list()
+        return self.adapters.list()
 
     def adapter_status(self) -> dict[str, AdapterStatus]:
-        return self.engine.adapters.status()
+        return self.adapters.status()
 
     def stats(self) -> EngineStats:
         """The snapshot the engine thread took after its last step."""
@@ -169,7 +173,7 @@ class AsyncEngine:
                adapter: str | AdapterMix | None = None) -> str:
         """Validate (raising ValueError here, in the caller's thread) and queue a request."""
         self._check_accepting(params.n if isinstance(params, SamplingParams) else 1)
-        request = self.engine.inputs.process(request_id or f"req-{next(self._ids)}", prompt, params, adapter)
+        request = self.inputs.process(request_id or f"req-{next(self._ids)}", prompt, params, adapter)
         self._enqueue(request, None)
         return request.request_id
 
@@ -208,12 +212,12 @@ class AsyncEngine:
         self._check_accepting(sum(sp.n for sp in params))
         ids = [rid or f"req-{next(self._ids)}" for rid in request_ids]
         requests = await asyncio.to_thread(
-            lambda: [self.engine.inputs.process(rid, p, sp, adapter, tenant, compile=False)
+            lambda: [self.inputs.process(rid, p, sp, adapter, tenant, compile=False)
                      for rid, p, sp in zip(ids, prompts, params)])
         for request in requests:  # awaited here: a slow compile holds none of the loop's worker threads
-            spec = self.engine.inputs.grammar_spec(request)
+            spec = self.inputs.grammar_spec(request)
             if spec is not None:
-                request.compiled_grammar = await self.engine.grammars.compiled(
+                request.compiled_grammar = await self.grammars.compiled(
                     spec, tenant.cache_namespace if tenant is not None else "")
         items: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()

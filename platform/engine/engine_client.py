@@ -10,7 +10,6 @@ reason: the API names them without importing the modules that own them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import AsyncIterator, Protocol, runtime_checkable
 
 from loraplex.adapters.peft_format import AdapterError
@@ -19,7 +18,9 @@ from loraplex.grammar.backend import GrammarError, StructuredOutputs
 from loraplex.platform.adapter_mix import AdapterMix, parse_mix
 from loraplex.platform.config import EngineConfig
 from loraplex.platform.core.fair_share import TenantShare
-from loraplex.platform.engine.llm_engine import EngineStats
+from loraplex.platform.core.engine_core import EngineStats
+from loraplex.platform.engine.values import (ClientTooSlowError, EngineDeadError, Health, QueueFullError, StepFailedError,
+                                             StructuredCheck)
 from loraplex.platform.engine.output_processor import accumulate
 from loraplex.platform.request import RequestOutput, SamplingParams
 
@@ -27,44 +28,6 @@ __all__ = ["AdapterError", "AdapterInfo", "AdapterMix", "AdapterInUseError", "Ad
            "EngineClient", "EngineDeadError", "EngineStats", "GrammarError", "Health", "QueueFullError",
            "StepFailedError", "StructuredCheck", "TenantShare", "UnknownAdapterError", "accumulate",
            "build_engine_client", "parse_mix", "read_adapter_info"]
-
-
-class EngineDeadError(RuntimeError):
-    """The engine takes no requests: shutting down (the message says so) or failed."""
-
-
-class StepFailedError(RuntimeError):
-    """An engine step raised; the requests in its batch were aborted, the engine goes on."""
-
-
-class ClientTooSlowError(RuntimeError):
-    """A reader left more than `max_unread_outputs` outputs unread; its request was aborted."""
-
-
-class QueueFullError(RuntimeError):
-    """More requests are waiting than `max_waiting_requests`; the caller should retry later."""
-
-
-@dataclass(frozen=True)
-class Health:
-    alive: bool  # the engine thread runs and never failed
-    closing: str | None = None  # why new requests are refused (shutting down)
-
-    @property
-    def problem(self) -> str | None:
-        """None when requests are taken; else what to tell a client."""
-        if self.closing is not None:
-            return self.closing
-        return None if self.alive else "the engine failed; see the server log"
-
-
-@dataclass(frozen=True)
-class StructuredCheck:
-    """A structured-output spec that compiles: the backend that took it, and the keywords a
-    non-strict schema had to drop."""
-
-    backend: str
-    unenforced: tuple[str, ...] = ()
 
 
 @runtime_checkable
@@ -140,7 +103,7 @@ def read_adapter_info(model: str, max_lora_rank: int, name: str, path: str) -> A
     import torch
 
     from loraplex.adapters.registry import AdapterRegistry
-    from loraplex.platform.config import ModelConfig
+    from loraplex.platform.models.registry import read_model_config
 
-    registry = AdapterRegistry(ModelConfig.from_folder(model), 1, max_lora_rank, None, torch.float32, lora_memory=0)
+    registry = AdapterRegistry(read_model_config(model), 1, max_lora_rank, None, torch.float32, lora_memory=0)
     return registry.load(name, path)

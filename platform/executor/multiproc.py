@@ -1,6 +1,6 @@
-"""Tensor parallelism, the engine's side: `TPExecutor` starts and supervises `--tensor-parallel-size` worker
-processes (`tp_worker.py`), and `TPRunner` is the model runner the engine uses with them: it builds each step's
-flat batch on the host as `ModelRunner` does and sends it to every rank; rank 0 answers with the logits.
+"""Tensor parallelism: `MultiprocExecutor` starts and supervises `--tensor-parallel-size` worker processes
+(`platform/worker/worker.py`, `worker_main`), sends each step's `ModelInput` (built on the engine's host) to every rank and
+reads rank 0's answer.
 
 Each call goes to every worker through its own pipe and waits for every answer, watching the processes. Every
 call takes part in collectives, so a rank that fails one leaves the others waiting in it: a worker that exits,
@@ -12,6 +12,7 @@ and checked them (a worker never opens an adapter folder).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -25,28 +26,27 @@ from pathlib import Path
 
 import torch
 
-from loraplex.adapters.peft_format import LoRAWeights
+from loraplex.adapters.peft_format import AdapterError, LoRAWeights
+from loraplex.adapters.registry import AdapterRegistry
 from loraplex.kernels.dispatch import to_device
-from loraplex.platform.core.block_table import BlockTable
-from loraplex.platform.executor.distributed import create_segment
-from loraplex.platform.core.kv_cache_manager import KVCacheManager
-from loraplex.platform.worker.model_runner import ModelRunner, PromptRows
-from loraplex.platform.request import Request
+from loraplex.platform.distributed import create_segment
+from loraplex.platform.executor.abstract import Executor, WorkerDiedError
 from loraplex.platform.resolve import ResolvedConfig
-from loraplex.platform.core.scheduler import SchedulerOutput
-from loraplex.platform.worker.worker import StepMessage, pack_adapter, uses_shared_memory, worker_main
+from loraplex.platform.worker.cuda_graphs import Capture
+from loraplex.platform.worker.model_runner import ModelInput
+from loraplex.platform.worker.worker import pack_adapter, uses_shared_memory, worker_main
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0  # loading a shard of a large checkpoint takes minutes
 
 
-class WorkerDiedError(RuntimeError):
-    """A tensor-parallel worker exited or failed a call: the engine cannot go on."""
+class MultiprocExecutor(Executor):
+    uses_engine_slots = False
+    input_device = torch.device("cpu")  # the step's tables go down a pipe
 
-
-class TPExecutor:
-    def __init__(self, resolved: ResolvedConfig) -> None:
+    def __init__(self, resolved: ResolvedConfig, adapters: AdapterRegistry) -> None:
+        self.device = resolved.device
         config, size = resolved.engine, resolved.engine.tensor_parallel_size
         context = multiprocessing.get_context("spawn")  # no fork of a process holding threads and a torch pool
         init_method = f"tcp://127.0.0.1:{_free_port()}"
@@ -58,7 +58,7 @@ class TPExecutor:
         for rank in range(size):
             parent, child = context.Pipe()
             proc = context.Process(target=worker_main, name=f"loraplex-tp{rank}", daemon=True,
-                                   args=(config, rank, size, init_method, resolved.num_kv_blocks, child, threads,
+                                   args=(config, rank, size, init_method, child, threads,
                                          self.segment and str(self.segment)))
             proc.start()
             child.close()
@@ -72,14 +72,50 @@ class TPExecutor:
             self.close()
             raise
         self._unlink_segment()  # every rank has it mapped: the mappings stay, the name goes
+        self.slot_changes: list[tuple[int, LoRAWeights | None]] = []
+        self.changes_lock = threading.Lock()  # slots are emptied from other threads too (an unload)
+        adapters.slots.listen(self._slot_changed)
+        adapters.verify = _refuse_vocabulary_adapters
         log.info("tensor parallelism: %d worker processes (pids %s)", size, [p.pid for p in self.procs])
+
+    # ---- the engine's calls ------------------------------------------------------------------
+
+    def kv_blocks(self) -> int:
+        return min(self.call("kv_blocks", every=True))  # CUDA: what the fullest device leaves
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        self.call("allocate_kv", num_blocks)
+
+    def capture_graphs(self, capture: Capture | None = None) -> None:
+        self.call("capture_graphs", capture)
+
+    def execute(self, step: ModelInput) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """The step with the slot changes since the last one (each new adapter's weights as the registry holds
+        them) and its block tables as a tensor of their own; rank 0's answer."""
+        with self.changes_lock:
+            taken = list(self.slot_changes)
+        step = dataclasses.replace(step, table=step.table.detached(), slot_changes=[
+            (slot, None if weights is None else pack_adapter(weights)) for slot, weights in taken])
+        logits, prompt_hidden = self.call("execute", step)
+        with self.changes_lock:  # sent: what came meanwhile goes with the next step
+            del self.slot_changes[:len(taken)]
+        return (None if logits is None else to_device(logits, self.device),
+                [to_device(hidden, self.device) for hidden in prompt_hidden])
+
+    def logits(self, hidden: torch.Tensor, slots: list[int] | None) -> torch.Tensor:
+        return to_device(self.call("logits", hidden.cpu(), slots), self.device)
+
+    def _slot_changed(self, slot: int, weights: LoRAWeights | None) -> None:
+        """The engine's registry put an adapter in a slot (or emptied it): the workers follow at the next step."""
+        with self.changes_lock:
+            self.slot_changes.append((slot, weights))
 
     def call(self, method: str, *args, every: bool = False):
         """Every rank runs `method(*args)`; rank 0's answer (`every`: each rank's, in rank order)."""
         with self.lock:
             if self.dead is not None:
                 raise WorkerDiedError(self.dead)
-            payload = pickle.dumps((method, args))
+            payload = pickle.dumps((method, args, every))
             try:
                 for conn in self.conns:
                     conn.send_bytes(payload)
@@ -154,52 +190,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class TPRunner(ModelRunner):
-    """The engine's model runner under tensor parallelism: the batch built here (`ModelRunner`'s host side), the
-    model run by the workers; it holds no model and no KV tensor."""
-
-    def __init__(self, executor: TPExecutor, kv: KVCacheManager, adapters, device: torch.device) -> None:
-        self.executor, self.kv, self.device = executor, kv, device
-        self.block_size = kv.block_size
-        self.block_table = BlockTable(8, 16, kv.block_size, torch.device("cpu"))
-        self.graphs = None
-        self.slot_changes: list[tuple[int, LoRAWeights | None]] = []
-        self.changes_lock = threading.Lock()  # slots are emptied from other threads too (an unload)
-        adapters.slots.listen(self._slot_changed)
-
-    def _slot_changed(self, slot: int, weights: LoRAWeights | None) -> None:
-        """The engine's registry put an adapter in a slot (or emptied it): the workers follow at the next step."""
-        with self.changes_lock:
-            self.slot_changes.append((slot, weights))
-
-    def enable_graphs(self, *args, **kwargs) -> None:
-        raise ValueError("CUDA graphs are not captured under tensor parallelism (the workers run eager)")
-
-    @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, adapter_slots: dict[str, int] | None = None
-                ) -> tuple[torch.Tensor, list[Request], list[PromptRows]]:
-        lora_slots = self._lora_slots(sched, adapter_slots or {})
-        mix_passes = self._mix_passes(sched, adapter_slots or {})
-        step = self._prepare(sched)
-        with self.changes_lock:
-            taken = list(self.slot_changes)
-        changes = [(slot, None if weights is None else pack_adapter(weights)) for slot, weights in taken]
-        runs = [(rows.start, rows.stop) for _, rows, _ in step.prompt_rows]
-        msg = StepMessage(
-            slot_changes=changes, block_copies=list(sched.block_copies), token_ids=step.token_ids,
-            positions=step.positions, slots=step.slots, block_tables=self.block_table.commit(step.table_rows).clone(),
-            seq_lens=step.seq_lens, starts=step.starts, max_query_len=step.max_query_len, lora_slots=lora_slots,
-            mix_passes=mix_passes, last_rows=step.last_rows,
-            row_slots=[lora_slots[row] for row in step.last_rows] if lora_slots else None, prompt_rows=runs)
-        logits, prompt_hidden = self.executor.call("step", msg)
-        with self.changes_lock:  # sent: what came meanwhile goes with the next step
-            del self.slot_changes[:len(taken)]
-        prompt = [PromptRows(req, to_device(hidden, self.device), first,
-                             lora_slots[rows.start] if lora_slots else -1, self.compute_logits)
-                  for (req, rows, first), hidden in zip(step.prompt_rows, prompt_hidden)]
-        if logits is None:
-            return torch.empty(0, 0), [], prompt
-        return to_device(logits, self.device), step.sampled, prompt
-
-    def logits(self, hidden: torch.Tensor, slots: list[int] | None) -> torch.Tensor:
-        return to_device(self.executor.call("logits", hidden.cpu(), slots), self.device)
+def _refuse_vocabulary_adapters(info, weights) -> None:
+    """Tensor parallelism splits the vocabulary over the ranks; an adapter's embedding or head weights are whole."""
+    if weights.embedding or weights.head or weights.replacements:
+        raise AdapterError(f"adapter {info.name!r} changes the embedding or the LM head (LoRA on them, or "
+                           "modules_to_save): not served under tensor parallelism, whose vocabulary is split over "
+                           "the ranks")

@@ -21,11 +21,11 @@ from loraplex.kernels.dispatch import KernelConfig
 from loraplex.kernels.linear_methods import tile_table_into_head
 from loraplex.kernels.paged_attention import PagedAttentionMetadata
 from loraplex.kernels.quant import concat
-from loraplex.platform.config import ModelConfig
-from loraplex.platform.executor.distributed import all_gather_rows, all_reduce, identity
+from loraplex.platform.distributed import all_gather_rows, all_reduce, identity
 from loraplex.platform.models.experts import is_sparse_layer
 from loraplex.platform.models.family import PROJECTION_BLOCKS
 from loraplex.platform.models.linear import Linear
+from loraplex.platform.models.model_config import ModelConfig
 from loraplex.platform.models.moe import SparseMoEBlock
 from loraplex.platform.models.quantized import gguf_blocks, head_format, projection_format, read_prequantized
 from loraplex.platform.models.rope import RotaryEmbedding

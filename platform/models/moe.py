@@ -23,10 +23,10 @@ from torch import nn
 from loraplex.kernels.custom_ops import SiluAndMul, pointwise_op
 from loraplex.kernels.dispatch import KernelConfig
 from loraplex.kernels.linear_methods import batch_invariant_matmul
-from loraplex.platform.config import ModelConfig
-from loraplex.platform.executor.distributed import all_reduce, identity
+from loraplex.platform.distributed import all_reduce, identity
 from loraplex.platform.models.experts import MoEConfig
 from loraplex.platform.models.linear import Linear
+from loraplex.platform.models.model_config import ModelConfig
 from loraplex.platform.models.sharding import column, gate_up_rows, row, span
 
 class SparseMoEBlock(nn.Module):

@@ -11,9 +11,9 @@ from torch import nn
 
 from loraplex.kernels.custom_ops import RMSNorm
 from loraplex.kernels.dispatch import KernelConfig
-from loraplex.platform.config import ModelConfig
-from loraplex.platform.executor.distributed import all_gather_rows
+from loraplex.platform.distributed import all_gather_rows
 from loraplex.platform.models.llama import MLP, Attention
+from loraplex.platform.models.model_config import ModelConfig
 
 
 class Olmo2Attention(Attention):

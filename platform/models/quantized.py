@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from loraplex.kernels.quant import QuantizedWeight, dequantize, from_gguf, q4_from_values, rows
-from loraplex.platform.config import ModelConfig
 from loraplex.platform.models.family import PROJECTION_BLOCKS
+from loraplex.platform.models.model_config import ModelConfig
 
 GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.platform.config import ModelConfig
+from loraplex.platform.models.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,14 @@
-"""Proposes each running request's drafts for the next step (`speculative.py` says what is drafted and when).
+"""Proposes each running request's drafts for the next step (`speculative.py` says what is drafted and when), and
+is the one source of grammar-forced tokens.
 
 The proposers run on the host after a step's update, on the sequences in decode; what they return is
 cut to the request's room (max_tokens, max_model_len) and to what its grammar accepts, and left in
-`Request.spec_token_ids` for the scheduler.
+`Request.spec_token_ids` for the scheduler, which verifies them.
+
+The text a grammar forces next (`GrammarForced`) becomes tokens one of two ways. Drafted (a request in speculative
+decoding): verified like any draft, so the model may pick another tokenization. Otherwise (`--jump-forward`) its
+canonical tokens are drafts accepted as they are proposed: appended after the step's sampled token, they are
+computed with the next step's chunk instead of one forward pass each.
 """
 
 from __future__ import annotations
@@ -10,7 +16,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from loraplex.platform.request import Request
-from loraplex.platform.spec_decode.speculative import DraftState, NgramIndex, SpecCounters, SpeculativeConfig
+from loraplex.platform.config import SpeculativeConfig
+from loraplex.platform.spec_decode.speculative import DraftState, NgramIndex, SpecCounters
 
 
 MAX_SPELLING = 4  # tokens a learned spelling of one forced token may take
@@ -48,6 +55,21 @@ class GrammarForced:
         tokens = [t for token in tokens for t in spelled.get(token, (token,))]
         req.draft_state.forced.append((tokens, len(req.output_token_ids)))
         return tokens[:room]
+
+    def accepted(self, req: Request) -> list[int]:
+        """The forced tokens taken without the model: only a canonical tokenization (the forced text encodes the
+        same alone and after the last token), without its last token, which could merge with what follows (left
+        for the model), within max_tokens and what the matcher takes (a dry run)."""
+        forced = req.grammar.jump_forward_string()
+        if not forced:
+            return []
+        tokens = self.tokenizer.encode(forced, add_special_tokens=False)
+        last = req.output_token_ids[-1]
+        joined = self.tokenizer.encode(self.tokenizer.decode([last]) + forced, add_special_tokens=False)
+        if self.tokenizer.decode(tokens) != forced or joined != [last, *tokens]:
+            return []
+        tokens = tokens[:-1][:req.params.max_tokens - len(req.output_token_ids)]
+        return grammar_prefix(req.grammar, tokens)
 
     def _learn(self, req: Request) -> None:
         """Where the model wrote the text of the first forced token it did not take in several tokens of its own,
@@ -88,27 +110,42 @@ class PromptLookup:
 
 
 class Drafter:
-    def __init__(self, config: SpeculativeConfig, tokenizer, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig | None, tokenizer, max_model_len: int,
+                 jump_forward: bool = True) -> None:
+        """`config`: None without speculative decoding (no drafts to verify; forced tokens still accepted where
+        `jump_forward`)."""
         self.config = config
         self.max_model_len = max_model_len
-        self.proposers: list[Proposer] = [GrammarForced(tokenizer)] if config.grammar_drafts else []
-        if config.method == "ngram":
+        self.forced = GrammarForced(tokenizer)
+        self.jump_forward = jump_forward
+        self.proposers: list[Proposer] = [self.forced] if config is not None and config.grammar_drafts else []
+        if config is not None and config.method == "ngram":
             self.proposers.append(PromptLookup(config.prompt_lookup_min, config.prompt_lookup_max))
         self.step = 0
         self.counters = SpecCounters()
         self.by_adapter: dict[str, SpecCounters] = {}  # an adapter's own requests (a mix: each of its adapters)
+        self.num_jump_forward_tokens = 0  # forced tokens accepted as proposed
 
-    def takes_forced(self, req: Request, batch_size: int) -> bool:
-        """Whether `req`'s grammar-forced tokens are drafted (and so not appended by jump-forward) in a batch of
-        `batch_size` running sequences."""
-        return self.config.grammar_drafts and req.params.speculative and self._drafting(batch_size)
+    def accept_forced(self, req: Request, batch_size: int) -> list[int]:
+        """The forced tokens `req` takes now, without the model, in a batch of `batch_size` running sequences:
+        none where they are drafted and verified instead (`_drafts_forced`)."""
+        if not self.jump_forward or req.grammar is None or self._drafts_forced(req, batch_size):
+            return []
+        tokens = self.forced.accepted(req)
+        self.num_jump_forward_tokens += len(tokens)
+        return tokens
+
+    def _drafts_forced(self, req: Request, batch_size: int) -> bool:
+        return self._drafting(batch_size) and self.config.grammar_drafts and req.params.speculative
 
     def _drafting(self, batch_size: int) -> bool:
-        return batch_size <= self.config.disable_by_batch_size
+        return self.config is not None and batch_size <= self.config.disable_by_batch_size
 
     def propose(self, running: list[Request]) -> None:
         """Set the drafts of every running sequence in decode; a batch wider than `disable_by_batch_size`
         drafts nothing (a wide batch's step costs about its tokens: drafts stop being nearly free)."""
+        if self.config is None:
+            return
         self.step += 1
         drafting = self._drafting(len(running))
         for req in running:  # last step's drafts of a request not scheduled then go: proposed again from here
@@ -142,8 +179,8 @@ class Drafter:
 
 
 def grammar_prefix(grammar, tokens: list[int]) -> list[int]:
-    """The tokens up to the first the grammar rejects (a dry run on the matcher, rolled back): drafts, and
-    jump-forward's forced tokens."""
+    """The tokens up to the first the grammar rejects (a dry run on the matcher, rolled back): drafts, verified or
+    accepted as proposed."""
     accepted = 0
     for token in tokens:
         if grammar.is_terminated() or not grammar.accept_token(token):

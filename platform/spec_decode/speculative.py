@@ -18,59 +18,8 @@ max_tokens and at max_model_len. `Acceptance` adapts each request's k to what it
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass, field, fields
-
-METHODS = ("ngram", "grammar")  # grammar: forced tokens only; ngram: forced tokens, then prompt lookup
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """`--speculative-config` (vLLM's JSON spelling)."""
-
-    method: str = "ngram"
-    num_speculative_tokens: int = 4  # the most drafts a request verifies in one step
-    prompt_lookup_max: int = 4  # the longest n-gram matched
-    prompt_lookup_min: int = 2  # the shortest
-    disable_by_batch_size: int = 4  # more running sequences than this: the step drafts nothing
-    min_acceptance: float = 0.02  # a request's recent acceptance below this pauses its drafts
-    grammar_drafts: bool = True  # a structured request's forced tokens drafted (else jump-forward appends them)
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"speculative method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"speculative {name} must be an integer >= 1, got {value!r}")
-        if self.num_speculative_tokens > 64:
-            raise ValueError(f"speculative num_speculative_tokens must be at most 64, got {self.num_speculative_tokens}")
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(f"speculative prompt_lookup_min ({self.prompt_lookup_min}) must be at most "
-                             f"prompt_lookup_max ({self.prompt_lookup_max})")
-        if not isinstance(self.min_acceptance, (int, float)) or not 0 <= self.min_acceptance < 1:
-            raise ValueError(f"speculative min_acceptance must be in [0, 1), got {self.min_acceptance!r}")
-        if not isinstance(self.grammar_drafts, bool):
-            raise ValueError(f"speculative grammar_drafts must be a boolean, got {self.grammar_drafts!r}")
-
-    @classmethod
-    def parse(cls, text: str | None) -> SpeculativeConfig | None:
-        """The flag's JSON; None: no speculation. Unknown keys are refused by name."""
-        if text is None or text == "":
-            return None
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"speculative_config is not JSON: {exc}") from None
-        if not isinstance(raw, dict):
-            raise ValueError("speculative_config must be a JSON object")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**raw)
-
+from dataclasses import dataclass, field
 
 class NgramIndex:
     """A request's n-grams (n in [lo, hi]) -> the latest place each starts, kept as tokens are appended: every

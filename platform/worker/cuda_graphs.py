@@ -6,7 +6,7 @@ and batches above the largest size run eagerly.
 A graph replays the kernels it recorded on the buffers it recorded, so everything the forward
 pass reads lives in those buffers: token ids, positions, slot mapping and sequence lengths (rows
 of one tensor, filled from one persistent pinned staging buffer in one copy), the int32 block
-tables (max_model_len wide, copied from the runner's `BlockTable`), and each token's adapter slot
+tables (max_model_len wide, copied from the engine's block table), and each token's adapter slot
 (tokens grouped by adapter slot on the device inside the graph, the null slot for tokens without one:
 `LoRABatch.grouped`). Steps with adapter mixes of up to `mix_passes` adapters replay graphs of their own,
 one grouped pass per adapter of a mix with each token's weight (a gather on the device), unused passes
@@ -22,15 +22,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from enum import StrEnum
 
 import numpy as np
 import torch
 
 from loraplex.kernels.paged_attention import PagedAttentionMetadata
-from loraplex.kernels.sgmv import LoRABatch
-from loraplex.platform.core.block_table import BlockTable
+from loraplex.kernels.lora_batch import LoRABatch
 from loraplex.platform.device import NoHostSync
 
 Capture = Callable[[Callable[[], None]], Callable[[], None]]  # forward -> replay
@@ -82,20 +80,6 @@ class FakeCapture:
             forward()
 
         return replay
-
-
-@dataclass
-class DecodeInputs:
-    """One decode step on the host: a token per request."""
-
-    token_ids: list[int]
-    positions: list[int]
-    slots: list[int]  # KV slot of each token
-    table: BlockTable  # the runner's block tables, up to date for this step
-    table_rows: list[int]  # each request's row in it
-    seq_lens: list[int]
-    lora_slots: list[int] | None  # each token's adapter slot (-1: none); None: no adapter in the step
-    mix_passes: list[tuple[list[int], list[float]]] | None = None  # a step with mixes: (slots, weights) per pass
 
 
 class GraphMode(StrEnum):
@@ -177,8 +161,9 @@ class DecodeGraphs:
             return False
         return not with_lora or self.null_slot is not None
 
-    def run(self, step: DecodeInputs) -> torch.Tensor:
-        """The hidden states [n, hidden] of a decode step of n <= the largest size."""
+    def run(self, step) -> torch.Tensor:
+        """The hidden states [n, hidden] of a decode step (a `model_runner.ModelInput`: a token per request) of
+        n <= the largest size."""
         n = len(step.token_ids)
         size = padded_size(self.sizes, n)
         with_lora = step.lora_slots is not None
@@ -186,7 +171,7 @@ class DecodeGraphs:
         staged[:, :n] = (step.token_ids, step.positions, step.slots, step.seq_lens)
         staged[:, n:size] = PADDING
         self.inputs.copy_(self._staging, non_blocking=True)
-        step.table.commit(step.table_rows, self.block_tables)
+        step.table.commit(self.block_tables)
         mode = GraphMode.MIX if step.mix_passes is not None else GraphMode.LORA if with_lora else GraphMode.BASE
         if mode == GraphMode.MIX:
             self._stage_passes(step.mix_passes, n)

@@ -1,17 +1,16 @@
-"""Owns the model and its paged KV cache; turns a SchedulerOutput into one flat batch, runs the
-forward pass and returns the logits of each request whose chunk reaches its last token (and
-the hidden states of prompt positions whose logprobs a request asked for).
+"""A rank's model runner: owns its model (or shard), the LoRA context its layers read and its paged KV cache;
+runs one `ModelInput` (the flat batch the engine built on its host, `platform/core/input_batch.py`) and returns the logits
+of the rows the engine samples and the hidden states of prompt positions whose logprobs a request asked for.
 
-The batch is built on the host from the scheduler's lists, then copied to the engine's device
-(through pinned memory on CUDA, without waiting); the block tables are a persistent int32
-`BlockTable` updated by what changed since the last step. The maxima the kernels need are known on
-the host, so a step reads nothing back from the device but the sampled tokens. Decode batches
-replay a captured CUDA graph (`cuda_graphs.py`) when one is enabled."""
+The same runner runs under one rank or several (`worker.py`): the inputs are copied to the rank's device
+(through pinned memory on CUDA, without waiting); the maxima the kernels need are known on the host, so a step
+reads nothing back from the device but what the engine samples. Decode batches replay a captured CUDA graph
+(`cuda_graphs.py`) when one is enabled."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -19,13 +18,9 @@ from loraplex.adapters.lora_layers import LoRAContext
 from loraplex.kernels import cpu_kernels
 from loraplex.kernels.dispatch import to_device
 from loraplex.kernels.paged_attention import PagedAttentionMetadata
-from loraplex.kernels.sgmv import LoRABatch
-from loraplex.platform.core.block_table import BlockTable
-from loraplex.platform.config import ModelConfig
-from loraplex.platform.worker.cuda_graphs import Capture, DecodeGraphs, DecodeInputs, capture_sizes
-from loraplex.platform.core.kv_cache_manager import KVCacheManager
-from loraplex.platform.request import Request
-from loraplex.platform.core.scheduler import SchedulerOutput
+from loraplex.kernels.lora_batch import LoRABatch
+from loraplex.platform.models.model_config import ModelConfig
+from loraplex.platform.worker.cuda_graphs import Capture, DecodeGraphs, capture_sizes
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -78,185 +73,131 @@ def copy_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:
         kv_cache[:, :, dst].copy_(kv_cache[:, :, src])
 
 
-def forward_batch(model: torch.nn.Module, lora: LoRAContext, kv_caches: list, step, block_tables: torch.Tensor,
-                  block_size: int, lora_slots: list[int] | None,
-                  mix_passes: list[tuple[list[int], list[float]]] | None, device: torch.device) -> torch.Tensor:
-    """One flat batch through the model: `step` is a `StepInputs` (or a tensor-parallel rank's `StepMessage`,
-    which carries the same fields), `block_tables` its rows on the device; each token's adapter from `lora_slots`
-    or, with adapter mixes, the weighted `mix_passes`."""
-    def put(values: list) -> torch.Tensor:
-        return to_device(torch.tensor(values, dtype=torch.long, device="cpu"), device)
+class Table(Protocol):
+    """A step's block-table rows, in batch order: `commit` puts them on the device (into `out`, a graph's buffer
+    as wide as the table, when given) and returns them."""
 
-    meta = PagedAttentionMetadata.build(
-        slot_mapping=put(step.slots), block_tables=block_tables, seq_lens=put(step.seq_lens),
-        query_start_loc=put(step.starts), block_size=block_size, max_query_len=step.max_query_len,
-        max_seq_len=max(step.seq_lens))
-    if mix_passes is not None:
-        batch = LoRABatch.build_passes(mix_passes, device)
-    else:
-        batch = LoRABatch.build(lora_slots, device) if lora_slots is not None else None
-    with lora.mapping(batch=batch):
-        return model(put(step.token_ids), put(step.positions), kv_caches, meta)
+    def commit(self, out: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 @dataclass
-class PromptRows:
-    """Hidden states of prompt positions first..first+len-1: position p predicts prompt token p+1."""
+class TableRows:
+    """In the engine's process: rows of its persistent `BlockTable`, copied to the device in one copy at commit."""
 
-    request: Request
-    hidden: torch.Tensor
-    first: int  # the index of the prompt token the first row predicts
-    slot: int  # the request's adapter slot (-1: none), for an adapter that changes the head
-    head: Callable[[torch.Tensor, list[int] | None], torch.Tensor]  # the runner's compute_logits
+    table: object  # core/block_table.BlockTable
+    rows: list[int]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits of some of these rows, through the request's adapter's head where it has one."""
-        return self.head(hidden, [self.slot] * len(hidden) if self.slot >= 0 else None)
+    def commit(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.table.commit(self.rows, out)
+
+    def detached(self) -> "TableTensor":
+        """The rows as a host tensor of their own, for another process."""
+        return TableTensor(self.commit().cpu().clone())
+
+
+@dataclass
+class TableTensor:
+    """In a worker process: the rows as the engine sent them."""
+
+    rows: torch.Tensor  # [R, width] int32, on the host
+
+    def commit(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            return self.rows
+        return out[:len(self.rows)].copy_(self.rows, non_blocking=True)
+
+
+@dataclass
+class ModelInput:
+    """One step's flat batch on the host, the same for every rank."""
+
+    token_ids: list[int]
+    positions: list[int]
+    slots: list[int]  # each token's KV slot
+    table: Table
+    seq_lens: list[int]
+    starts: list[int]  # query start offsets, one more than requests
+    max_query_len: int
+    last_rows: list[int]  # the rows whose logits the engine samples
+    prompt_rows: list[tuple[int, int]]  # [start, end) of the hidden rows kept for prompt logprobs
+    lora_slots: list[int] | None = None  # each token's adapter slot (-1: none); None: no adapter in the step
+    mix_passes: list[tuple[list[int], list[float]]] | None = None  # with adapter mixes: (slots, weights) per pass
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) before the step
+    slot_changes: list[tuple[int, bytes | None]] = field(default_factory=list)  # a worker's own slots: see worker.py
+
+    @property
+    def row_slots(self) -> list[int] | None:
+        """The adapter slot of each sampled row (for an adapter that changes the head)."""
+        return [self.lora_slots[row] for row in self.last_rows] if self.lora_slots else None
+
+    @property
+    def decode_only(self) -> bool:
+        """One new token per request, each sampled, no prompt logprobs: what a decode graph runs."""
+        return self.max_query_len == 1 and len(self.last_rows) == len(self.seq_lens) and not self.prompt_rows
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, config: ModelConfig, kv: KVCacheManager,
-                 kv_dtype: torch.dtype, lora: LoRAContext, device: torch.device = torch.device("cpu")) -> None:
+    def __init__(self, model: torch.nn.Module, config: ModelConfig, lora: LoRAContext, kv_dtype: torch.dtype,
+                 block_size: int, device: torch.device = torch.device("cpu")) -> None:
         """`lora`: the step's adapter mapping that the model's LoRA layers read (`adapters/lora_layers.py`)."""
-        self.model, self.lora = model, lora
-        self.kv = kv
-        self.device = device
-        self.block_size = kv.block_size
-        self.kv_cache, self.kv_caches = kv_cache_for(config, kv.pool.num_blocks, kv.block_size, kv_dtype, device)
+        self.model, self.config, self.lora = model, config, lora
+        self.kv_dtype, self.block_size, self.device = kv_dtype, block_size, device
+        self.kv_cache: torch.Tensor | None = None
+        self.kv_caches: list = []
         self.graphs: DecodeGraphs | None = None
-        # sized by the first steps (rows and width double as needed) until graphs fix them
-        self.block_table = BlockTable(8, 16, kv.block_size, device)
         if device.type == "cpu":
             cpu_kernels.library()  # build (once per machine) now rather than in the first step
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        self.kv_cache, self.kv_caches = kv_cache_for(self.config, num_blocks, self.block_size, self.kv_dtype,
+                                                     self.device)
 
     def enable_graphs(self, capture: Capture, max_num_seqs: int, max_model_len: int, null_slot: int | None,
                       mix_passes: int = 0) -> None:
         """Capture the decode graphs (every padded size, with and without LoRA when `null_slot`
         is given, and for adapter mixes of up to `mix_passes` adapters); from then on decode steps that
-        fit replay them."""
+        fit replay them. The engine's block table is as wide as a graph's from then on (`InputBatch.fix_width`)."""
         max_blocks = -(-max_model_len // self.block_size)
-        # a graph's table is as wide as max_model_len; the runner's rows are copied into it as they are
-        self.block_table = BlockTable(max_num_seqs, max_blocks, self.block_size, self.device, max_width=max_blocks)
         with torch.inference_mode():  # as the steps that replay them run
             self.graphs = DecodeGraphs(self.model, self.lora, self.kv_caches, capture_sizes(max_num_seqs),
                                        max_blocks, self.block_size, max_model_len, null_slot, capture, mix_passes)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, adapter_slots: dict[str, int] | None = None
-                ) -> tuple[torch.Tensor, list[Request], list[PromptRows]]:
-        """Returns logits [R, vocab] (model dtype: a row per request, and one more per draft it verifies), the
-        requests they belong to, and for requests that asked for prompt logprobs the hidden states of their
-        chunk's prompt positions. `adapter_slots` maps each scheduled request's adapter to its device slot."""
-        copy_blocks(self.kv_cache, sched.block_copies)
-        lora_slots = self._lora_slots(sched, adapter_slots or {})
-        mix_passes = self._mix_passes(sched, adapter_slots or {})
-        step = self._prepare(sched)
+    def execute(self, step: ModelInput) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """The logits of `step.last_rows` [R, vocab] in the model's dtype (None when no row is sampled) and the
+        hidden rows of each `prompt_rows` run."""
+        copy_blocks(self.kv_cache, step.block_copies)
         graphs = self.graphs
         if graphs is not None and step.decode_only \
-                and graphs.fits(len(step.sampled), lora_slots is not None, len(mix_passes or ())) \
-                and not self.lora.changes_embedding(lora_slots):  # no graph holds a table per slot
-            hidden = graphs.run(DecodeInputs(step.token_ids, step.positions, step.slots, self.block_table,
-                                             step.table_rows, step.seq_lens, lora_slots, mix_passes))
-            return self.logits(hidden, lora_slots), step.sampled, []  # one token per request: rows = tokens
-        hidden = self._forward(step, lora_slots, mix_passes)
-        prompt_hidden = [PromptRows(req, hidden[rows], first, lora_slots[rows.start] if lora_slots else -1,
-                                    self.compute_logits) for req, rows, first in step.prompt_rows]
-        if not step.sampled:
-            return hidden.new_empty(0, 0), [], prompt_hidden
+                and graphs.fits(len(step.last_rows), step.lora_slots is not None, len(step.mix_passes or ())) \
+                and not self.lora.changes_embedding(step.lora_slots):  # no graph holds a table per slot
+            return self.logits(graphs.run(step), step.lora_slots), []  # one token per request: rows = tokens
+        hidden = self.forward(step)
+        prompt_hidden = [hidden[start:end] for start, end in step.prompt_rows]
+        if not step.last_rows:
+            return None, prompt_hidden
         last_rows = to_device(torch.tensor(step.last_rows, dtype=torch.long, device="cpu"), self.device)
-        row_slots = [lora_slots[row] for row in step.last_rows] if lora_slots else None
-        return self.logits(hidden[last_rows], row_slots), step.sampled, prompt_hidden
+        return self.logits(hidden[last_rows], step.row_slots), prompt_hidden
+
+    def forward(self, step: ModelInput) -> torch.Tensor:
+        """One flat batch through the model; each token's adapter from `lora_slots` or, with adapter mixes, the
+        weighted `mix_passes`."""
+        def put(values: list) -> torch.Tensor:
+            return to_device(torch.tensor(values, dtype=torch.long, device="cpu"), self.device)
+
+        meta = PagedAttentionMetadata.build(
+            slot_mapping=put(step.slots), block_tables=to_device(step.table.commit(), self.device),
+            seq_lens=put(step.seq_lens), query_start_loc=put(step.starts), block_size=self.block_size,
+            max_query_len=step.max_query_len, max_seq_len=max(step.seq_lens))
+        if step.mix_passes is not None:
+            batch = LoRABatch.build_passes(step.mix_passes, self.device)
+        else:
+            batch = LoRABatch.build(step.lora_slots, self.device) if step.lora_slots is not None else None
+        with self.lora.mapping(batch=batch):
+            return self.model(put(step.token_ids), put(step.positions), self.kv_caches, meta)
 
     def logits(self, hidden: torch.Tensor, slots: list[int] | None) -> torch.Tensor:
         """The model's logits of these rows (model dtype), each through its adapter's head where it changes it
         (`slots`: each row's, -1: none; None: the base head for every row)."""
         with self.lora.mapping(rows=slots):
             return self.model.logits(hidden)
-
-    def compute_logits(self, hidden: torch.Tensor, slots: list[int] | None) -> torch.Tensor:
-        return self.logits(hidden, slots).float()
-
-    @staticmethod
-    def _mix_passes(sched: SchedulerOutput, adapter_slots: dict[str, int]
-                    ) -> list[tuple[list[int], list[float]]] | None:
-        """A step with adapter mixes: K passes (K the largest mix), pass k each new token's k-th (slot, weight)
-        (slot -1: none; a plain adapter's token is in pass 0 at weight 1); None when no request has a mix."""
-        mixes = [req.mix for req, _ in sched.scheduled if req.mix is not None]
-        if not mixes:
-            return None
-        passes = [([], []) for _ in range(max(len(mix.entries) for mix in mixes))]
-        for req, num_new in sched.scheduled:
-            entries = req.mix.entries if req.mix is not None else ((req.adapter, 1.0),) if req.adapter else ()
-            for k, (slots, weights) in enumerate(passes):
-                slot, weight = (adapter_slots[entries[k][0]], entries[k][1]) if k < len(entries) else (-1, 0.0)
-                slots += [slot] * num_new
-                weights += [weight] * num_new
-        return passes
-
-    @staticmethod
-    def _lora_slots(sched: SchedulerOutput, adapter_slots: dict[str, int]) -> list[int] | None:
-        """Each new token's adapter slot (-1: none, and for a mix, whose adapters change no embedding or
-        head: `_mix_passes` holds its slots); None when no request uses an adapter."""
-        if not adapter_slots:
-            return None
-        token_slots: list[int] = []
-        for req, num_new in sched.scheduled:
-            token_slots += [adapter_slots[req.adapter] if req.adapter is not None else -1] * num_new
-        return token_slots
-
-    def _forward(self, step: "StepInputs", lora_slots: list[int] | None,
-                 mix_passes: list[tuple[list[int], list[float]]] | None = None) -> torch.Tensor:
-        return forward_batch(self.model, self.lora, self.kv_caches, step, self.block_table.commit(step.table_rows),
-                             self.block_size, lora_slots, mix_passes, self.device)
-
-    def _prepare(self, sched: SchedulerOutput) -> "StepInputs":
-        bs = self.block_size
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        starts = [0]
-        last_rows: list[int] = []
-        sampled: list[Request] = []
-        prompt_rows: list[tuple[Request, slice, int]] = []
-        for req, num_new in sched.scheduled:
-            begin = req.num_computed_tokens
-            end = begin + num_new
-            blocks = self.kv.req_blocks[req.seq_id]
-            known = min(end, req.num_tokens)
-            token_ids += req.token_slice(begin, known) + req.spec_token_ids[:end - known]  # drafts after the known
-            positions += range(begin, end)
-            slots += [blocks[p // bs].block_id * bs + p % bs for p in range(begin, end)]
-            seq_lens.append(end)
-            starts.append(starts[-1] + num_new)
-            predicting = min(end, len(req.prompt_token_ids) - 1)  # positions that predict a prompt token
-            if req.prompt_logprobs is not None and begin < predicting:
-                prompt_rows.append((req, slice(starts[-2], starts[-2] + predicting - begin), begin + 1))
-            if end == req.num_tokens + len(req.spec_token_ids):  # the chunk completes the known tokens: sample
-                last_rows += range(starts[-1] - 1 - len(req.spec_token_ids), starts[-1])  # a row per draft more
-                sampled.append(req)
-        max_query_len = max(num_new for _, num_new in sched.scheduled)
-        table_rows = self.block_table.update(self.kv.req_blocks, [req for req, _ in sched.scheduled])
-        return StepInputs(token_ids, positions, slots, table_rows, seq_lens, starts, max_query_len, last_rows, sampled,
-                          prompt_rows)
-
-
-@dataclass
-class StepInputs:
-    """One step's flat batch on the host."""
-
-    token_ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    table_rows: list[int]  # each request's row of the runner's BlockTable
-    seq_lens: list[int]
-    starts: list[int]
-    max_query_len: int
-    last_rows: list[int]
-    sampled: list[Request]
-    prompt_rows: list[tuple[Request, slice, int]]
-
-    @property
-    def decode_only(self) -> bool:
-        """One new token per request, each sampled, no prompt logprobs: what a decode graph runs."""
-        return self.max_query_len == 1 and len(self.sampled) == len(self.seq_lens) and not self.prompt_rows

@@ -8,8 +8,8 @@ import torch
 from conftest import forced_kernels
 
 from loraplex.kernels import cpu_kernels
-from loraplex.kernels.sgmv import (LoRABatch, LoRATable, StackedLoRA, sgmv_lora_stacked_reference,
-                                   sgmv_lora_table_torch)
+from loraplex.kernels.lora_batch import LoRABatch
+from loraplex.kernels.sgmv import LoRATable, StackedLoRA, sgmv_lora_stacked_reference, sgmv_lora_table_torch
 
 needs_kernel = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler")
 
@@ -164,8 +164,8 @@ def _run_one_batch(llm: LLM, prompts, adapters) -> list[list[int]]:
         for out in engine.step():
             totals[out.request_id] = accumulate(totals.get(out.request_id), out)
         if first:  # slots by distinct adapters: the mixes' a0 / a1 / a2 fit max_loras=3 together
-            assert len(engine.scheduler.running) == len(prompts)
-            assert engine.scheduler.running_adapters() == {"a0", "a1", "a2"}
+            assert len(engine.core.scheduler.running) == len(prompts)
+            assert engine.core.scheduler.running_adapters() == {"a0", "a1", "a2"}
             first = False
     assert engine.adapters.num_pins() == 0
     assert_all_blocks_free(engine)
@@ -242,11 +242,11 @@ def test_prefix_cache_keys_by_the_mix(mix_llm):
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
 
     def hits(adapter) -> int:
-        before = engine.kv.num_hits
+        before = engine.core.kv.num_hits
         mix_llm.generate([prompt], params, adapter=[adapter])
         assert engine.adapters.num_pins() == 0
         assert_all_blocks_free(engine)
-        return engine.kv.num_hits - before
+        return engine.core.kv.num_hits - before
 
     assert hits([("a0", 0.7), ("a1", 0.3)]) == 0
     assert hits([("a0", 0.7), ("a1", 0.3)]) > 0  # the same mix
@@ -265,9 +265,9 @@ def test_a_mix_waits_for_its_slots_and_shares_the_ones_it_has(tiny_model_dir, mi
     running = []
     while engine.has_unfinished():
         engine.step()
-        names = engine.scheduler.running_adapters()
+        names = engine.core.scheduler.running_adapters()
         assert len(names) <= 2
-        running.append({r.request_id for r in engine.scheduler.running})
+        running.append({r.request_id for r in engine.core.scheduler.running})
     assert running[0] == {"w0", "w2"}
     assert any("w1" in ids for ids in running)
     assert engine.adapters.num_pins() == 0

@@ -12,12 +12,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loraplex.adapters.peft_format import AdapterError, read_peft_adapter, tensor_name
-from loraplex.platform.config import ModelConfig
+from loraplex.platform.models.registry import read_model_config
 
 
 @pytest.fixture(scope="module")
 def config(tiny_model_dir):
-    return ModelConfig.from_folder(tiny_model_dir)
+    return read_model_config(tiny_model_dir)
 
 
 def edited(src, dst, change):

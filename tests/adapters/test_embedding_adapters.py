@@ -13,7 +13,7 @@ from conftest import assert_all_blocks_free, make_peft_adapter, make_tiny_model,
 from loraplex.adapters.peft_format import AdapterError, read_peft_adapter
 from loraplex.adapters.registry import AdapterRegistry
 from loraplex.platform import LLM, SamplingParams
-from loraplex.platform.config import ModelConfig
+from loraplex.platform.models.registry import read_model_config
 
 NEW = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
@@ -152,7 +152,7 @@ def test_unload_frees_the_slots_and_the_memory(bases, folders):
 
 def test_the_byte_budget_counts_full_weights(bases, folders):
     """Two modules_to_save adapters do not fit a budget of one and a half: the older one is evicted."""
-    config = ModelConfig.from_folder(bases["llama"])
+    config = read_model_config(bases["llama"])
     one = read_peft_adapter("m", folders["mts"], config, 16).nbytes
     assert one > 2 * 448 * 64 * 4
     registry = AdapterRegistry(config, max_loras=1, max_lora_rank=16, max_cpu_loras=None, dtype=torch.float32,
@@ -168,7 +168,7 @@ def test_the_byte_budget_counts_full_weights(bases, folders):
 
 def test_without_a_model_a_saved_base_layer_is_kept(bases, folders):
     """A registry no model told its weights (no comparison possible) keeps the copy, as peft would load it."""
-    config = ModelConfig.from_folder(bases["llama"])
+    config = read_model_config(bases["llama"])
     weights = read_peft_adapter("e", folders["emb"], config, 16)
     assert set(weights.replacements) == {"embed_tokens"}
     a_t, b_t = weights.embedding
@@ -191,7 +191,7 @@ def test_without_a_model_a_saved_base_layer_is_kept(bases, folders):
 def test_refusals_name_what_cannot_be_served(bases, folders, tmp_path, changes, reason):
     folder = shutil.copytree(folders["mts"], tmp_path / "bad")
     edit_config(folder, **changes)
-    config = ModelConfig.from_folder(bases["llama"])
+    config = read_model_config(bases["llama"])
     with pytest.raises(AdapterError, match=f"adapter 'bad' .*{reason}"):
         read_peft_adapter("bad", folder, config, 16)
     registry = AdapterRegistry(config, 1, 16, None, torch.float32)
@@ -207,7 +207,7 @@ def test_a_full_weight_for_another_vocabulary_is_refused(bases, folders, tmp_pat
     tensors["base_model.model.lm_head.weight"] = torch.zeros(450, 64)
     save_file(tensors, path, metadata={"format": "pt"})
     with pytest.raises(AdapterError, match="lm_head weight of shape \\(450, 64\\) does not fit"):
-        read_peft_adapter("resized", folder, ModelConfig.from_folder(bases["llama"]), 16)
+        read_peft_adapter("resized", folder, read_model_config(bases["llama"]), 16)
 
 
 class EagerGraphs:
@@ -221,25 +221,20 @@ class EagerGraphs:
         return mix_passes == 0
 
     def run(self, step):
-        from loraplex.platform.worker.model_runner import StepInputs
-
         self.replays += 1
         from loraplex.adapters.lora_layers import VocabAdapters
 
         embed = self.runner.model.embed_tokens
         held, embed.adapters = embed.adapters, VocabAdapters.empty(len(embed.adapters.lora))
         try:
-            n = len(step.token_ids)
-            inputs = StepInputs(step.token_ids, step.positions, step.slots, step.table_rows, step.seq_lens,
-                                list(range(n + 1)), 1, [], [], [])
-            return self.runner._forward(inputs, step.lora_slots)
+            return self.runner.forward(step)
         finally:
             embed.adapters = held
 
 
 def test_decode_graphs_serve_head_adapters_and_leave_embedding_adapters_to_eager_steps(bases, folders):
     llm = llm_for(bases["llama"], {n: folders[n] for n in ("emb", "head", "mts")}, max_loras=3)
-    graphs = llm.engine.runner.graphs = EagerGraphs(llm.engine.runner)
+    graphs = llm.engine.core.executor.worker.runner.graphs = EagerGraphs(llm.engine.core.executor.worker.runner)
     names = ["head", None, "head"]
     assert tokens(llm, PROMPTS[:3], names) == peft_greedy(bases["llama"], [folders.get(n) for n in names],
                                                           PROMPTS[:3], NEW)
@@ -256,7 +251,7 @@ def test_tied_copies_under_ensure_weight_tying_must_agree(bases, tmp_path):
     meaning; equal ones are one table, held once."""
     folder = make_peft_adapter(bases["tied"], tmp_path / "tie", rank=4, seed=25, targets=["q_proj"],
                                modules_to_save=["embed_tokens", "lm_head"], ensure_weight_tying=True)
-    config = ModelConfig.from_folder(bases["tied"])
+    config = read_model_config(bases["tied"])
     path = folder / "adapter_model.safetensors"
     tensors = load_file(path)
     tensors["base_model.model.model.embed_tokens.weight"] += 0.01
@@ -286,7 +281,7 @@ def test_stacked_slots_copy_vocab_weights_to_the_device_once(bases, tmp_path):
 
     folder = perturb(make_peft_adapter(bases["tied"], tmp_path / "emb", rank=4, seed=27, targets=["embed_tokens"]),
                      r"base_layer", 8)
-    config = ModelConfig.from_folder(bases["tied"])
+    config = read_model_config(bases["tied"])
     weights = read_peft_adapter("emb", folder, config, 16)
     slots = LoRASlots(config, 2, torch.float32, torch.device("meta"), max_rank=16)
     slots.load(1, weights)

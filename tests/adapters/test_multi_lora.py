@@ -92,7 +92,7 @@ def test_256_registered_64_in_flight(tiny_model_dir, tmp_path):
     prompts = prompts_for(64)
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=NEW, ignore_eos=True)
     batched = tokens(llm.generate([{"prompt_token_ids": p} for p in prompts], params, adapter=chosen))
-    assert len(llm.engine.scheduler.running) == 0 and llm.engine.adapters.num_slot_loads >= 64
+    assert len(llm.engine.core.scheduler.running) == 0 and llm.engine.adapters.num_slot_loads >= 64
     alone = [tokens(llm.generate([{"prompt_token_ids": p}], params, adapter=a))[0]
              for p, a in list(zip(prompts, chosen))[:12]]
     assert batched[:12] == alone
@@ -121,11 +121,12 @@ def test_more_adapters_than_memory_holds_match_peft_and_the_engine_thread_never_
     from loraplex.adapters import registry as registry_module
     from loraplex.adapters.peft_format import adapter_bytes
     from loraplex.platform.engine.async_engine import AsyncEngine
-    from loraplex.platform.config import EngineConfig, ModelConfig
+    from loraplex.platform.config import EngineConfig
+    from loraplex.platform.models.registry import read_model_config
     from loraplex.platform.engine.llm_engine import Engine
     from loraplex.platform.engine.output_processor import accumulate
 
-    two = 2 * adapter_bytes(ModelConfig.from_folder(tiny_model_dir), 16, torch.float32)
+    two = 2 * adapter_bytes(read_model_config(tiny_model_dir), 16, torch.float32)
     engine = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=128, lora_memory=two,
                                  max_num_seqs=2))
     assert engine.max_loras == 2  # derived from lora_memory

@@ -8,13 +8,13 @@ import torch
 
 from conftest import make_peft_adapter, make_tiny_model
 from loraplex.adapters.peft_format import AdapterError, adapter_bytes, read_peft_adapter
-from loraplex.platform.config import ModelConfig
 from loraplex.platform.models.family import FUSED_PROJECTIONS
+from loraplex.platform.models.registry import read_model_config
 
 
 @pytest.fixture(scope="module")
 def config(tiny_model_dir):
-    return ModelConfig.from_folder(tiny_model_dir)
+    return read_model_config(tiny_model_dir)
 
 
 @pytest.fixture
@@ -127,7 +127,7 @@ def test_wrong_base_model_is_refused(tmp_path, tiny_model_dir):
     other = make_tiny_model(tmp_path / "wide", hidden_size=96, intermediate_size=128)
     adapter = make_peft_adapter(other, tmp_path / "wide-ad", rank=4)
     with pytest.raises(AdapterError, match="do not fit the base model"):
-        read_peft_adapter("wide", adapter, ModelConfig.from_folder(tiny_model_dir), 16)
+        read_peft_adapter("wide", adapter, read_model_config(tiny_model_dir), 16)
 
 
 def test_layers_to_transform_must_cover_the_weights(config, adapter):

@@ -5,12 +5,12 @@ import torch
 
 from loraplex.adapters.peft_format import AdapterError
 from loraplex.adapters.registry import AdapterInUseError, AdapterRegistry, UnknownAdapterError
-from loraplex.platform.config import ModelConfig
+from loraplex.platform.models.registry import read_model_config
 
 
 @pytest.fixture
 def registry(tiny_model_dir):
-    return AdapterRegistry(ModelConfig.from_folder(tiny_model_dir), max_loras=2, max_lora_rank=16,
+    return AdapterRegistry(read_model_config(tiny_model_dir), max_loras=2, max_lora_rank=16,
                            max_cpu_loras=3, dtype=torch.float32)
 
 
@@ -66,7 +66,7 @@ def test_slots_are_reused_lru_and_point_at_the_cached_weights(registry, tiny_ada
 
 
 def test_cpu_cache_is_bounded_by_bytes_and_evicted_slots_let_go(tiny_model_dir, tiny_adapters):
-    config = ModelConfig.from_folder(tiny_model_dir)
+    config = read_model_config(tiny_model_dir)
     one = AdapterRegistry(config, 2, 16, None, torch.float32)
     one.load("a0", str(tiny_adapters[0]))  # rank 16
     size = one.memory()[1]
@@ -121,7 +121,7 @@ def test_a_stacked_slot_outlives_its_cpu_copy(tiny_model_dir, tiny_adapters):
     """GPU layout: a slot is the adapter's own device copy. Dropping the CPU copy (the cache over its budget once
     the adapter's requests end) used to empty the slot too, a scalar write per table for every finished request
     and a reload from disk for its next one (the H200 check: 64 distinct adapters at 0.3x the base)."""
-    registry = AdapterRegistry(ModelConfig.from_folder(tiny_model_dir), max_loras=2, max_lora_rank=16,
+    registry = AdapterRegistry(read_model_config(tiny_model_dir), max_loras=2, max_lora_rank=16,
                                max_cpu_loras=2, dtype=torch.float32, stacked=True)
     for i in range(2):
         registry.load(f"a{i}", str(tiny_adapters[i]))

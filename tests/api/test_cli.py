@@ -41,7 +41,7 @@ def test_every_engine_setting_is_a_serve_flag():
     from dataclasses import fields
 
     from loraplex.api.cli import build_parser
-    from loraplex.api.serve import engine_config
+    from loraplex.api.launch import engine_config
     from loraplex.platform.config import EngineConfig
 
     given = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 7, "max_num_batched_tokens": 99,

@@ -3,9 +3,12 @@ compiles that cannot starve the server."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -70,24 +73,81 @@ def hostile(tiny_model_dir):
     live.stop()
 
 
+def plain_latency(live, plain) -> float:
+    return statistics.median(chat_latency(live, plain) for _ in range(5))
+
+
+def compile_processes(pool) -> dict[int, int]:
+    """pid -> CPU priority (nice) of the processes the pool's zygote has forked and that still exist, as the
+    OS lists them (a killed compile left running would be among them)."""
+    zygote, found = pool._zygote.proc.pid, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == zygote:  # its parent
+                found[int(stat.parent.name)] = os.getpriority(os.PRIO_PROCESS, int(stat.parent.name))
+        except (OSError, IndexError):
+            continue  # ended meanwhile
+    return found
+
+
+def pool_workers(pool) -> set[int]:
+    return {w.pid for w in pool._procs.values() if w is not None}
+
+
+def eight_slow_compiles(live, plain, letters: str):
+    """Eight hostile specs sent at once; meanwhile the median latency of plain requests, the compile processes,
+    and whether the plain requests ran while compiles still did. Then the eight answers."""
+    with ThreadPoolExecutor(8) as threads:
+        slow = [threads.submit(http, live, CHAT, body(with_field(pattern=f"^[^{c}]{{1,3000}}$")), None)
+                for c in letters]
+        time.sleep(0.5)  # the eight are compiling (not asserted: a late start would only flatter `busy`)
+        processes = compile_processes(live.engine.grammars.pool)
+        busy = plain_latency(live, plain)
+        overlapped = not all(result.done() for result in slow)
+        return busy, processes, overlapped, [result.result() for result in slow]
+
+
+@contextlib.contextmanager
+def compile_timeout(live, seconds: float):
+    """The server's compile timeout for the specs sent meanwhile (a worker reads it as it takes a job)."""
+    grammars = live.engine.grammars
+    before, grammars.timeout_s = grammars.timeout_s, seconds
+    try:
+        yield
+    finally:
+        grammars.timeout_s = before
+
+
 def test_slow_compiles_are_killed_and_starve_no_one(hostile):
+    """Killed: counted by the pool, and no compile process outlives its kill. No one starved: the compile
+    processes are at most `workers`, at a lower CPU priority than the server, and plain requests served
+    while they burn are within 5x of the same requests on the idle server just before (a ratio against
+    that control, never seconds; one retry on a noisy machine). Only the hostile specs are held to the
+    fixture's 2 s: an ordinary spec gets 60 s, a safety net (a niced worker on a loaded machine is slow)."""
     plain = {"model": "tiny", "messages": MSG, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     ordinary = body({**STRING_FIELD, "properties": {"s": {"type": "string", "maxLength": 4}}})
-    chat_latency(hostile, ordinary)  # a warm worker and server
-    idle = statistics.median(chat_latency(hostile, plain) for _ in range(5))
+    with compile_timeout(hostile, 60.0):
+        chat_latency(hostile, ordinary)  # a warm worker and server
     pool = hostile.engine.grammars.pool
-    with ThreadPoolExecutor(9) as threads:
-        slow = [threads.submit(http, hostile, CHAT, body(with_field(pattern=f"^[^{c}]{{1,3000}}$")), None)
-                for c in "abcdefgh"]
-        time.sleep(0.5)  # the eight are compiling
-        busy = statistics.median(chat_latency(hostile, plain) for _ in range(5))
-        other = threads.submit(chat_latency, hostile, body({**STRING_FIELD, "required": []}))
-        for result in slow:
-            assert_error(result.result(), 400, "took longer than 2s to compile")
-        assert other.result() < 30  # an ordinary schema compiles meanwhile (behind the eight: a few timeouts)
-    after = statistics.median(chat_latency(hostile, plain) for _ in range(5))  # nothing left burning
-    assert busy <= 2 * idle + 0.05 and after <= 2 * idle + 0.05, (busy, after, idle)
-    assert pool.num_killed >= 8 and len(pool._slots) <= pool.workers
+    killed, priority = pool.num_killed, os.getpriority(os.PRIO_PROCESS, 0)
+    for attempt, letters in enumerate(("abcdefgh", "ijklmnop")):
+        idle = plain_latency(hostile, plain)
+        busy, processes, overlapped, answers = eight_slow_compiles(hostile, plain, letters)
+        for answer in answers:
+            assert_error(answer, 400, "took longer than 2s to compile")
+        assert 0 < len(processes) <= pool.workers, processes  # never the eight at once
+        assert all(nice > priority for nice in processes.values()), (processes, priority)
+        starved = not overlapped or busy > 5 * idle
+        if not starved:
+            break
+    assert not starved, (busy, idle, overlapped)
+    assert pool.num_killed - killed >= 8 * (attempt + 1) and len(pool._slots) <= pool.workers
+    left = compile_processes(pool)  # nothing left burning: no process but the pool's current workers
+    assert set(left) <= pool_workers(pool) and len(left) <= pool.workers, (left, pool_workers(pool))
+    with compile_timeout(hostile, 60.0):  # a new ordinary schema compiles on the refilled pool
+        other = http(hostile, CHAT, body({**STRING_FIELD, "required": []}), key=None)
+    assert other[0] == 200, other
     assert http(hostile, "/health", key=None)[0] == 200
 
 

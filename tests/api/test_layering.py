@@ -23,7 +23,8 @@ def lint_imports(config: Path, cwd: Path = REPO) -> subprocess.CompletedProcess:
 def test_the_layer_contracts_hold():
     run = lint_imports(REPO / ".importlinter")
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert "5 kept, 0 broken" in run.stdout
+    contracts = (REPO / ".importlinter").read_text().count("[importlinter:contract:")
+    assert f"{contracts} kept, 0 broken" in run.stdout
 
 
 @pytest.mark.parametrize("module,line,named", [

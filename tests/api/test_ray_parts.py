@@ -175,9 +175,9 @@ def test_an_evicted_adapter_is_unloaded_once_its_requests_end(tiny_model_dir, ti
 
     from loraplex.adapters.registry import AdapterRegistry
     from loraplex.api.cluster.replica import EngineReplica, _Held
-    from loraplex.platform.config import ModelConfig
+    from loraplex.platform.models.registry import read_model_config
 
-    registry = AdapterRegistry(ModelConfig.from_folder(tiny_model_dir), 2, 16, None, torch.float32)
+    registry = AdapterRegistry(read_model_config(tiny_model_dir), 2, 16, None, torch.float32)
     for name, path in zip("abc", tiny_adapters):
         registry.load(name, str(path))
 

@@ -214,9 +214,9 @@ def test_tensor_parallel_serve_answers_with_adapters_and_stops_its_workers(defau
     """`--tensor-parallel-size 2`: the same answers as one process, an adapter loaded through the admin API on
     every rank, and SIGTERM ending the server and its worker processes."""
     from loraplex.platform import LLM, SamplingParams
-    from loraplex.platform.config import ModelConfig
+    from loraplex.platform.models.registry import read_model_config
 
-    adapter = write_random_adapter(tmp_path / "tp", ModelConfig.from_folder(default_model_dir), seed=1, rank=8)
+    adapter = write_random_adapter(tmp_path / "tp", read_model_config(default_model_dir), seed=1, rank=8)
     prompt = "The three primary colors are"
     with serving(default_model_dir, "--dtype", "float32", "--tensor-parallel-size", "2", "--shutdown-timeout", "1",
                  "--adapter-root", str(tmp_path), env={"LORAPLEX_ADMIN_API_KEY": ADMIN}) as (url, proc):

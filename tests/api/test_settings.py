@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from loraplex.api.cli import build_parser
 from loraplex.api.flags import values
-from loraplex.api.serve import server_config
+from loraplex.api.launch import server_config
 from loraplex.api.settings import ClusterConfig, ServerConfig
 
 

@@ -261,10 +261,9 @@ def _bodies() -> set:
     from fastapi.routing import APIRoute
 
     found = set()
-    for info in pkgutil.iter_modules(api.__path__):
-        if info.name.startswith("routes_"):
-            routes = [r for r in importlib.import_module(f"loraplex.api.{info.name}").router.routes
-                      if isinstance(r, APIRoute)]
+    for info in pkgutil.walk_packages(api.__path__, "loraplex.api."):
+        if info.name.rpartition(".")[2].startswith("routes_"):
+            routes = [r for r in importlib.import_module(info.name).router.routes if isinstance(r, APIRoute)]
             found |= {p.field_info.annotation for r in routes for p in r.dependant.body_params}
     todo = list(found)
     while todo:

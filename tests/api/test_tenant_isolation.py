@@ -97,24 +97,42 @@ def _hits(server) -> int:
     return server.engine.stats().prefix_cache_hits
 
 
+def _first_token_into(seconds: list[float], server, key: str, prompt: list[int]) -> int:
+    """Appends the seconds to the first token to `seconds`; back: the prompt tokens the engine computed for it
+    (looked up in the prefix cache and not found there: the prefill's work, which a busy machine does not
+    change)."""
+    before = server.engine.stats()
+    seconds.append(_first_token_s(server, key, prompt))
+    after = server.engine.stats()
+    looked_up = after.prefix_cache_queries - before.prefix_cache_queries
+    return looked_up - (after.prefix_cache_hits - before.prefix_cache_hits)
+
+
 def test_another_tenants_cached_prompt_is_no_sooner_than_a_fresh_one(prefill_bound):
     """acme's prompts are cached for acme: globex sending the same prompt finds no block of it (the hit counter
-    stays) and waits as long as for a prompt nobody sent; acme itself still gets its hit; initech and hooli share
-    a group and so share their prompts."""
+    stays), so its prefill computes every token, as for a prompt nobody sent, and it waits as long; acme itself
+    still gets its hit; initech and hooli share a group and so share their prompts. The work is counted; the
+    waits are compared with the fresh prompts' timed alongside (5x margins, one retry), never with seconds."""
     rng = random.Random(0)
     _first_token_s(prefill_bound, ACME, _fresh_prompt(rng))  # warm-up: the first call pays one-off costs
-    fresh, crossed, own = [], [], []
-    for _ in range(5):
-        secret = _fresh_prompt(rng)
-        _first_token_s(prefill_bound, ACME, secret)
-        hits = _hits(prefill_bound)
-        crossed.append(_first_token_s(prefill_bound, GLOBEX, secret))
-        assert _hits(prefill_bound) == hits  # not one block of acme's prompt
-        fresh.append(_first_token_s(prefill_bound, GLOBEX, _fresh_prompt(rng)))
-        own.append(_first_token_s(prefill_bound, ACME, secret))
-        assert _hits(prefill_bound) >= hits + PROMPT_LEN - 16  # acme's own repeat hits its cache
-    assert statistics.median(crossed) >= 0.5 * statistics.median(fresh), (crossed, fresh)  # a hit: ~0.1x
-    assert statistics.median(own) <= 0.5 * statistics.median(fresh), (own, fresh)  # a hit is visible here
+    for _attempt in range(2):
+        fresh, crossed, own = [], [], []
+        for _ in range(5):
+            secret = _fresh_prompt(rng)
+            _first_token_s(prefill_bound, ACME, secret)
+            hits = _hits(prefill_bound)
+            crossed_work = _first_token_into(crossed, prefill_bound, GLOBEX, secret)
+            assert _hits(prefill_bound) == hits  # not one block of acme's prompt
+            fresh_work = _first_token_into(fresh, prefill_bound, GLOBEX, _fresh_prompt(rng))
+            own_work = _first_token_into(own, prefill_bound, ACME, secret)
+            assert _hits(prefill_bound) >= hits + PROMPT_LEN - 16  # acme's own repeat hits its cache
+            assert crossed_work == fresh_work >= PROMPT_LEN - 16, (crossed_work, fresh_work)  # the whole prefill
+            assert own_work <= 16, own_work  # the last partial block at most
+        crossed_s, fresh_s, own_s = map(statistics.median, (crossed, fresh, own))
+        if crossed_s >= 0.2 * fresh_s and own_s <= 0.5 * fresh_s:
+            break
+    assert crossed_s >= 0.2 * fresh_s, (crossed, fresh)  # a hit: ~0.1x
+    assert own_s <= 0.5 * fresh_s, (own, fresh)  # a hit is visible here
     shared = _fresh_prompt(rng)
     _first_token_s(prefill_bound, INITECH, shared)
     hits = _hits(prefill_bound)

@@ -163,7 +163,7 @@ def test_a_flood_cannot_hold_another_tenant_back(tenanted):
         for t in flood:
             t.start()
         deadline = time.monotonic() + 60
-        scheduler = tenanted.engine.scheduler
+        scheduler = tenanted.engine.core.scheduler
         while time.monotonic() < deadline:  # the whole flood in the engine: every seat held, the rest waiting
             running, waiting = len(scheduler.running), len(scheduler.waiting)
             if running == 8 and running + waiting >= 40:
@@ -171,7 +171,7 @@ def test_a_flood_cannot_hold_another_tenant_back(tenanted):
             time.sleep(0.01)
         assert (running, running + waiting >= 40) == (8, True), (running, waiting)
         during = _steps_each(tenanted, counter, INITECH, 8)
-        still_flooding = len(tenanted.engine.scheduler.waiting) > 0
+        still_flooding = len(tenanted.engine.core.scheduler.waiting) > 0
         for t in flood:
             t.join(300)
     finally:

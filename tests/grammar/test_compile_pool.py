@@ -3,7 +3,6 @@ its process and the pool refills; a spec already compiling is compiled once for 
 workers run at a lower CPU priority, without torch under llguidance, and end with the pool."""
 
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -52,14 +51,13 @@ def test_a_compile_past_its_timeout_is_killed_and_the_pool_refills(xgrammar):
     """Only the hostile compile is held to 1 s: on a loaded machine the niced workers may take longer than that over
     an ordinary spec (a fresh worker's first compile), which is not what this test is about."""
     assert xgrammar.compile(StructuredOutputs(regex="x+")).backend == "xgrammar"  # the workers are up
-    before = pids(xgrammar)
+    before, compiles = pids(xgrammar), xgrammar.pool.num_compiles
     xgrammar.timeout_s = 1.0
-    start = time.monotonic()
     with pytest.raises(GrammarError, match="json took longer than 1s to compile"):
         xgrammar.compile(StructuredOutputs(json=HOSTILE))
-    assert time.monotonic() - start < 5
     xgrammar.timeout_s = 60.0
-    assert xgrammar.pool.num_killed == 1
+    # ended by the timeout's kill, not by the compile finishing (it runs for tens of seconds): counted, not timed
+    assert xgrammar.pool.num_killed == 1 and xgrammar.pool.num_compiles == compiles + 1
     killed = before - pids(xgrammar)
     assert len(killed) == 1 and not any(alive(pid) for pid in killed)  # gone, not abandoned
     assert len(pids(xgrammar)) == 2  # its replacement

@@ -132,7 +132,8 @@ def test_choices_outside_the_basic_plane_can_be_generated(default_model_dir):
 def test_a_compile_past_its_timeout_frees_its_worker(tiny_model_dir, monkeypatch):
     """Slow specs time out and go on compiling in the background; a trivial spec right after
     compiles at once (a shared two-thread pool stayed wedged), and the number of compiles
-    running at once is bounded."""
+    running at once is bounded. "At once" is shown by order, not by seconds: the trivial
+    compile runs while all three slow ones are still held inside the backend."""
     import threading
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -140,23 +141,47 @@ def test_a_compile_past_its_timeout_frees_its_worker(tiny_model_dir, monkeypatch
                              timeout_s=0.3, max_compiles=4)
     backend = manager._get("xgrammar")
     real = backend.compile
-    release = threading.Event()
-    monkeypatch.setattr(backend, "compile",
-                        lambda spec: (release.wait(30), real(spec))[1] if spec.kind == "regex" else real(spec))
+    release, changed = threading.Event(), threading.Condition()
+    held, finished, held_when_others_ran = [0], [0], []
+
+    def compile_spy(spec):
+        if spec.kind != "regex":
+            with changed:
+                held_when_others_ran.append(held[0])
+            return real(spec)
+        with changed:
+            held[0] += 1
+            changed.notify_all()
+        try:
+            release.wait(60)  # a safety net: the test releases them
+            return real(spec)
+        finally:
+            with changed:
+                held[0] -= 1
+                finished[0] += 1
+                changed.notify_all()
+
+    monkeypatch.setattr(backend, "compile", compile_spy)
     try:
         for i in range(3):
             with pytest.raises(GrammarError, match="took longer than"):
                 manager.compile(StructuredOutputs(regex=f"slow{i}"))
-        start = time.perf_counter()
-        manager.compile(StructuredOutputs(choice=["yes", "no"]))
-        assert time.perf_counter() - start < 1.0
+        with changed:  # all three are inside the backend, each holding its thread (safety net: 30 s)
+            assert changed.wait_for(lambda: held[0] == 3, timeout=30), held
+        manager.timeout_s = 60.0  # a safety net only: the order below shows that it ran at once
+        assert manager.compile(StructuredOutputs(choice=["yes", "no"])).backend == "xgrammar"
+        assert held_when_others_ran == [3]  # it compiled while the three slow compiles still held theirs
+        manager.timeout_s = 0.3
         with pytest.raises(GrammarError, match="took longer"):
             manager.compile(StructuredOutputs(regex="slow3"))
         with pytest.raises(GrammarError, match="already running"):  # 4 abandoned compiles: the bound
             manager.compile(StructuredOutputs(choice=["a"]))
+        assert held_when_others_ran == [3]  # the refused spec never reached the backend
     finally:
         release.set()
-    for _ in range(100):  # the abandoned compiles finish and give their places back
+    with changed:  # the abandoned compiles finish (safety net: 60 s) ...
+        assert changed.wait_for(lambda: finished[0] == 4, timeout=60), finished
+    for _ in range(600):  # ... and give their places back (a safety net of 30 s: it takes a moment)
         try:
             manager.compile(StructuredOutputs(choice=["later"]))
             break

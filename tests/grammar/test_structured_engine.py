@@ -29,7 +29,7 @@ def test_n_preemption_and_mixed_batch(tiny_model_dir):
     params = [structured(1, n=3, json=SCHEMA), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
               structured(2, regex=r"(ab|cd){2,3}!"), structured(3, choice=["alpha", "beta"])]
     outs = llm.generate(prompts, params)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0
     for c in outs[0].outputs:
         assert c.finish_reason == "stop"
         jsonschema.validate(json.loads(c.text), SCHEMA)
@@ -170,7 +170,7 @@ def test_jump_forward_appends_forced_tokens_and_output_stays_valid(tiny_model_di
         assert len(totals) == 4 and all(t.finished for t in totals.values())
         for out in totals.values():
             jsonschema.validate(json.loads(out.outputs[0].text), schema)
-        results[jump] = (steps, llm.engine.num_jump_forward_tokens)
+        results[jump] = (steps, llm.engine.core.drafter.num_jump_forward_tokens)
         assert_all_blocks_free(llm.engine)
     assert results[False][1] == 0 and results[True][1] > 0
     assert results[True][0] < results[False][0]  # fewer forward passes for the same outputs' shape

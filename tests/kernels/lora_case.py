@@ -3,7 +3,8 @@ read) and the same adapters as a `LoRATable` (what the CPU path reads in place).
 
 import torch
 
-from loraplex.kernels.sgmv import LoRABatch, LoRATable, sgmv_expand_reference, sgmv_shrink_reference
+from loraplex.kernels.lora_batch import LoRABatch
+from loraplex.kernels.sgmv import LoRATable, sgmv_expand_reference, sgmv_shrink_reference
 
 
 def lora_case(seed, num_tokens, num_slots, max_rank, in_features, widths, dtype=torch.float32, none_frac=0.2,

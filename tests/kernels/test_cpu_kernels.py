@@ -156,7 +156,7 @@ def test_c_sgmv_matches_reference(seed, tokens, slots, max_rank, widths, dtype, 
     """The C kernel reads each adapter in place, in its own rank, in float32 and bfloat16."""
     from lora_case import lora_case, reference, table_from_stacked
 
-    from loraplex.kernels.sgmv import LoRABatch
+    from loraplex.kernels.lora_batch import LoRABatch
 
     s, ranks, x, a, b, scales, offsets = lora_case(seed, tokens, slots, max_rank, 64, widths, dtype,
                                                    min_rank=0 if seed == 4 else 1)
@@ -180,7 +180,7 @@ def test_bf16_adapters_under_float32_activations(c_kernel, monkeypatch):
     PyTorch path widen the weights, so the result is the float32 one on the same (bf16) values."""
     from lora_case import lora_case, reference, table_from_stacked
 
-    from loraplex.kernels.sgmv import LoRABatch
+    from loraplex.kernels.lora_batch import LoRABatch
 
     s, ranks, x, a, b, scales, offsets = lora_case(0, 16, 16, 16, 64, [96, 32, 32], torch.float32)
     a, b = a.bfloat16().float(), b.bfloat16().float()  # the values bf16 holds exactly
@@ -209,7 +209,7 @@ def test_c_sgmv_takes_an_adapters_tokens_together_in_any_group_size(dtype, weigh
     slices starting at odd offsets."""
     from lora_case import lora_case, reference, table_from_stacked
 
-    from loraplex.kernels.sgmv import LoRABatch
+    from loraplex.kernels.lora_batch import LoRABatch
 
     _, ranks, x, a, b, scales, offsets = lora_case(5, 15, 5, 5, in_features, widths, dtype,
                                                    rank_choices=[5, 3, 1, 4, 5])
@@ -228,7 +228,8 @@ def test_c_sgmv_takes_an_adapters_tokens_together_in_any_group_size(dtype, weigh
 @needs_kernel
 def test_c_sgmv_bf16_rounds_to_nearest_even_like_torch():
     """One token, one rank-1 adapter with unit weights: the kernel's only error is the final rounding."""
-    from loraplex.kernels.sgmv import LoRABatch, LoRATable
+    from loraplex.kernels.lora_batch import LoRABatch
+    from loraplex.kernels.sgmv import LoRATable
 
     y0 = torch.tensor([[1.0, 1.0, -3.0, 256.0]], dtype=torch.bfloat16)
     deltas = torch.tensor([2 ** -8, 3 * 2 ** -8, 2 ** -20, 1.0])  # ties, above a tie, tiny, exact
@@ -248,7 +249,7 @@ def test_c_sgmv_is_skipped_for_long_segments_and_non_contiguous_outputs(dtype, s
     refuses (the kernel would write wrong rows), never a silent fallback."""
     from lora_case import lora_case, table_from_stacked
 
-    from loraplex.kernels.sgmv import LoRABatch
+    from loraplex.kernels.lora_batch import LoRABatch
 
     calls = []
     kernel = cpu_kernels.sgmv_lora_table_c

@@ -60,7 +60,7 @@ def test_verified_drafts_on_triton_give_the_tokens_of_plain_decoding(tiny_model_
                       lora_modules={"a0": str(tiny_adapters[0])})
         results[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, adapter=[None, "a0"])]
     assert results["triton"] == results["torch"]
-    counters = llm.engine.drafter.counters
+    counters = llm.engine.core.drafter.counters
     assert counters.num_draft_tokens >= 8 and counters.num_accepted_tokens > 0
 
 
@@ -78,5 +78,5 @@ def test_deterministic_mode_on_triton_runs_the_invariant_kernels(tiny_model_dir,
             llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_loras=1, max_num_batched_tokens=8,
                       deterministic=backend == "triton", lora_modules={"a0": str(tiny_adapters[0])})
         results[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, adapter=["a0", None])]
-    assert isinstance(llm.engine.model.layers[0].mlp.down_proj.method, InvariantLinear)
+    assert isinstance(llm.engine.core.executor.worker.model.layers[0].mlp.down_proj.method, InvariantLinear)
     assert results["triton"] == results["torch"]

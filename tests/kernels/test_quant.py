@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from loraplex.kernels import autotune, cpu_kernels, quant
-from loraplex.kernels.dispatch import CpuCaps
+from loraplex.kernels.cpu_kernels import CpuCaps
 from loraplex.kernels.quant import (concat, dequantize, from_gguf, quantize, quantized_matmul, reference_matmul,
                                     rows)
 
@@ -237,7 +237,7 @@ def test_tile_order_gives_the_numbers_of_the_kernels_by_rows(tokens, dtype, scal
     tiles = quant.pack_tiles(w)
     assert tiles.d.dtype == scales
     x = torch.randn(tokens, 576, generator=gen).to(dtype)
-    table = autotune.resolve(CAPS.native_bf16, CAPS.dpbf16, CAPS.amx)
+    table = autotune.resolve(CAPS.native_bf16, CAPS.dpbf16, CAPS.amx, kernel_seconds=quant.kernel_seconds)
     got = quantized_matmul(x, tiles, table)
     assert got.dtype == dtype
     if tokens < table.amx_tile_order_tokens[1]:
@@ -254,7 +254,8 @@ def test_tile_order_gives_the_numbers_of_the_kernels_by_rows(tokens, dtype, scal
 def test_bf16_activations_come_back_in_bf16(tokens):
     """A bf16 model's activations: each path (int8 at 1 token, the float kernel or a bf16 one at 8, the
     dense GEMM at 40) returns bf16, within a bf16 rounding of the float32 answer."""
-    table = dataclasses.replace(autotune.resolve(CAPS.native_bf16, CAPS.dpbf16, CAPS.amx), dense_tokens_f32=32,
+    table = dataclasses.replace(autotune.resolve(CAPS.native_bf16, CAPS.dpbf16, CAPS.amx,
+                                                 kernel_seconds=quant.kernel_seconds), dense_tokens_f32=32,
                                 dense_tokens_bf16=32)
     gen = torch.Generator().manual_seed(tokens)
     w = quantize(torch.randn(48, 256, generator=gen) * 0.05, "q4")

@@ -8,7 +8,8 @@ from kernel_case import configured
 from lora_case import lora_case
 
 from loraplex.kernels import dispatch
-from loraplex.kernels.sgmv import LoRABatch, sgmv_expand, sgmv_shrink
+from loraplex.kernels.lora_batch import LoRABatch
+from loraplex.kernels.sgmv import sgmv_expand, sgmv_shrink
 from compile_case import RecordGrid
 
 pytest.importorskip("triton")

@@ -182,4 +182,4 @@ def test_engine_steps_never_rebuild_tables_from_the_lists(tiny_model_dir, monkey
               SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=12, ignore_eos=True)]
     outs = llm.generate(prompts, [params[i % 2] for i in range(4)])
     assert all(len(c.token_ids) == 12 for o in outs for c in o.outputs)
-    assert calls == [] and llm.engine.runner.block_table.host.dtype == torch.int32
+    assert calls == [] and llm.engine.core.batch.block_table.host.dtype == torch.int32

@@ -13,7 +13,8 @@ from loraplex.platform import LLM, SamplingParams
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from loraplex.platform.core.block_table import BlockTable
-from loraplex.platform.worker.cuda_graphs import DecodeGraphs, DecodeInputs, FakeCapture, GraphMode, capture_sizes, padded_size
+from loraplex.platform.worker.cuda_graphs import DecodeGraphs, FakeCapture, GraphMode, capture_sizes, padded_size
+from loraplex.platform.worker.model_runner import ModelInput, TableRows
 from loraplex.platform.device import HostSyncError, NoHostSync
 from loraplex.platform.core.kv_cache_manager import KVCacheManager
 from loraplex.platform.request import Request
@@ -57,9 +58,9 @@ def test_decode_graphs_give_the_eager_tokens(tiny_model_dir, tiny_adapters):
         eager = {n: _generate(llm, prompts[:n], names[:n]) for n in (1, 3, 5)}
         base_only = _generate(llm, prompts[:2], [None, None])
         capture = FakeCapture()
-        runner = llm.engine.runner
-        runner.enable_graphs(capture, 8, llm.engine.max_model_len, llm.engine.adapters.slots.null_slot)
-        assert capture.captured == 2 * len(capture_sizes(8))  # with and without LoRA
+        llm.engine.core.enable_graphs(capture)  # max_num_seqs 8, the adapters' null slot
+        runner = llm.engine.core.executor.worker.runner
+        assert capture.captured == 3 * len(capture_sizes(8))  # base, LoRA and mixes of two, as the engine captures
         graphed = {n: _generate(llm, prompts[:n], names[:n]) for n in (1, 3, 5)}
         assert _generate(llm, prompts[:2], [None, None]) == base_only
     assert graphed == eager
@@ -87,8 +88,8 @@ def test_adapter_mixes_replay_graphs_of_their_own(tiny_model_dir, tiny_adapters)
                   lora_modules={f"a{i}": str(tiny_adapters[i]) for i in range(2)})
         eager = [o.outputs[0].token_ids for o in llm.generate(prompts, params, adapter=mixes)]
         capture = FakeCapture()
-        runner = llm.engine.runner
-        runner.enable_graphs(capture, 2, llm.engine.max_model_len, llm.engine.adapters.slots.null_slot, 2)
+        llm.engine.core.enable_graphs(capture)  # max_num_seqs 2, mixes of up to two adapters
+        runner = llm.engine.core.executor.worker.runner
         assert capture.captured == 3 * len(capture_sizes(2))  # base, LoRA, mixes
         graphed = [o.outputs[0].token_ids for o in llm.generate(prompts, params, adapter=mixes)]
     assert graphed == eager
@@ -136,8 +137,9 @@ def test_a_graph_step_copies_each_input_once_from_persistent_buffers():
     model = _StubModel()
     graphs = DecodeGraphs(model, LoRAContext(), [], capture_sizes(8), 10, 4, 40, None, lambda forward: forward)
     rows = table.update(kv.req_blocks, requests)
-    step = DecodeInputs([1, 2, 3], [r.num_tokens - 1 for r in requests], [5, 6, 7], table, rows,
-                        [r.num_tokens for r in requests], None)
+    lens = [r.num_tokens for r in requests]
+    step = ModelInput([1, 2, 3], [n - 1 for n in lens], [5, 6, 7], TableRows(table, rows), lens, [0, 1, 2, 3], 1,
+                      [0, 1, 2], [])
     model.seen.clear()
     with _StepOps() as recorded:
         graphs.run(step)

@@ -31,7 +31,7 @@ def test_device_setting(tiny_model_dir):
         with pytest.raises(ValueError, match="make setup-gpu"):
             LLM(str(tiny_model_dir), device="cuda")
     llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32", num_kv_blocks=16)
-    assert llm.engine.runner.kv_cache.device.type == "cpu" and llm.engine.runner.graphs is None
+    assert llm.engine.core.executor.worker.runner.kv_cache.device.type == "cpu" and llm.engine.core.executor.worker.runner.graphs is None
 
 
 def test_kv_blocks_from_device_memory():
@@ -48,8 +48,8 @@ def test_profiling_pass_runs_the_largest_step(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32", num_kv_blocks=16)
     engine = llm.engine
     # max_num_batched_tokens above max_model_len: several sequences, as the scheduler could build
-    profile_step(engine.model, engine.model_config, torch.float32, 16, 1200, 512, 64, engine.device)
-    profile_step(engine.model, engine.model_config, torch.float32, 16, 100, 512, 8, engine.device)
+    profile_step(engine.core.executor.worker.model, engine.model_config, torch.float32, 16, 1200, 512, 64, engine.device)
+    profile_step(engine.core.executor.worker.model, engine.model_config, torch.float32, 16, 100, 512, 8, engine.device)
 
 
 def _workload(engine, adapters):
@@ -82,7 +82,7 @@ def test_no_step_tensor_without_a_device(tiny_model_dir, tiny_adapters, kernels)
                   max_loras=2, lora_modules={"a0": str(tiny_adapters[0]), "a1": str(tiny_adapters[1])})
         engine = llm.engine
         if kernels == "triton":
-            engine.runner.enable_graphs(FakeCapture(), 8, engine.max_model_len, engine.adapters.slots.null_slot)
+            engine.core.enable_graphs(FakeCapture())  # max_num_seqs 8
         _workload(engine, ["a0", None, "a1"])
         audit = DeviceAudit(engine.device)
         steps = 0
@@ -93,7 +93,7 @@ def test_no_step_tensor_without_a_device(tiny_model_dir, tiny_adapters, kernels)
     assert not engine.has_unfinished()
     assert audit.found == []
     if kernels == "triton":
-        assert sum(engine.runner.graphs.num_replays.values()) > 0  # the decode graphs were in it
+        assert sum(engine.core.executor.worker.runner.graphs.num_replays.values()) > 0  # the decode graphs were in it
 
 
 def test_the_audit_names_a_tensor_without_a_device():

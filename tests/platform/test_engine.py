@@ -40,7 +40,7 @@ def test_batched_paths_match_one_at_a_time(tiny_model_dir, reference, args):
     if args["num_kv_blocks"] == 128:
         assert sum(o.num_cached_tokens for o in second) > 0
     else:
-        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.core.scheduler.num_preemptions > 0
     assert_all_blocks_free(llm.engine)
 
 
@@ -100,14 +100,14 @@ def test_n_greater_than_one_copies_on_write(tiny_model_dir):
     engine.add_request("r", PROMPTS[2], SamplingParams(n=3, temperature=0, max_tokens=4, ignore_eos=True))
     copies = []
     while engine.has_unfinished():
-        sched = engine.scheduler.schedule
+        sched = engine.core.scheduler.schedule
         def spy():
             out = sched()
             copies.extend(out.block_copies)
             return out
-        engine.scheduler.schedule = spy
+        engine.core.scheduler.schedule = spy
         engine.step()
-        engine.scheduler.schedule = sched
+        engine.core.scheduler.schedule = sched
     assert len(copies) == 2  # two of the three sequences copy; the last owner writes in place
     assert_all_blocks_free(engine)
 
@@ -140,7 +140,7 @@ def test_abort_frees_blocks_at_once(tiny_llm):
         engine.add_request(f"a{i}", p, SamplingParams(n=2, temperature=1.0, max_tokens=50, ignore_eos=True))
     engine.step()
     engine.step()
-    assert engine.kv.num_free_blocks < engine.kv.pool.num_blocks
+    assert engine.core.kv.num_free_blocks < engine.core.kv.pool.num_blocks
     outs = [engine.abort(f"a{i}") for i in range(3)]
     assert all(o.finished and all(c.finish_reason == "abort" for c in o.outputs) for o in outs)
     assert engine.abort("a0") is None
@@ -202,8 +202,8 @@ def test_float16_kv_cache_holds_twice_the_blocks_and_stays_close(tiny_model_dir)
 
     engines = {kv: Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_memory=1 << 22,
                                        kv_cache_dtype=kv)) for kv in ("auto", "float16")}
-    assert engines["float16"].kv.pool.num_blocks == 2 * engines["auto"].kv.pool.num_blocks
-    assert engines["float16"].runner.kv_cache.dtype == torch.float16
+    assert engines["float16"].core.kv.pool.num_blocks == 2 * engines["auto"].core.kv.pool.num_blocks
+    assert engines["float16"].core.executor.worker.runner.kv_cache.dtype == torch.float16
     logits = {kv: chunked_logits(engine, list(range(5, 45))) for kv, engine in engines.items()}
     torch.testing.assert_close(logits["float16"], logits["auto"], atol=2e-2, rtol=2e-2)
 
@@ -214,8 +214,8 @@ def chunked_logits(engine, ids: list[int]) -> torch.Tensor:
 
     req = engine.inputs.process("r", {"prompt_token_ids": ids}, SamplingParams(max_tokens=1))
     for chunk in (30, 9, 1):
-        assert engine.kv.allocate_slots(req, chunk) is not None
-        out, _, _ = engine.runner.execute(SchedulerOutput([(req, chunk)]))
+        assert engine.core.kv.allocate_slots(req, chunk) is not None
+        out, _ = engine.core.executor.execute(engine.core.batch.build(SchedulerOutput([(req, chunk)]), {}).inputs)
         req.num_computed_tokens += chunk
     return out.float()
 
@@ -230,8 +230,8 @@ def test_fp8_kv_cache_holds_a_byte_a_value_and_stays_close(tiny_model_dir, model
     engines = {kv: Engine(EngineConfig(model=str(tiny_model_dir), dtype=model_dtype, kv_cache_memory=1 << 22,
                                        kv_cache_dtype=kv)) for kv in ("auto", "fp8")}
     ratio = 4 if model_dtype == "float32" else 2
-    assert engines["fp8"].kv.pool.num_blocks == ratio * engines["auto"].kv.pool.num_blocks
-    assert engines["fp8"].runner.kv_cache.dtype == torch.float8_e4m3fn
+    assert engines["fp8"].core.kv.pool.num_blocks == ratio * engines["auto"].core.kv.pool.num_blocks
+    assert engines["fp8"].core.executor.worker.runner.kv_cache.dtype == torch.float8_e4m3fn
     logits = {kv: chunked_logits(engine, list(range(5, 45))) for kv, engine in engines.items()}
     # e4m3 keeps 3 mantissa bits (up to ~6% per value): measured max |diff| 0.048 (float32) / 0.046 (bf16)
     # on logits up to 2.2
@@ -290,7 +290,7 @@ def test_prompt_logprobs_match_a_whole_forward_pass(tiny_model_dir, args):
     llm.generate(PROMPTS, GREEDY)  # the prompts are in the prefix cache: these must still compute every position
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=3, n=2)
     outs = llm.generate(PROMPTS, params)
-    assert args["num_kv_blocks"] == 128 or llm.engine.scheduler.num_preemptions > 0
+    assert args["num_kv_blocks"] == 128 or llm.engine.core.scheduler.num_preemptions > 0
     ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     for prompt, out in zip(PROMPTS, outs):
         ids = prompt["prompt_token_ids"]
@@ -340,7 +340,7 @@ def test_prompt_logprobs_with_unpacked_weights(tiny_model_dir):
     CUDA) required grad, so prompt logprobs (computed outside inference_mode) raised in the step
     and aborted every running request."""
     llm = LLM(str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=32)
-    assert not any(p.requires_grad for p in llm.engine.model.parameters())
+    assert not any(p.requires_grad for p in llm.engine.core.executor.worker.model.parameters())
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=1)
     out = llm.generate([PROMPTS[0], PROMPTS[1]], [params, GREEDY])
     assert len(out[0].prompt_logprobs) == len(PROMPTS[0]["prompt_token_ids"]) and len(out[1].outputs[0].token_ids) > 0

@@ -86,4 +86,4 @@ def test_a_flood_cannot_hold_the_batch_from_another_tenant(llm):
     assert fair <= 2 * alone + 2, (alone, fair)
     assert fifo > 5 * alone, (alone, fifo)  # what the share prevents
     assert fair_tokens == fifo_tokens
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0

@@ -11,8 +11,9 @@ from safetensors.torch import load_file, save_file
 
 from conftest import make_peft_adapter, make_tiny_model, peft_greedy
 from loraplex.platform import LLM, SamplingParams
-from loraplex.platform.config import EngineConfig, ModelConfig
+from loraplex.platform.config import EngineConfig
 from loraplex.platform.engine.llm_engine import Engine
+from loraplex.platform.models.registry import read_model_config
 from test_model import prompt_logits
 
 WINDOW = 24  # shorter than the prompts: sliding layers drop the oldest keys
@@ -114,7 +115,7 @@ def test_phi3_adapters_are_read_onto_the_fused_projections(checkpoint, tmp_path)
     from loraplex.adapters.peft_format import AdapterError, adapter_bytes, read_peft_adapter
 
     folder = checkpoint("phi3-longrope-short")
-    config = ModelConfig.from_folder(folder)
+    config = read_model_config(folder)
     adapter = read_peft_adapter("p", make_peft_adapter(folder, tmp_path / "p", rank=4, targets=PHI3_TARGETS), config, 8)
     a, b = adapter.projections[(0, "qkv_proj")]
     assert a.shape == (4, config.hidden_size) and b.shape == (4, (config.num_heads + 2 * config.num_kv_heads)
@@ -137,22 +138,22 @@ def config_with(tmp_path, source, **changes):
 
 def test_layer_windows_and_ropes_per_family(checkpoint, tmp_path):
     """Each family's layout of sliding layers and RoPEs, also from configs as transformers 4.x wrote them."""
-    gemma2 = ModelConfig.from_folder(checkpoint("gemma2"))
+    gemma2 = read_model_config(checkpoint("gemma2"))
     assert gemma2.layer_windows == (WINDOW, None) and gemma2.attn_logit_softcap == 1.0
-    old_gemma2 = ModelConfig.from_folder(config_with(tmp_path, checkpoint("gemma2"), layer_types=None))
+    old_gemma2 = read_model_config(config_with(tmp_path, checkpoint("gemma2"), layer_types=None))
     assert old_gemma2.layer_windows == (WINDOW, None)  # transformers' default: every other layer slides
-    old_gemma3 = ModelConfig.from_folder(config_with(
+    old_gemma3 = read_model_config(config_with(
         tmp_path, checkpoint("gemma3"), layer_types=None, rope_parameters=None, num_hidden_layers=6, rope_theta=5e5,
         rope_scaling={"rope_type": "linear", "factor": 8.0}, rope_local_base_freq=2e4))
     assert old_gemma3.layer_windows == (WINDOW,) * 5 + (None,)  # 5 local layers, then a global one
     assert old_gemma3.rope_parameters["full_attention"] == {"rope_type": "linear", "factor": 8.0, "rope_theta": 5e5}
     assert old_gemma3.rope_parameters["sliding_attention"] == {"rope_type": "default", "rope_theta": 2e4}
-    assert ModelConfig.from_folder(checkpoint("qwen3")).layer_windows == (None, WINDOW)  # from max_window_layers
-    assert ModelConfig.from_folder(checkpoint("phi3-longrope-long")).layer_windows == (48, 48)
-    assert ModelConfig.from_folder(checkpoint("granite")).layer_windows == (None, None)
-    smollm3 = ModelConfig.from_folder(checkpoint("smollm3"))
+    assert read_model_config(checkpoint("qwen3")).layer_windows == (None, WINDOW)  # from max_window_layers
+    assert read_model_config(checkpoint("phi3-longrope-long")).layer_windows == (48, 48)
+    assert read_model_config(checkpoint("granite")).layer_windows == (None, None)
+    smollm3 = read_model_config(checkpoint("smollm3"))
     assert smollm3.layer_windows == (None, WINDOW) and smollm3.rope_layers == (True, False)
-    by_interval = ModelConfig.from_folder(config_with(tmp_path, checkpoint("smollm3"), no_rope_layers=None,
+    by_interval = read_model_config(config_with(tmp_path, checkpoint("smollm3"), no_rope_layers=None,
                                                       layer_types=None, num_hidden_layers=8))
     assert by_interval.rope_layers == (True, True, True, False) * 2  # transformers' default: every 4th has none
     assert by_interval.layer_windows == (None, None, None, WINDOW) * 2
@@ -162,7 +163,7 @@ def test_a_layer_without_rope_reads_no_rotation(checkpoint):
     """SmolLM3's NoPE layer: its table is the identity, the other layer's turns (one table each)."""
     from loraplex.platform.models.rope import RotaryEmbedding
 
-    rope = RotaryEmbedding(ModelConfig.from_folder(checkpoint("smollm3")), 64)
+    rope = RotaryEmbedding(read_model_config(checkpoint("smollm3")), 64)
     (cos0, sin0), (cos1, sin1) = rope.at(torch.arange(64), torch.float32)
     assert torch.equal(cos1, torch.ones_like(cos1)) and torch.equal(sin1, torch.zeros_like(sin1))
     assert not torch.equal(sin0, sin1)
@@ -191,10 +192,10 @@ def test_every_family_is_declared_once():
 ])
 def test_configs_we_cannot_serve_are_named(checkpoint, tmp_path, changes, named):
     with pytest.raises(ValueError, match=named):
-        ModelConfig.from_folder(config_with(tmp_path, checkpoint("qwen3"), **changes))
+        read_model_config(config_with(tmp_path, checkpoint("qwen3"), **changes))
 
 
 def test_longrope_factors_must_fit_the_head(checkpoint, tmp_path):
     short = dict(LONGROPE, short_factor=[1.0] * 3)
     with pytest.raises(ValueError, match="short_factor has 3 entries, the head needs 8"):
-        ModelConfig.from_folder(config_with(tmp_path, checkpoint("phi3-longrope-short"), rope_parameters=short))
+        read_model_config(config_with(tmp_path, checkpoint("phi3-longrope-short"), rope_parameters=short))

@@ -130,9 +130,9 @@ def test_kv_blocks_follow_vllms_formula(monkeypatch):
 
 
 def test_the_engine_sizes_its_kv_with_the_formula(tiny_model_dir, monkeypatch):
-    """`Engine._kv_blocks_from_device` wired to the readings: graphs reserved unless eager."""
+    """`Worker.kv_blocks` wired to the readings: graphs reserved unless eager."""
     from loraplex.platform import LLM
-    from loraplex.platform.engine import llm_engine as engine_mod
+    from loraplex.platform.worker import worker as worker_mod
     from loraplex.platform.worker.cuda_graphs import capture_sizes
     from loraplex.platform.worker.model_runner import kv_bytes_per_block
 
@@ -144,19 +144,20 @@ def test_the_engine_sizes_its_kv_with_the_formula(tiny_model_dir, monkeypatch):
     config = engine.config
     block = kv_bytes_per_block(engine.model_config, config.block_size, config.torch_kv_dtype)
     profile_kv = profile_kv_blocks(96, engine.max_model_len, config.block_size) * block
-    real_profile = engine_mod.profile_step
+    real_profile = worker_mod.profile_step
 
     def profile_step(*args) -> None:
         real_profile(*args)
         cuda.alloc(profile_kv + GIB // 16)
         cuda.free(profile_kv + GIB // 16)
 
-    monkeypatch.setattr(engine_mod, "profile_step", profile_step)
+    monkeypatch.setattr(worker_mod, "profile_step", profile_step)
     activations, share = GIB // 16, capture_sizes(24)[-1] / 96
     for eager, graphs in ((True, 0), (False, int(activations * share))):
-        engine.config = dataclasses.replace(config, enforce_eager=eager)
+        worker = engine.core.executor.worker
+        worker.engine_config, worker.memory_start = dataclasses.replace(config, enforce_eager=eager), start
         expected = (int(GIB * config.gpu_memory_utilization) - GIB // 4 - activations - graphs) // block
-        assert engine._kv_blocks_from_device(start) == expected
+        assert worker.kv_blocks() == expected
 
 
 def test_profile_kv_blocks_are_what_the_profiling_pass_allocates(tiny_model_dir, monkeypatch):
@@ -173,7 +174,7 @@ def test_profile_kv_blocks_are_what_the_profiling_pass_allocates(tiny_model_dir,
     monkeypatch.setattr(torch, "zeros", recording_zeros)
     for tokens, max_len in ((1200, 512), (100, 512), (33, 16)):
         shapes.clear()
-        profile_step(engine.model, engine.model_config, torch.float32, 16, tokens, max_len, 4, engine.device)
+        profile_step(engine.core.executor.worker.model, engine.model_config, torch.float32, 16, tokens, max_len, 4, engine.device)
         assert shapes[0][2] == profile_kv_blocks(tokens, max_len, 16)
 
 
@@ -290,12 +291,13 @@ def test_a_bf16_load_never_holds_a_float32_copy(tmp_path, monkeypatch):
 
 
 def test_the_engine_selects_its_device_before_loading(tiny_model_dir, monkeypatch):
-    from loraplex.platform.engine import llm_engine as engine_mod
     from loraplex.platform.config import EngineConfig
+    from loraplex.platform.engine.llm_engine import Engine
+    from loraplex.platform.worker import worker as worker_mod
 
     order = []
-    real_load = engine_mod.load_model
-    monkeypatch.setattr(engine_mod, "select_device", lambda d: order.append(("select", d)))
-    monkeypatch.setattr(engine_mod, "load_model", lambda *a: order.append(("load", a[-1])) or real_load(*a))
-    engine_mod.Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", num_kv_blocks=16))
+    real_load = worker_mod.load_model
+    monkeypatch.setattr(worker_mod, "select_device", lambda d: order.append(("select", d)))
+    monkeypatch.setattr(worker_mod, "load_model", lambda *a: order.append(("load", a[-1])) or real_load(*a))
+    Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", num_kv_blocks=16))
     assert order == [("select", torch.device("cpu")), ("load", torch.device("cpu"))]

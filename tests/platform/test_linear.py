@@ -12,7 +12,8 @@ import torch
 from loraplex.kernels import cpu_kernels
 from loraplex.kernels import linear_methods as lm
 from loraplex.kernels.autotune import TuneTable
-from loraplex.kernels.dispatch import CpuCaps, KernelConfig
+from loraplex.kernels.cpu_kernels import CpuCaps
+from loraplex.kernels.dispatch import KernelConfig
 from loraplex.platform.models.linear import Linear
 
 CPU = KernelConfig(backend="cpu", caps=CpuCaps(library=True))

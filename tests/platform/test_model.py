@@ -28,12 +28,13 @@ def prompt_logits(engine: Engine, ids: list[int], chunk: int) -> torch.Tensor:
     rows = []
     while req.num_computed_tokens < len(ids):
         n = min(chunk, len(ids) - req.num_computed_tokens)
-        assert engine.kv.allocate_slots(req, n) is not None
+        assert engine.core.kv.allocate_slots(req, n) is not None
         with torch.inference_mode():
-            hidden = engine.runner._forward(engine.runner._prepare(SchedulerOutput([(req, n)])), None)
-            rows.append(engine.model.compute_logits(hidden))
+            step = engine.core.batch.build(SchedulerOutput([(req, n)]), {}).inputs
+            hidden = engine.core.executor.worker.runner.forward(step)
+            rows.append(engine.core.executor.worker.model.compute_logits(hidden))
         req.num_computed_tokens += n
-    engine.kv.forget(req)
+    engine.core.kv.forget(req)
     return torch.cat(rows)
 
 
@@ -52,7 +53,7 @@ def test_logits_match_transformers(tmp_path, variant):
         got = prompt_logits(engine, ids[0].tolist(), chunk)
         torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
     if variant == "qwen2-qkv-bias":
-        assert engine.model.layers[0].self_attn.qkv_proj.bias is not None
+        assert engine.core.executor.worker.model.layers[0].self_attn.qkv_proj.bias is not None
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -64,7 +65,7 @@ def test_half_precision_logits_are_close_to_a_reference_in_that_dtype(tiny_model
 
     half = getattr(torch, dtype)
     engine = Engine(EngineConfig(model=str(tiny_model_dir), dtype=dtype, num_kv_blocks=16))
-    assert engine.model.embed_tokens.weight.dtype == half and engine.runner.kv_cache.dtype == half
+    assert engine.core.executor.worker.model.embed_tokens.weight.dtype == half and engine.core.executor.worker.runner.kv_cache.dtype == half
     ids = list(range(3, 40))
     ref = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=half).eval()
     exact = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
@@ -122,7 +123,7 @@ def test_packed_weights_give_the_same_logits_without_a_plain_copy(tmp_path, tied
         if not pack:
             assert bool(kernel_calls) == (cpu_kernels.library() is not None)
     torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
-    model = engine.model
+    model = engine.core.executor.worker.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed is not None for m in linears)
     assert all(m.weight is None for m in linears if m is not model.lm_head.base_layer)  # no second copy kept
@@ -150,7 +151,7 @@ def test_bf16_weights_on_amx_are_packed_for_the_tile_kernel(tmp_path, arch, over
         engines[pack] = Engine(EngineConfig(model=str(folder), dtype="bfloat16", num_kv_blocks=16, pack_weights=pack))
         logits[pack] = prompt_logits(engines[pack], ids, 7)
     torch.testing.assert_close(logits[True], logits[False], atol=0.05, rtol=0.02)
-    plain, model = engines[False].model, engines[True].model
+    plain, model = engines[False].core.executor.worker.model, engines[True].core.executor.worker.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     on_tiles = [m.in_features % 32 == 0 for m in linears]
     assert any(on_tiles) and all((getattr(m, "amx_packed", None) is not None) == tiles
@@ -180,7 +181,7 @@ def test_fused_layer_kernels_run_and_match_the_pytorch_ops(tiny_model_dir, dtype
         kernel = getattr(cpu_kernels, name)
         monkeypatch.setattr(cpu_kernels, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
     fused = prompt_logits(engine, ids, 16).float()
-    layers = engine.model.config.num_layers
+    layers = engine.core.executor.worker.model.config.num_layers
     assert calls.count("rope_write_kv_c") == calls.count("silu_mul_c") == 3 * layers  # 3 chunks of 16 / 16 / 5
     assert calls.count("add_rms_norm_c") == 3 * (2 * layers + 1)
     with forced_kernels("torch"):  # the PyTorch ops, chosen when the engine is built

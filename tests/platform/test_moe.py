@@ -8,11 +8,12 @@ import torch
 
 from conftest import make_peft_adapter, make_tiny_model, peft_greedy
 from loraplex.platform import LLM, SamplingParams
-from loraplex.platform.config import EngineConfig, ModelConfig
+from loraplex.platform.config import EngineConfig
 from loraplex.platform.engine.llm_engine import Engine
 from loraplex.platform.models.registry import FAMILIES as SUPPORTED_ARCHITECTURES
 from loraplex.platform.models.experts import lora_refusal
 from loraplex.platform.models.moe import SparseMoEBlock
+from loraplex.platform.models.registry import read_model_config
 from test_model import prompt_logits
 
 # 4 experts, top-2; Qwen2-MoE: a shared expert and a dense layer 1, weights not renormalised;
@@ -48,7 +49,7 @@ def models(tmp_path_factory):
 def recorded_routes(engine: Engine, monkeypatch) -> list[torch.Tensor]:
     """Every sparse block's chosen experts [T, k], call by call."""
     routes = []
-    for layer in engine.model.layers:
+    for layer in engine.core.executor.worker.model.layers:
         if isinstance(layer.mlp, SparseMoEBlock):
             route = layer.mlp.route
             monkeypatch.setattr(layer.mlp, "route", lambda x, _r=route: routes.append(_r(x)[1]) or _r(x))
@@ -71,7 +72,7 @@ def test_logits_match_transformers(models, family, monkeypatch):
         torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
     chosen = {tuple(sorted(pair)) for pair in routes[0].tolist()}
     assert len(chosen) >= 4  # tokens really go to different experts
-    sparse = [isinstance(layer.mlp, SparseMoEBlock) for layer in engine.model.layers]
+    sparse = [isinstance(layer.mlp, SparseMoEBlock) for layer in engine.core.executor.worker.model.layers]
     assert sparse == {"mixtral": [True, True], "qwen2_moe": [True, False], "qwen3_moe": [False, True]}[family]
 
 
@@ -111,7 +112,7 @@ def test_adapter_on_experts_or_router_is_refused_by_name(models, family, tmp_pat
         with pytest.raises(ValueError, match=r"mixture-of-experts .*gate_proj"):
             llm.load_adapter("shared", str(shared))
         keys = ["base_model.model.model.layers.0.mlp.shared_expert.gate_proj.lora_A.weight"]
-        assert "model.layers.0.mlp.shared_expert.gate_proj" in lora_refusal(llm.engine.model.config, {}, keys)
+        assert "model.layers.0.mlp.shared_expert.gate_proj" in lora_refusal(llm.engine.core.executor.worker.model.config, {}, keys)
     assert llm.engine.adapters.memory()[0] == 0
 
 
@@ -158,8 +159,8 @@ def test_expert_matmul_paths_agree(models):
     from loraplex.platform.models.moe import grouped_matmul, looped_matmul, masked_matmul
 
     engine = Engine(EngineConfig(model=str(models("mixtral")), dtype="float32", num_kv_blocks=16))
-    block = engine.model.layers[0].mlp
-    x = torch.randn(23, engine.model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    block = engine.core.executor.worker.model.layers[0].mlp
+    x = torch.randn(23, engine.core.executor.worker.model.config.hidden_size, generator=torch.Generator().manual_seed(2))
     ids = torch.tensor([0] * 9 + [2] * 14)  # expert 1 and 3 unused
     counts = torch.tensor([9, 0, 14, 0], dtype=torch.int32)
     with torch.inference_mode():
@@ -195,8 +196,8 @@ def test_quantization_is_refused_clearly(models, quantization):
 
 
 def test_moe_config_is_read_from_config_json(models):
-    moe = ModelConfig.from_folder(models("qwen2_moe")).moe
+    moe = read_model_config(models("qwen2_moe")).moe
     assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.shared_expert_size) == (4, 2, 32, 48)
     assert moe.dense_layers == (1,) and not moe.renormalize and not moe.float_weights
-    mixtral = ModelConfig.from_folder(models("mixtral")).moe
+    mixtral = read_model_config(models("mixtral")).moe
     assert mixtral.renormalize and mixtral.float_weights and mixtral.dense_layers == ()

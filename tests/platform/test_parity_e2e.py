@@ -89,7 +89,7 @@ def test_chunked_prefill_matches(default_model_dir, prompts, reference):
 def test_preemption_matches(default_model_dir, prompts, reference):
     llm = LLM(str(default_model_dir), dtype="float32", max_model_len=1024, num_kv_blocks=24)
     assert_parity(llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS), reference)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0
     assert_all_blocks_free(llm.engine)
 
 

@@ -26,8 +26,8 @@ def _cached(llm, rid: str, tenant: TenantShare | None, salt: str | None = None) 
     held, cached = 0, None
     while engine.has_unfinished():
         engine.step()
-        held = max(held, sum(len(b) for b in engine.kv.req_blocks.values()))
-        request = next((r for r in engine.scheduler.running if r.request_id == rid), None)
+        held = max(held, sum(len(b) for b in engine.core.kv.req_blocks.values()))
+        request = next((r for r in engine.core.scheduler.running if r.request_id == rid), None)
         cached = request.num_cached_tokens if request is not None and cached is None else cached
     assert_all_blocks_free(engine)
     return cached or 0, held

@@ -17,9 +17,10 @@ from conftest import make_tiny_model, tuned, without_bf16_kernels
 from loraplex.kernels import quant
 from loraplex.kernels.quant import dequantize
 from loraplex.platform import LLM, SamplingParams
-from loraplex.platform.config import EngineConfig, ModelConfig
+from loraplex.platform.config import EngineConfig
 from loraplex.platform.engine.llm_engine import Engine
 from loraplex.platform.models.family import FUSED_PROJECTIONS
+from loraplex.platform.models.registry import read_model_config
 from test_model import prompt_logits
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's pack: nibble i holds column 8c + AWQ_ORDER[i]
@@ -107,14 +108,14 @@ def test_checkpoint_bits_are_kept_and_served(tmp_path, method, group, sym, fmt, 
     expected = write_checkpoint(src, folder, method, group, sym, fmt or "gptq")
     engine = Engine(EngineConfig(model=str(folder), num_kv_blocks=32, dtype="float32"))
     assert engine.config.quantization == "q4"  # read from the checkpoint, as vLLM does
-    for i, layer in enumerate(engine.model.layers):
+    for i, layer in enumerate(engine.core.executor.worker.model.layers):
         for fused, parts in FUSED_PROJECTIONS.items():
             block = "self_attn" if fused in ("qkv_proj", "o_proj") else "mlp"
             want = torch.cat([expected[f"model.layers.{i}.{block}.{p}.weight"] for p in parts])
             got = dequantize(getattr(getattr(layer, block), fused).quantized)
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     # the float model those weights make (lm_head as the q4 model keeps it: 8 bits)
-    expected["lm_head.weight"] = dequantize(engine.model.lm_head.quantized)
+    expected["lm_head.weight"] = dequantize(engine.core.executor.worker.model.lm_head.quantized)
     reference = Engine(EngineConfig(model=str(dense_folder(src, tmp_path / "d", expected)), dtype="float32",
                                     num_kv_blocks=32))
     ids = list(range(3, 40))
@@ -134,7 +135,7 @@ def test_unsupported_checkpoints_are_refused_by_name(tmp_path):
     (tmp_path / "q" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="serve it with quantization q4"):
         LLM(str(tmp_path / "q"), num_kv_blocks=16, quantization="int8")
-    assert ModelConfig.from_folder(tmp_path / "q").prequantized == ("gptq", 32, True)
+    assert read_model_config(tmp_path / "q").prequantized == ("gptq", 32, True)
 
 
 def test_adapters_on_a_gptq_base_match_peft_on_its_weights(tmp_path, monkeypatch):
@@ -149,7 +150,7 @@ def test_adapters_on_a_gptq_base_match_peft_on_its_weights(tmp_path, monkeypatch
     adapter = make_peft_adapter(src, tmp_path / "a", rank=8, seed=2)
     llm = LLM(str(tmp_path / "q"), num_kv_blocks=32, lora_modules={"a": str(adapter)}, dtype="float32",
               lora_dtype="float32")
-    expected["lm_head.weight"] = dequantize(llm.engine.model.lm_head.quantized)
+    expected["lm_head.weight"] = dequantize(llm.engine.core.executor.worker.model.lm_head.quantized)
     dense = dense_folder(src, tmp_path / "d", expected)
     prompts = [list(range(3, 3 + n)) for n in (6, 11, 17)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

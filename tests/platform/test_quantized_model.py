@@ -30,7 +30,7 @@ def dequantized_folder(engine: Engine, src, dst):
 
     with safe_open(str(src / "model.safetensors"), framework="pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
-    model = engine.model
+    model = engine.core.executor.worker.model
     for i, layer in enumerate(model.layers):
         for fused, parts in FUSED_PROJECTIONS.items():
             block = "self_attn" if fused in ("qkv_proj", "o_proj") else "mlp"
@@ -61,13 +61,13 @@ def test_quantized_logits_are_the_dequantized_models(tmp_path, method, tied, den
     tuned(monkeypatch, dense_dtype="float32", dense_tokens_f32=1 if dense else 1 << 30)
     folder = make_tiny_model(tmp_path / "m", "llama", seed=3, tie_word_embeddings=tied)
     engine = Engine(EngineConfig(model=str(folder), num_kv_blocks=16, quantization=method, dtype="float32"))
-    linears = [m for m in engine.model.modules() if isinstance(m, Linear)]
+    linears = [m for m in engine.core.executor.worker.model.modules() if isinstance(m, Linear)]
     assert all(m.quantized is not None for m in linears)
-    assert all(m.weight is None for m in linears if m is not engine.model.lm_head.base_layer)  # no float copy kept
+    assert all(m.weight is None for m in linears if m is not engine.core.executor.worker.model.lm_head.base_layer)  # no float copy kept
     reference = Engine(EngineConfig(model=str(dequantized_folder(engine, folder, tmp_path / "ref")),
                                     dtype="float32", num_kv_blocks=16))
     if tied:  # the embedding table is the float one in both; only the head is quantized
-        reference.model.embed_tokens.weight.data.copy_(engine.model.embed_tokens.weight)
+        reference.core.executor.worker.model.embed_tokens.weight.data.copy_(engine.core.executor.worker.model.embed_tokens.weight)
     ids = torch.randint(3, 448, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     torch.testing.assert_close(prompt_logits(engine, ids, 7), prompt_logits(reference, ids, 7),
                                atol=2e-4, rtol=1e-4)
@@ -114,9 +114,9 @@ def test_default_model_q4_keeps_the_gguf_bits(default_model_dir, monkeypatch):
     same numbers (checked per layer at load), so its logits are the float engine's."""
     without_bf16_kernels(monkeypatch)  # float32 math throughout
     q4 = Engine(EngineConfig(model=str(default_model_dir), num_kv_blocks=32, quantization="q4", dtype="float32"))
-    head = q4.model.lm_head.quantized
+    head = q4.core.executor.worker.model.lm_head.quantized
     assert head.kind == "q8" and head.group == 32  # the GGUF's Q8_0 output blocks
-    qkv = q4.model.layers[0].self_attn.qkv_proj.quantized
+    qkv = q4.core.executor.worker.model.layers[0].self_attn.qkv_proj.quantized
     assert qkv.kind == "q4" and qkv.nbytes() * 5 < qkv.shape[0] * qkv.shape[1] * 4
     fp32 = Engine(EngineConfig(model=str(default_model_dir), dtype="float32", num_kv_blocks=32))
     ids = q4.tokenizer("The capital of France is Paris, and the capital of Italy is")["input_ids"]
@@ -135,13 +135,13 @@ def test_auto_under_quantization_is_bf16_where_native(tiny_model_dir, native, mo
     from loraplex.kernels import cpu_kernels
 
     from loraplex.kernels.autotune import TuneTable
-    from loraplex.kernels.dispatch import CpuCaps
+    from loraplex.kernels.cpu_kernels import CpuCaps
 
     monkeypatch.setattr(cpu_kernels, "native_bf16", lambda: native)
     dtype, why = quantized_activation_dtype(CpuCaps.detect(), TuneTable())
     assert dtype == ("bfloat16" if native else "float32") and why
     engine = Engine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=16, quantization="q4"))
-    assert engine.config.dtype == dtype and engine.model.embed_tokens.weight.dtype == getattr(torch, dtype)
+    assert engine.config.dtype == dtype and engine.core.executor.worker.model.embed_tokens.weight.dtype == getattr(torch, dtype)
 
 
 @pytest.mark.parametrize("method", ["q4", "int8"])
@@ -152,8 +152,8 @@ def test_bf16_activations_on_a_quantized_base_match_the_bf16_float_model(tmp_pat
     same numbers)."""
     folder = make_tiny_model(tmp_path / "m", "llama", seed=5)
     engine = Engine(EngineConfig(model=str(folder), num_kv_blocks=16, quantization=method, dtype="bfloat16"))
-    assert engine.model.layers[0].self_attn.qkv_proj.quantized is not None
-    assert engine.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert engine.core.executor.worker.model.layers[0].self_attn.qkv_proj.quantized is not None
+    assert engine.core.executor.worker.model.embed_tokens.weight.dtype == torch.bfloat16
     reference = Engine(EngineConfig(model=str(dequantized_folder(engine, folder, tmp_path / "ref")),
                                     dtype="bfloat16", num_kv_blocks=16))
     ids = torch.randint(3, 448, (40,), generator=torch.Generator().manual_seed(2)).tolist()
@@ -169,12 +169,12 @@ def test_q4_on_amx_is_served_from_tile_order(tmp_path, monkeypatch):
     folder = make_tiny_model(tmp_path / "m", "llama", seed=6)
     config = EngineConfig(model=str(folder), num_kv_blocks=16, quantization="q4", dtype="bfloat16")
     tiles = Engine(config)
-    projections = [m.quantized for m in tiles.model.modules()
-                   if isinstance(m, Linear) and m is not tiles.model.lm_head.base_layer]
+    projections = [m.quantized for m in tiles.core.executor.worker.model.modules()
+                   if isinstance(m, Linear) and m is not tiles.core.executor.worker.model.lm_head.base_layer]
     assert projections and all(w.tiles for w in projections)
     monkeypatch.setattr(quant, "for_this_cpu", lambda w, amx: w)
     by_rows = Engine(config)
-    assert not by_rows.model.layers[0].mlp.down_proj.quantized.tiles
+    assert not by_rows.core.executor.worker.model.layers[0].mlp.down_proj.quantized.tiles
     ids = torch.randint(3, 448, (40,), generator=torch.Generator().manual_seed(6)).tolist()
     assert torch.equal(prompt_logits(tiles, ids, 7), prompt_logits(by_rows, ids, 7))  # 7 tokens: AMX on both
 
@@ -199,10 +199,10 @@ def test_gguf_blocks_that_are_not_the_folders_weights_are_refused(tmp_path, tiny
     from gguf import GGMLQuantizationType, GGUFWriter, quants
 
     from loraplex.kernels.dispatch import kernel_config
-    from loraplex.platform.config import ModelConfig
+    from loraplex.platform.models.registry import read_model_config
     from loraplex.platform.models.llama import load_model
 
-    config = ModelConfig.from_folder(tiny_model_dir)
+    config = read_model_config(tiny_model_dir)
     path = tmp_path / "other.gguf"
     writer = GGUFWriter(str(path), "llama")
     rng = np.random.default_rng(0)

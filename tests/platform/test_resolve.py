@@ -33,7 +33,7 @@ def test_the_engine_resolves_auto_once_and_logs_why(tiny_model_dir, probe, caplo
     probe(FAST_BF16)
     with caplog.at_level(logging.INFO, logger="loraplex"):
         engine = Engine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=16))
-    assert engine.config.dtype == "bfloat16" and engine.runner.kv_cache.dtype == torch.bfloat16
+    assert engine.config.dtype == "bfloat16" and engine.core.executor.worker.runner.kv_cache.dtype == torch.bfloat16
     assert "dtype auto -> bfloat16 (probe of the decode step's matmuls" in caplog.text
     assert "autotune: f32_kernel_tokens=" in caplog.text and "kernels: " in caplog.text
     explicit = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=16))
@@ -50,7 +50,7 @@ def test_plain_rows_measured_faster_leave_float32_weights_unpacked(tiny_model_di
         with caplog.at_level(logging.INFO, logger="loraplex"):
             engine = Engine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=16, pack_weights=pack_weights))
         assert engine.config.dtype == "float32" and engine.config.pack_weights == packed
-        linears = [m for m in engine.model.modules() if isinstance(m, Linear)]
+        linears = [m for m in engine.core.executor.worker.model.modules() if isinstance(m, Linear)]
         assert linears and all((getattr(m, "packed", None) is not None) == packed for m in linears)
         layout = "packed" if packed else "plain"
         assert f"dtype auto -> float32, weights {layout} (probe" in caplog.text

@@ -47,7 +47,7 @@ def test_logits_match_transformers_past_the_window(mistral_dir, backend, chunks)
 
     with forced_kernels(backend):
         engine = Engine(EngineConfig(model=str(mistral_dir), dtype="float32", num_kv_blocks=32, block_size=BLOCK))
-    assert engine.kv.sliding_window == WINDOW and engine.max_model_len == 512  # not capped to the window
+    assert engine.core.kv.sliding_window == WINDOW and engine.max_model_len == 512  # not capped to the window
     ids = torch.tensor([random_ids(7, 40)])
     with torch.no_grad():
         expected = AutoModelForCausalLM.from_pretrained(mistral_dir, dtype=torch.float32)(ids).logits[0]
@@ -78,7 +78,7 @@ def test_blocks_are_freed_during_a_long_decode(mistral_dir, expected_tokens):
     while engine.has_unfinished():
         for delta in engine.step():
             out += delta.outputs[0].token_ids
-        held.append(engine.kv.pool.num_blocks - engine.kv.num_free_blocks)
+        held.append(engine.core.kv.pool.num_blocks - engine.core.kv.num_free_blocks)
     assert out[:NEW_TOKENS] == expected_tokens[3] and len(out) == 80
     window_blocks = -(-WINDOW // BLOCK) + 1  # a window that straddles a block boundary
     assert held[0] == -(-len(prompt) // BLOCK)  # the prompt in one step: every block read by some query
@@ -99,7 +99,7 @@ def test_scheduling_paths_give_the_same_tokens(mistral_dir, expected_tokens, arg
     second = llm.generate(prompts, GREEDY)
     assert tokens(second) == expected
     if args["num_kv_blocks"] == 14:
-        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.core.scheduler.num_preemptions > 0
     elif "max_num_batched_tokens" not in args:
         assert sum(o.num_cached_tokens for o in second) > 0
     assert_all_blocks_free(llm.engine)
@@ -123,7 +123,7 @@ def test_gemma2_keeps_every_block_and_matches_transformers_with_window_and_cap(t
     folder = make_tiny_model(tmp_path / "gemma2", "gemma2", seed=1, sliding_window=WINDOW, head_dim=16,
                              attn_logit_softcapping=0.05)
     engine = Engine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=32, block_size=BLOCK))
-    assert engine.model_config.layer_windows == (WINDOW, None) and engine.kv.sliding_window is None
+    assert engine.model_config.layer_windows == (WINDOW, None) and engine.core.kv.sliding_window is None
     ids = torch.tensor([random_ids(7, 40)])
     with torch.no_grad():
         expected = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,

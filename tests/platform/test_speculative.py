@@ -13,7 +13,8 @@ from loraplex.grammar.backend import StructuredOutputs
 from loraplex.platform import LLM, SamplingParams
 from loraplex.platform.config import EngineConfig
 from loraplex.platform.spec_decode.drafter import Drafter
-from loraplex.platform.spec_decode.speculative import Acceptance, NgramIndex, SpeculativeConfig
+from loraplex.platform.config import SpeculativeConfig
+from loraplex.platform.spec_decode.speculative import Acceptance, DraftState, NgramIndex
 
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 64})
 ALWAYS = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "min_acceptance": 0})  # never paused
@@ -58,7 +59,7 @@ def run(llm: LLM, prompts, params, adapters=None, oracle_from=None):
     """Outputs, and (with `oracle_from`: a run without drafts) the oracle proposer in place of the engine's."""
     if oracle_from is not None:
         reference = {}
-        llm.engine.drafter.proposers = [Oracle(reference, llm.engine.model_config.vocab_size)]
+        llm.engine.core.drafter.proposers = [Oracle(reference, llm.engine.model_config.vocab_size)]
         reference.update(oracle_from)
     return llm.generate(prompts, params, adapter=adapters)
 
@@ -67,17 +68,17 @@ def recorded(llm: LLM, prompts, params, adapters=None) -> tuple[list, dict]:
     """A run without drafts, and each sequence's tokens keyed as the oracle looks them up."""
     seen = {}
     engine = llm.engine
-    original = engine.scheduler.finish
+    original = engine.core.scheduler.finish
 
     def finish(req, status):
         seen[key(req)] = list(req.output_token_ids)
         original(req, status)
 
-    engine.scheduler.finish = finish
+    engine.core.scheduler.finish = finish
     try:
         outs = llm.generate(prompts, params, adapter=adapters)
     finally:
-        engine.scheduler.finish = original
+        engine.core.scheduler.finish = original
     return outs, seen
 
 
@@ -109,9 +110,9 @@ def test_greedy_tokens_equal_with_and_without_drafts_over_a_mixed_batch(tiny_mod
         for a, b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
             assert a.keys() == b.keys()
             assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
-    counters = spec.engine.drafter.counters
+    counters = spec.engine.core.drafter.counters
     assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens  # both kinds happened
-    assert set(spec.engine.drafter.by_adapter) == {"a0", "a1"}
+    assert set(spec.engine.core.drafter.by_adapter) == {"a0", "a1"}
     assert_all_blocks_free(spec.engine)
 
 
@@ -123,7 +124,7 @@ def test_the_engines_own_proposers_keep_greedy_tokens(tiny_model_dir):
     plain = build(tiny_model_dir, None).generate(prompts, params)
     spec = build(tiny_model_dir, SPEC)
     assert tokens(spec.generate(prompts, params)) == tokens(plain)
-    assert spec.engine.drafter.counters.num_accepted_tokens > 0
+    assert spec.engine.core.drafter.counters.num_accepted_tokens > 0
 
 
 @pytest.mark.parametrize("args", [
@@ -146,14 +147,14 @@ def test_preemption_chunks_n_stops_and_max_tokens_behave_as_without_drafts(tiny_
                                                                        for r in plain]
     assert len(drafted[3].outputs[0].token_ids) == 7
     if "num_kv_blocks" in args:
-        assert spec.engine.scheduler.num_preemptions > 0
-    assert spec.engine.drafter.counters.num_accepted_tokens > 0
+        assert spec.engine.core.scheduler.num_preemptions > 0
+    assert spec.engine.core.drafter.counters.num_accepted_tokens > 0
     assert_all_blocks_free(spec.engine)
 
 
 def wrong_drafts(llm: LLM, reference: dict, vocab: int = 448) -> None:
     """Every draft wrong (each reference token shifted by one), never paused."""
-    llm.engine.drafter.proposers = [Oracle({k: [(t + 1) % vocab for t in v] for k, v in reference.items()}, vocab,
+    llm.engine.core.drafter.proposers = [Oracle({k: [(t + 1) % vocab for t in v] for k, v in reference.items()}, vocab,
                                            wrong_every=10**9)]
 
 
@@ -168,7 +169,7 @@ def test_a_stop_string_completed_by_a_draft_ends_the_sequence_before_max_tokens_
     plain = plain_llm.generate([prompt], params)
     _, full = recorded(build(tiny_model_dir, None), [prompt], probe)
     spec = build(tiny_model_dir, SPEC)
-    spec.engine.drafter.proposers = [Oracle(full, 448, wrong_every=10**9)]  # drafts past the stop to max_tokens
+    spec.engine.core.drafter.proposers = [Oracle(full, 448, wrong_every=10**9)]  # drafts past the stop to max_tokens
     drafted = spec.generate([prompt], params)[0].outputs[0]
     want = plain[0].outputs[0]
     assert want.finish_reason == "stop" and len(want.token_ids) < 6
@@ -189,16 +190,16 @@ def test_drafts_never_preempt_nor_delay_other_requests(tiny_model_dir):
         if spec is not None:
             wrong_drafts(llm, reference)
         scheduled = []
-        schedule = llm.engine.scheduler.schedule
+        schedule = llm.engine.core.scheduler.schedule
 
         def logged():
             out = schedule()
             scheduled.append(sorted(r.seq_id for r, _ in out.scheduled))
             return out
 
-        llm.engine.scheduler.schedule = logged
+        llm.engine.core.scheduler.schedule = logged
         outs = llm.generate(prompts, params)
-        runs.append((tokens(outs), scheduled, llm.engine.scheduler.num_preemptions))
+        runs.append((tokens(outs), scheduled, llm.engine.core.scheduler.num_preemptions))
     assert runs[0][2] > 0 and runs[1] == runs[0]
 
 
@@ -229,20 +230,20 @@ def test_rejected_drafts_leave_the_kv_pool_as_it_was(tiny_model_dir):
     engines = [build(tiny_model_dir, None, block_size=4, num_kv_blocks=40),
                build(tiny_model_dir, ALWAYS, block_size=4, num_kv_blocks=40)]
     wrong = {k: [(t + 1) % 448 for t in v] for k, v in reference.items()}
-    engines[1].engine.drafter.proposers = [Oracle(wrong, 448, wrong_every=10**9)]
+    engines[1].engine.core.drafter.proposers = [Oracle(wrong, 448, wrong_every=10**9)]
     for llm in engines:
         llm.engine.add_request("r", prompt, params)
     while engines[0].engine.has_unfinished():
         for llm in engines:
             llm.engine.step()
         plain, spec = (llm.engine for llm in engines)
-        assert spec.kv.num_free_blocks == plain.kv.num_free_blocks
-        assert spec.kv.req_blocks.keys() == plain.kv.req_blocks.keys()
-        for seq_id, blocks in plain.kv.req_blocks.items():
-            assert len(spec.kv.req_blocks[seq_id]) == len(blocks)
+        assert spec.core.kv.num_free_blocks == plain.core.kv.num_free_blocks
+        assert spec.core.kv.req_blocks.keys() == plain.core.kv.req_blocks.keys()
+        for seq_id, blocks in plain.core.kv.req_blocks.items():
+            assert len(spec.core.kv.req_blocks[seq_id]) == len(blocks)
     assert not engines[1].engine.has_unfinished()
-    assert engines[1].engine.drafter.counters.num_draft_tokens > 25  # a draft every step
-    assert engines[1].engine.drafter.counters.num_accepted_tokens == 0
+    assert engines[1].engine.core.drafter.counters.num_draft_tokens > 25  # a draft every step
+    assert engines[1].engine.core.drafter.counters.num_accepted_tokens == 0
     assert_all_blocks_free(engines[1].engine)
 
 
@@ -255,11 +256,11 @@ def test_the_prefix_cache_holds_only_verified_kv(tiny_model_dir):
     _, reference = recorded(plain_llm, prompts, params)
     spec = build(tiny_model_dir, SPEC, block_size=4)
     run(spec, prompts, params, oracle_from=reference)
-    plain_pool, spec_pool = plain_llm.engine.kv.pool, spec.engine.kv.pool
+    plain_pool, spec_pool = plain_llm.engine.core.kv.pool, spec.engine.core.kv.pool
     assert spec_pool.cached and spec_pool.cached.keys() <= plain_pool.cached.keys()
     for block_hash, block in spec_pool.cached.items():
-        want = plain_llm.engine.runner.kv_cache[:, :, plain_pool.cached[block_hash].block_id]
-        torch.testing.assert_close(spec.engine.runner.kv_cache[:, :, block.block_id], want, atol=1e-5, rtol=1e-5)
+        want = plain_llm.engine.core.executor.worker.runner.kv_cache[:, :, plain_pool.cached[block_hash].block_id]
+        torch.testing.assert_close(spec.engine.core.executor.worker.runner.kv_cache[:, :, block.block_id], want, atol=1e-5, rtol=1e-5)
 
 
 def test_seeded_sampling_gives_the_same_tokens_with_drafts(tiny_model_dir):
@@ -270,7 +271,7 @@ def test_seeded_sampling_gives_the_same_tokens_with_drafts(tiny_model_dir):
     plain, reference = recorded(build(tiny_model_dir, None), prompts, params)
     spec = build(tiny_model_dir, SPEC)
     assert tokens(run(spec, prompts, params, oracle_from=reference)) == tokens(plain)
-    assert spec.engine.drafter.counters.num_accepted_tokens > 0
+    assert spec.engine.core.drafter.counters.num_accepted_tokens > 0
 
 
 def exact_three_token_law(model_dir, prompt: list[int], top_k: int) -> dict[tuple, float]:
@@ -311,13 +312,13 @@ def test_sampled_acceptance_keeps_the_output_distribution(tiny_model_dir):
         def propose(self, req, drafts, room):
             return list(likely[len(req.output_token_ids):])[:room]
 
-    spec.engine.drafter.proposers = [Likely()]
+    spec.engine.core.drafter.proposers = [Likely()]
     params = SamplingParams(temperature=1.0, top_k=top_k, max_tokens=3, ignore_eos=True)
     outs = spec.generate([{"prompt_token_ids": prompt}] * n, params)
     counts = Counter(tuple(o.outputs[0].token_ids) for o in outs)
     keys = sorted(law)
     assert set(counts) <= set(keys)
-    counters = spec.engine.drafter.counters
+    counters = spec.engine.core.drafter.counters
     assert counters.num_accepted_tokens > 0.2 * n and counters.num_draft_tokens > counters.num_accepted_tokens
     assert chi_square_pvalue([counts[k] for k in keys], [law[k] * n for k in keys]) > 1e-3, (counts, law)
 
@@ -328,8 +329,8 @@ def test_a_request_that_opts_out_gets_no_drafts(tiny_model_dir):
               SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)]
     spec = build(tiny_model_dir, SPEC)
     drafted_by = []
-    original = spec.engine.drafter.record
-    spec.engine.drafter.record = lambda req, d, a: (d and drafted_by.append(req.params.speculative),
+    original = spec.engine.core.drafter.record
+    spec.engine.core.drafter.record = lambda req, d, a: (d and drafted_by.append(req.params.speculative),
                                                     original(req, d, a))
     outs = spec.generate(prompts, params)
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
@@ -340,7 +341,7 @@ def test_a_wide_batch_drafts_nothing(tiny_model_dir):
     spec = build(tiny_model_dir, json.dumps({"method": "ngram", "disable_by_batch_size": 2}))
     prompts = [{"prompt_token_ids": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]}] * 3
     spec.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-    assert spec.engine.drafter.counters.num_drafts == 0
+    assert spec.engine.core.drafter.counters.num_drafts == 0
 
 
 # ---- the proposers, the adaptive k and the config, on their own -------------------------------------------
@@ -393,7 +394,7 @@ def test_a_draft_accepted_whole_starts_the_backoff_over():
 
 def test_drafts_stop_at_max_tokens_max_model_len_and_the_grammar(tiny_model_dir):
     llm = build(tiny_model_dir, SPEC, max_model_len=64)
-    drafter: Drafter = llm.engine.drafter
+    drafter: Drafter = llm.engine.core.drafter
 
     class Fixed:
         always = True
@@ -479,7 +480,7 @@ def test_the_models_own_spelling_of_forced_text_is_learned():
 
 def test_grammar_forced_drafts_go_on_while_a_requests_lookup_is_paused(tiny_model_dir):
     llm = build(tiny_model_dir, json.dumps({"method": "ngram", "num_speculative_tokens": 16}))
-    drafter = llm.engine.drafter
+    drafter = llm.engine.core.drafter
 
     class Lookup:
         always = False
@@ -501,3 +502,34 @@ def test_grammar_forced_drafts_go_on_while_a_requests_lookup_is_paused(tiny_mode
     assert forced and drafts[:len(forced)] == forced and len(drafts) > len(forced)
     req.draft_state.acceptance.paused_until = 10**9
     assert drafter._draft(req) == forced  # no lookup tokens after them while paused
+
+
+def test_forced_tokens_have_one_source_drafted_or_accepted_as_proposed(tiny_model_dir):
+    """The grammar's forced text comes from the drafter's `GrammarForced` only: a request in speculative decoding
+    drafts it (verified, none accepted unseen); one that opted out, or a batch too wide to draft, takes its canonical
+    tokens as drafts accepted at once (what jump-forward was), a prefix of the same tokens."""
+    llm = build(tiny_model_dir, json.dumps({"method": "ngram", "num_speculative_tokens": 8,
+                                            "disable_by_batch_size": 4}))
+    drafter, tok = llm.engine.core.drafter, llm.engine.tokenizer
+    requests = []
+    for rid, speculative in (("drafted", True), ("opted-out", False)):
+        req = llm.engine.inputs.process(rid, {"prompt_token_ids": [3, 4]}, SamplingParams(
+            temperature=0, max_tokens=50, speculative=speculative, structured=StructuredOutputs(json=SCHEMA)))
+        llm.engine.add(req)
+        req.output_token_ids = tok.encode("{", add_special_tokens=False)
+        for token in req.output_token_ids:
+            assert req.grammar.accept_token(token)
+        requests.append(req)
+    drafted, opted_out = requests
+    forced = tok.encode(drafted.grammar.jump_forward_string(), add_special_tokens=False)
+    drafted.draft_state = DraftState(None)
+    assert len(forced) > 1 and drafter.forced.propose(drafted, [], 8) == forced
+    assert drafter.accept_forced(drafted, batch_size=2) == []  # drafted and verified instead
+    assert drafter.accept_forced(drafted, batch_size=5) == forced[:-1]  # too wide to draft: accepted as proposed
+    assert drafter.accept_forced(opted_out, batch_size=2) == forced[:-1]
+    assert drafter.num_jump_forward_tokens == 2 * (len(forced) - 1)
+    drafter.jump_forward = False  # --no-jump-forward: the model writes the forced text itself
+    assert drafter.accept_forced(opted_out, batch_size=2) == []
+    for req in requests:
+        llm.engine.abort(req.request_id)
+    assert_all_blocks_free(llm.engine)

@@ -1,6 +1,6 @@
 """The collectives a tensor-parallel rank's layers call, over the worker process's default process group
-(gloo on CPU, NCCL on CUDA; `tp_worker.py` starts it). A model built without a shard plan never calls them:
-its layers take `identity` once, when they are built.
+(gloo on CPU, NCCL on CUDA; `platform/worker/worker.py`'s `worker_main` starts it). A model built without a
+shard plan never calls them: its layers take `identity` once, when they are built.
 
 On the CPU the all-reduce of float32 activations goes through a shared-memory segment instead of gloo
 (`use_shared_memory`, the C kernel in `kernels/csrc/shm_reduce.c`): gloo's loopback TCP costs a process wake-up

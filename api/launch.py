@@ -1,0 +1,49 @@
+"""What `loraplex serve` starts from, read off its parsed flags: the model folder, the engine's settings and
+the server's. Shared by both ways of serving, one server (`api/serve.py`) and Ray Serve replicas
+(`api/cluster/ray_serve.py`), and by the command line that declares the flags (`api/cli.py`), which sits
+above all three and only parses and dispatches."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from loraplex.api.flags import add_flags, values
+from loraplex.api.settings import ServerConfig
+from loraplex.api.tenancy.tenants import TenantRegistry
+from loraplex.platform.config import EngineConfig
+from loraplex.platform.model_store import materialize_default_model
+
+
+def model_folder(model: str | None) -> str:
+    """The model folder given, else the default model's (converted on first use)."""
+    if model is not None:
+        return str(Path(model).resolve())
+    return str(materialize_default_model())
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per `EngineConfig` field (but `model`)."""
+    add_flags(parser, EngineConfig, skip=("model",))
+
+
+def engine_args(args: argparse.Namespace) -> dict:
+    """The parsed engine flags, as EngineConfig keyword arguments."""
+    return values(EngineConfig, args, skip=("model",))
+
+
+def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
+    return EngineConfig(model=model, **engine_args(args))
+
+
+def server_config(args: argparse.Namespace, model: str) -> ServerConfig:
+    """The server flags; the served name defaults to the model folder's name."""
+    config = ServerConfig(**values(ServerConfig, args))
+    for root in config.adapter_roots:
+        if not Path(root).is_dir():
+            raise ValueError(f"--adapter-root {root!r} is not a folder")
+    if config.tenants_file:  # a broken file fails here, before the model is loaded
+        TenantRegistry(config.tenants_file, (config.admin_api_key, config.metrics_api_key, config.api_key))
+    return dataclasses.replace(config, served_model_name=config.served_model_name or Path(model).name,
+                               model_path=model)
