@@ -94,6 +94,11 @@ class Worker:
                                   self.resolved.max_model_len, self.slots.null_slot,
                                   min(MIX_GRAPH_PASSES, config.max_adapters_per_request))
 
+    def graph_replays(self) -> int:
+        """How many decode steps replayed a graph on this rank (0 without graphs)."""
+        graphs = self.runner.graphs
+        return sum(graphs.num_replays.values()) if graphs is not None else 0
+
     @torch.inference_mode()
     def execute(self, step: ModelInput) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """The logits of `step.last_rows` (None: none sampled) and the hidden rows of its prompt runs."""

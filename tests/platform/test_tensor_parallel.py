@@ -17,7 +17,7 @@ from loraplex.platform import LLM, SamplingParams
 from loraplex.platform.models.model_config import ModelConfig
 from loraplex.platform.models.registry import read_model_config
 from loraplex.platform.models.sharding import ShardPlan, head_split, plan_for
-from loraplex.platform.executor.multiproc import WorkerDiedError
+from loraplex.platform.executor.abstract import WorkerDiedError
 from loraplex.platform.worker.worker import shard_adapter
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -137,6 +137,30 @@ def test_tp2_greedy_equals_tp1_on_every_family_with_8_adapters_a_mix_and_a_schem
     assert outputs[2] == outputs[1]
     assert outputs[1][0] != outputs[1][3]  # the adapters change what is generated
     assert set(json.loads(outputs[1][-1])) == {"a", "b"}
+
+
+def test_decode_graphs_under_tp_come_from_the_same_runner_and_give_the_eager_tokens(tmp_path):
+    """Each rank captures its decode graphs through the one `ModelRunner` (the CPU stand-in capture, which refuses
+    host syncs, with the Triton kernels' stacked slots: base, LoRA and mix graphs), the engine's block tables as
+    wide as theirs; decode steps replay them on every rank and the tokens are TP=1's eager ones."""
+    from conftest import forced_kernels
+    from loraplex.platform.worker.cuda_graphs import FakeCapture
+
+    folder = make_tiny_model(tmp_path / "m", "llama", seed=3)
+    paths = [write_random_adapter(tmp_path / f"a{k}", read_model_config(folder), seed=k) for k in range(2)]
+    adapters = (None, "a0", "a1", {"a0": 0.7, "a1": 0.5})
+    outputs = {}
+    with forced_kernels("triton"):
+        for tp, graphs in ((1, False), (2, True)):
+            with LLM(str(folder), tensor_parallel_size=tp, max_num_seqs=16, **ENGINE) as llm:
+                for k, path in enumerate(paths):
+                    llm.load_adapter(f"a{k}", path)
+                if graphs:
+                    llm.engine.core.enable_graphs(FakeCapture())
+                outputs[tp, graphs] = greedy(llm, adapters)
+                replays = llm.engine.core.executor.call("graph_replays", every=True) if graphs else [0]
+    assert outputs[2, True] == outputs[1, False]
+    assert replays[0] == replays[1] >= GREEDY.max_tokens - 1  # every decode step, on both ranks
 
 
 def test_kv_heads_replicated_when_fewer_than_ranks(tmp_path):
