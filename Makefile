@@ -39,7 +39,7 @@ setup-gpu: $(STAMP)
 
 # The engine checked on a bare CUDA machine (torch, triton, transformers, peft; no venv, nothing pip-installed):
 # loraplex from this tree, random-weight Llama-3.2-1B / 3.1-8B checkpoints, the default model's tokenizer files
-# from GPU_TOKENIZER; the table into GPU_OUT/gpu_check.md (BENCHMARKS.md, "GPU check: how to run it").
+# from GPU_TOKENIZER; the table into GPU_OUT/gpu_check.md (docs/gpu.md, "GPU check: how to run it").
 GPU_PYTHON ?= python3
 GPU_TOKENIZER ?= gpu_tokenizer
 GPU_OUT ?= gpu-check-out

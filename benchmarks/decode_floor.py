@@ -2,7 +2,7 @@
 
 One 40-token prompt decoding 40 tokens, four times, prefix cache off (with `--adapter-rank`: through a random
 adapter of that rank on every projection); prints the min, p10 and p50 decode step (ms). Short and self-contained, so that two git worktrees can be compared process by process
-(BENCHMARKS.md, "Batch 1 settled").
+(docs/benchmarks-history.md, "Batch 1 settled").
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Two kinds of entries:
 - thresholds measured by the benchmarks on the CPUs we had (token counts where one kernel overtakes
-  another); each field names the BENCHMARKS.md section that measured it;
+  another); each field names the section (BENCHMARKS.md, or docs/benchmarks-history.md for past runs) that measured it;
 - choices that differ between CPUs of the same flags, measured here by short probes the first time
   (the dense GEMM's dtype for quantized prefill, bf16 dot products against the float kernel, and per
   model shape the dtype / float32 layout that `dtype=auto` means): cached in one file beside the C

@@ -22,7 +22,7 @@ static void plain_rows(const float *x, int64_t M, int64_t K, const float *w, int
  * fetched into L2 while the first tokens are multiplied with this one's, so that reading the weights and
  * multiplying them overlap (a verify step's few tokens then cost little more than one); at 1 token the bare
  * stream is faster. AVX-512 fetches the whole next tile at a tile's start, from 3 tokens (docs/benchmarks-history.md,
- * "float32 weights: plain rows and our kernel"; BENCHMARKS.md, "float32 plain rows: the next tile fetched during
+ * "float32 weights: plain rows and our kernel"; same file, "float32 plain rows: the next tile fetched during
  * the first tokens"). */
 int f32_matmul(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *out)
 {

@@ -586,7 +586,7 @@ UNBUILT_BF16_MATMUL(quant_matmul_dpbf16)
  * tile is 16 rows of W as stored (no transpose): A = W rows n x 32 k of one group, B = x^T's pairs, C =
  * 16 n x 16 tokens, A's rows in the pairs above. Per weight this is a few vector instructions whatever the
  * number of tokens, where the float kernel pays one multiply per weight and token: from a few tokens on
- * it beats both the float and the int8 kernel (BENCHMARKS.md, "q4 in bf16 on AMX"). */
+ * it beats both the float and the int8 kernel (docs/benchmarks-history.md, "q4 in bf16 on AMX"). */
 
 #ifdef AMX
 #include <sys/syscall.h>

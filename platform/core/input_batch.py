@@ -1,6 +1,6 @@
 """The engine's side of a step's batch: from the scheduler's output and the adapters' slots, the flat `ModelInput`
-every rank runs (`worker/model_runner.py`), and what the engine keeps to read the answer (the requests sampled,
-the prompt runs whose logprobs were asked for).
+every rank runs (`platform/worker/model_runner.py`), and what the engine keeps to read the answer (the requests
+sampled, the prompt runs whose logprobs were asked for).
 
 The block tables are a persistent int32 `BlockTable` updated by what changed since the last step, on the device
 the executor's ranks read them from (`Executor.input_device`): the engine's device in its own process, the host

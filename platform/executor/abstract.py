@@ -9,7 +9,6 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from loraplex.platform.resolve import ResolvedConfig
 from loraplex.platform.worker.cuda_graphs import Capture
 from loraplex.platform.worker.model_runner import ModelInput
 

@@ -160,7 +160,7 @@ def to_host(values: torch.Tensor) -> list:
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """Index of each row's maximum, the first of ties (argmax's answer): on CPU `max` finds it
-    faster than `argmax` over a vocabulary-wide row (BENCHMARKS.md has the numbers)."""
+    faster than `argmax` over a vocabulary-wide row (docs/benchmarks-history.md has the numbers)."""
     return x.max(dim=-1).indices
 
 
