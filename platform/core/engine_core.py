@@ -1,7 +1,8 @@
 """The engine core: one step is schedule -> adapter slots -> the executor runs the batch -> sample (or verify
 drafts) -> `Scheduler.update`, O(new tokens), then the next drafts. It takes validated `Request`s and returns
 per-sequence deltas (`SeqDelta`): tokenizing, detokenizing and stop strings belong to the front ends
-(`platform/engine/`), which talk to it only through `add`, `abort`, `step`, `stop` and `stats`.
+(`platform/engine/`), which talk to it only through values: `add`, `abort`, `step`, `stop`, `stats` and the
+queries beside them (`has_unfinished`, `unfinished_request_ids`, `abort_running`, `close`).
 
 It never asks how many ranks run the model: the executor (`platform/executor/`) answers the same calls for one or
 several. Single-threaded by design: a front end runs it on one thread.
@@ -9,7 +10,6 @@ several. Single-threaded by design: a front end runs it on one thread.
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -198,26 +198,25 @@ class EngineCore:
             if len(rows) != len(batch.sampled):
                 logits = logits[to_device(torch.tensor(rows, dtype=torch.long, device="cpu"), logits.device)]
             sampled = self.sampler(logits, seqs)
-            deltas = self.scheduler.update(seqs, sampled.token_ids, sampled.logprobs, self._forced())
+            deltas = self.scheduler.update(seqs, sampled.token_ids, sampled.logprobs, self._accept_forced)
         self.drafter.propose(self.scheduler.running)
         return deltas
 
-    def _forced(self):
-        """What the scheduler appends after each sequence's tokens: the grammar-forced drafts accepted as
-        proposed (none where the drafter verifies them)."""
-        return functools.partial(self.drafter.accept_forced, batch_size=len(self.scheduler.running))
+    def _accept_forced(self, req: Request) -> list[int]:
+        """What the scheduler appends after a sequence's tokens: the grammar-forced drafts accepted as proposed
+        (none where the drafter verifies them, by the batch as it is now)."""
+        return self.drafter.accept_forced(req, len(self.scheduler.running))
 
     def _verify(self, logits: torch.Tensor, rows: list[int], seqs: list[Request]):
         """Sample with drafts (`verify.py`): each sequence's accepted drafts and next token appended, the KV of
         its rejected drafts given back."""
         deltas = [self.scheduler.new_delta(seq) for seq in seqs]
-        forced = self._forced()
         accepted = verify(self.sampler, logits, rows, seqs,
                           lambda i, token, lp: self.scheduler.append(seqs[i], token, lp, deltas[i]))
         for seq, delta, num_accepted in zip(seqs, deltas, accepted):
             self.drafter.record(seq, len(seq.spec_token_ids), num_accepted)
             self.scheduler.reject_drafts(seq, num_accepted)
-            self.scheduler.close_delta(seq, delta, forced)
+            self.scheduler.close_delta(seq, delta, self._accept_forced)
         return deltas
 
     def _add_prompt_logprobs(self, rows: PromptRows) -> None:

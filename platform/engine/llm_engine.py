@@ -18,7 +18,7 @@ from loraplex.adapters.registry import AdapterRegistry
 from loraplex.grammar.manager import GrammarManager
 from loraplex.platform.config import EngineConfig
 from loraplex.platform.core.engine_core import EngineCore, EngineStats
-from loraplex.platform.device import select_device
+from loraplex.platform.device import MemorySnapshot, select_device
 from loraplex.platform.engine.input_processor import InputProcessor, Limits
 from loraplex.platform.engine.output_processor import OutputProcessor
 from loraplex.platform.executor.factory import executor_class
@@ -41,14 +41,24 @@ class Engine:
         self.max_model_len, self.max_loras = resolved.max_model_len, resolved.max_loras
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         select_device(device)  # this thread's; each rank selects its own before loading
+        # before the adapter slots (on the device with one rank): the KV budget is what weights and slots leave
+        memory_start = MemorySnapshot.measure(device) if device.type == "cuda" else None
         executor = executor_class(resolved)
         self.adapters = _registry(resolved, executor.uses_engine_slots)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, model.eos_token_ids, config.model)
         self.grammars = GrammarManager(self.tokenizer, model.vocab_size, list(self.eos_token_ids),
                                        config.grammar_backend, config.grammar_compile_timeout_s,
                                        workers=config.grammar_compile_workers)
-        self.core = EngineCore(resolved, executor(resolved, self.adapters), self.adapters, self.grammars,
-                               self.tokenizer, self.eos_token_ids)
+        self.core = EngineCore(resolved, executor(resolved, self.adapters, memory_start), self.adapters,
+                               self.grammars, self.tokenizer, self.eos_token_ids)
+        try:
+            self._front_end(resolved)
+        except BaseException:
+            self.core.close()
+            raise
+
+    def _front_end(self, resolved: ResolvedConfig) -> None:
+        config, model = resolved.engine, resolved.model
         self.inputs = InputProcessor(self.tokenizer, Limits(model.vocab_size, self.max_model_len,
                                                             config.max_num_seqs, config.block_size,
                                                             self.core.num_blocks, config.max_adapters_per_request,

@@ -1,7 +1,9 @@
 """The executor: how the engine reaches its ranks. The engine calls the same methods whatever the number of ranks
 (vLLM's `Executor`); `factory.executor_class` picks the implementation once, from the resolved config:
 `UniprocExecutor` (one rank, in the engine's process) or `MultiprocExecutor` (tensor parallelism: a worker process
-per rank). Both run `worker.Worker`s, each with the one `ModelRunner`."""
+per rank). Both run `worker.Worker`s, each with the one `ModelRunner`, and are built as
+`cls(resolved, adapters, memory_start)`: the engine's adapter registry, and CUDA's memory before the engine allocated
+anything (`device.MemorySnapshot`; a worker process measures its own)."""
 
 from __future__ import annotations
 

@@ -29,12 +29,13 @@ import torch
 from loraplex.adapters.peft_format import AdapterError, LoRAWeights
 from loraplex.adapters.registry import AdapterRegistry
 from loraplex.kernels.dispatch import to_device
+from loraplex.platform.device import MemorySnapshot
 from loraplex.platform.distributed import create_segment
 from loraplex.platform.executor.abstract import Executor, WorkerDiedError
 from loraplex.platform.resolve import ResolvedConfig
 from loraplex.platform.worker.cuda_graphs import Capture
 from loraplex.platform.worker.model_runner import ModelInput
-from loraplex.platform.worker.worker import pack_adapter, uses_shared_memory, worker_main
+from loraplex.platform.worker.worker import pack_adapter, rank_device, uses_shared_memory, worker_main
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,9 @@ class MultiprocExecutor(Executor):
     uses_engine_slots = False
     input_device = torch.device("cpu")  # the step's tables go down a pipe
 
-    def __init__(self, resolved: ResolvedConfig, adapters: AdapterRegistry) -> None:
+    def __init__(self, resolved: ResolvedConfig, adapters: AdapterRegistry,
+                 memory_start: MemorySnapshot | None = None) -> None:
+        """`memory_start`: unused (each rank measures its own device in its own process)."""
         self.device = resolved.device
         config, size = resolved.engine, resolved.engine.tensor_parallel_size
         context = multiprocessing.get_context("spawn")  # no fork of a process holding threads and a torch pool
@@ -58,8 +61,8 @@ class MultiprocExecutor(Executor):
         for rank in range(size):
             parent, child = context.Pipe()
             proc = context.Process(target=worker_main, name=f"loraplex-tp{rank}", daemon=True,
-                                   args=(config, rank, size, init_method, child, threads,
-                                         self.segment and str(self.segment)))
+                                   args=(config, rank, size, rank_device(resolved.device, rank), init_method, child,
+                                         threads, self.segment and str(self.segment)))
             proc.start()
             child.close()
             self.conns.append(parent)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from loraplex.adapters.registry import AdapterRegistry
+from loraplex.platform.device import MemorySnapshot
 from loraplex.platform.executor.abstract import Executor
 from loraplex.platform.resolve import ResolvedConfig
 from loraplex.platform.worker.cuda_graphs import Capture
@@ -16,8 +17,10 @@ from loraplex.platform.worker.worker import Worker
 class UniprocExecutor(Executor):
     uses_engine_slots = True
 
-    def __init__(self, resolved: ResolvedConfig, adapters: AdapterRegistry) -> None:
-        self.worker = Worker(resolved, slots=adapters.slots)
+    def __init__(self, resolved: ResolvedConfig, adapters: AdapterRegistry,
+                 memory_start: MemorySnapshot | None = None) -> None:
+        """`memory_start`: CUDA's memory before the engine allocated anything (its adapter slots included)."""
+        self.worker = Worker(resolved, slots=adapters.slots, memory_start=memory_start)
         self.input_device = self.worker.device
 
     def kv_blocks(self) -> int:

@@ -33,8 +33,9 @@ class Proposer(Protocol):
 
 
 class GrammarForced:
-    """The tokens of the text the request's grammar forces next, where they decode back to it (a draft: the
-    model may still pick another tokenization, and verification keeps what it picks)."""
+    """The tokens of the text the request's grammar forces next: `propose`, where they decode back to it (a draft:
+    the model may still pick another tokenization, and verification keeps what it picks); `accepted`, its canonical
+    tokens taken without the model (jump-forward)."""
 
     always = True  # nearly always accepted: drafted whatever the request's recent acceptance
 

@@ -6,7 +6,7 @@ and batches above the largest size run eagerly.
 A graph replays the kernels it recorded on the buffers it recorded, so everything the forward
 pass reads lives in those buffers: token ids, positions, slot mapping and sequence lengths (rows
 of one tensor, filled from one persistent pinned staging buffer in one copy), the int32 block
-tables (max_model_len wide, copied from the engine's block table), and each token's adapter slot
+tables (max_model_len wide, copied from the step's rows: the engine's block table, or its copy sent to a worker), and each token's adapter slot
 (tokens grouped by adapter slot on the device inside the graph, the null slot for tokens without one:
 `LoRABatch.grouped`). Steps with adapter mixes of up to `mix_passes` adapters replay graphs of their own,
 one grouped pass per adapter of a mix with each token's weight (a gather on the device), unused passes

@@ -74,8 +74,10 @@ def copy_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:
 
 
 class Table(Protocol):
-    """A step's block-table rows, in batch order: `commit` puts them on the device (into `out`, a graph's buffer
-    as wide as the table, when given) and returns them."""
+    """A step's block-table rows, in batch order: `to` a rank's device (where they are not already), then `commit`
+    puts them there (into `out`, a graph's buffer as wide as the table, when given) and returns them."""
+
+    def to(self, device: torch.device) -> "Table": ...
 
     def commit(self, out: torch.Tensor | None = None) -> torch.Tensor: ...
 
@@ -84,8 +86,11 @@ class Table(Protocol):
 class TableRows:
     """In the engine's process: rows of its persistent `BlockTable`, copied to the device in one copy at commit."""
 
-    table: object  # core/block_table.BlockTable
+    table: object  # core/block_table.BlockTable, on the device of the rank in the engine's process
     rows: list[int]
+
+    def to(self, device: torch.device) -> "TableRows":
+        return self
 
     def commit(self, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.table.commit(self.rows, out)
@@ -99,7 +104,10 @@ class TableRows:
 class TableTensor:
     """In a worker process: the rows as the engine sent them."""
 
-    rows: torch.Tensor  # [R, width] int32, on the host
+    rows: torch.Tensor  # [R, width] int32: on the host as sent, then on the rank's device
+
+    def to(self, device: torch.device) -> "TableTensor":
+        return TableTensor(to_device(self.rows, device))
 
     def commit(self, out: torch.Tensor | None = None) -> torch.Tensor:
         if out is None:
@@ -167,6 +175,7 @@ class ModelRunner:
         """The logits of `step.last_rows` [R, vocab] in the model's dtype (None when no row is sampled) and the
         hidden rows of each `prompt_rows` run."""
         copy_blocks(self.kv_cache, step.block_copies)
+        step.table = step.table.to(self.device)  # a worker process's rows arrive on the host
         graphs = self.graphs
         if graphs is not None and step.decode_only \
                 and graphs.fits(len(step.last_rows), step.lora_slots is not None, len(step.mix_passes or ())) \
@@ -186,7 +195,7 @@ class ModelRunner:
             return to_device(torch.tensor(values, dtype=torch.long, device="cpu"), self.device)
 
         meta = PagedAttentionMetadata.build(
-            slot_mapping=put(step.slots), block_tables=to_device(step.table.commit(), self.device),
+            slot_mapping=put(step.slots), block_tables=step.table.commit(),
             seq_lens=put(step.seq_lens), query_start_loc=put(step.starts), block_size=self.block_size,
             max_query_len=step.max_query_len, max_seq_len=max(step.seq_lens))
         if step.mix_passes is not None:

@@ -43,16 +43,21 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=120)  # a rank stuck past this in a gloo 
 
 class Worker:
     def __init__(self, resolved: ResolvedConfig, rank: int = 0, size: int = 1, slots: LoRASlots | None = None,
-                 segment: str | None = None) -> None:
+                 segment: str | None = None, device: torch.device | None = None,
+                 memory_start: MemorySnapshot | None = None) -> None:
         """`slots`: the engine's adapter slots, for a rank in the engine's process (else the rank makes its own);
-        `segment`: the shared-memory all-reduce's, where the executor made one."""
+        `segment`: the shared-memory all-reduce's, where the executor made one; `device`: the rank's (`rank_device`;
+        default the engine's); `memory_start`: CUDA's memory before anything of the engine was allocated (measured
+        here when not given), from which `kv_blocks` sizes the cache."""
         config = self.engine_config = resolved.engine
         self.rank, self.resolved = rank, resolved
-        self.device = _rank_device(resolved.device, rank)
+        self.device = device or resolved.device
         select_device(self.device)  # before anything touches it: loading, the profiling pass, graph capture
         if segment is not None:  # the executor decided (the same for every rank): float32 on the CPU, C kernels built
             use_shared_memory(segment, rank, size)
-        self.memory_start = MemorySnapshot.measure(self.device) if self.device.type == "cuda" else None
+        if memory_start is None and self.device.type == "cuda":
+            memory_start = MemorySnapshot.measure(self.device)
+        self.memory_start = memory_start
         self.plan = plan_for(resolved.model, size, rank) if size > 1 else None  # one rank: the whole model
         self.config = local_config(resolved.model, self.plan) if self.plan else resolved.model
         self.model = load_model(config.model, self.config, resolved.kernels, resolved.max_model_len,
@@ -115,7 +120,7 @@ class Worker:
         return self.runner.logits(hidden.to(self.device), slots)
 
 
-def _rank_device(device: torch.device, rank: int) -> torch.device:
+def rank_device(device: torch.device, rank: int) -> torch.device:
     """Rank r's device: the r-th CUDA device from the engine's; the CPU is every rank's."""
     return torch.device("cuda", (device.index or 0) + rank) if device.type == "cuda" else device
 
@@ -151,19 +156,20 @@ def shard_adapter(weights: LoRAWeights, plan: ShardPlan | None) -> LoRAWeights:
     return dataclasses.replace(weights, projections=projections)
 
 
-def worker_main(config: EngineConfig, rank: int, size: int, init_method: str, conn, threads: int,
-                segment: str | None) -> None:
-    """A worker process: join the group, build the rank, then answer the engine until it closes the pipe."""
+def worker_main(config: EngineConfig, rank: int, size: int, device: torch.device, init_method: str, conn,
+                threads: int, segment: str | None) -> None:
+    """A worker process on `device` (`rank_device`): join the group, build the rank, then answer the engine until it
+    closes the pipe."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the engine stops the workers
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp{rank} %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(threads)
     backend = "nccl" if config.torch_device.type == "cuda" else "gloo"
     try:
         if backend == "nccl":
-            torch.cuda.set_device(rank)  # before the group: NCCL binds each rank to its current device
+            torch.cuda.set_device(device)  # before the group: NCCL binds each rank to its current device
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                                 timeout=COLLECTIVE_TIMEOUT)
-        worker = Worker(resolve(config), rank, size, None, segment)
+        worker = Worker(resolve(config), rank, size, None, segment, device)
     except Exception as exc:  # the engine reports it and stops the others
         log.exception("tensor-parallel rank %d failed to start", rank)
         conn.send_bytes(pickle.dumps(("error", f"rank {rank}: {type(exc).__name__}: {exc}")))

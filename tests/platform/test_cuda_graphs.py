@@ -127,7 +127,7 @@ class _StepOps(TorchDispatchMode):
 
 def test_a_graph_step_copies_each_input_once_from_persistent_buffers():
     """One copy for ids / positions / slots / lengths, one gather + copy of the int32 block table rows in use
-    (from the runner's BlockTable, not rebuilt from lists), one host tensor (the B row numbers)."""
+    (from the engine's BlockTable, not rebuilt from lists), one host tensor (the B row numbers)."""
     kv = KVCacheManager(64, block_size=4)
     requests = [Request(f"r{i}", list(range(3 + 2 * i)), SamplingParams()) for i in range(3)]
     for req in requests:
