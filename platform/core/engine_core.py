@@ -156,7 +156,8 @@ class EngineCore:
     def unfinished_request_ids(self) -> list[str]:
         return list(self.scheduler.groups)
 
-    def stats(self) -> EngineStats:
+    def stats(self, **front) -> EngineStats:
+        """`front`: the front end's own fields (the output processor's schema checks), set in the same snapshot."""
         s, drafter = self.scheduler, self.drafter if self.config.speculative is not None else None
         return EngineStats(
             num_running=len(s.running), num_waiting=len(s.waiting),
@@ -166,7 +167,7 @@ class EngineCore:
             waiting_adapters=tuple(sorted({name for r in s.waiting for name in r.adapter_names})),
             max_loras=self.max_loras, spec_decode=drafter.counters.copy() if drafter is not None else None,
             spec_decode_by_adapter={name: c.copy() for name, c in drafter.by_adapter.items()}
-            if drafter is not None else {})
+            if drafter is not None else {}, **front)
 
     # ---- one step ----------------------------------------------------------------------------
 

@@ -19,8 +19,8 @@ from loraplex.platform.adapter_mix import AdapterMix, parse_mix
 from loraplex.platform.config import EngineConfig
 from loraplex.platform.core.fair_share import TenantShare
 from loraplex.platform.core.engine_core import EngineStats
-from loraplex.platform.engine.values import (ClientTooSlowError, EngineDeadError, Health, QueueFullError, StepFailedError,
-                                             StructuredCheck)
+from loraplex.platform.engine.values import (ClientTooSlowError, EngineDeadError, Health, QueueFullError,
+                                             StepFailedError, StructuredCheck)
 from loraplex.platform.engine.output_processor import accumulate
 from loraplex.platform.request import RequestOutput, SamplingParams
 

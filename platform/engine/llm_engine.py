@@ -7,7 +7,6 @@ thread, `AsyncEngine` on a thread of its own.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -97,9 +96,9 @@ class Engine:
         return self.core.unfinished_request_ids()
 
     def stats(self) -> EngineStats:
-        return dataclasses.replace(self.core.stats(), structured_checked=self.outputs.num_structured_checked,
-                                   schema_violations_strict=self.outputs.num_schema_violations[True],
-                                   schema_violations_lenient=self.outputs.num_schema_violations[False])
+        return self.core.stats(structured_checked=self.outputs.num_structured_checked,
+                               schema_violations_strict=self.outputs.num_schema_violations[True],
+                               schema_violations_lenient=self.outputs.num_schema_violations[False])
 
     def step(self) -> list[RequestOutput]:
         """One core step; the outputs are deltas (what each touched request gained)."""

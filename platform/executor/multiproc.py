@@ -1,6 +1,6 @@
 """Tensor parallelism: `MultiprocExecutor` starts and supervises `--tensor-parallel-size` worker processes
-(`platform/worker/worker.py`, `worker_main`), sends each step's `ModelInput` (built on the engine's host) to every rank and
-reads rank 0's answer.
+(`platform/worker/worker.py`, `worker_main`), sends each step's `ModelInput` (built on the engine's host) to every
+rank and reads rank 0's answer.
 
 Each call goes to every worker through its own pipe and waits for every answer, watching the processes. Every
 call takes part in collectives, so a rank that fails one leaves the others waiting in it: a worker that exits,

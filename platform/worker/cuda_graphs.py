@@ -6,11 +6,11 @@ and batches above the largest size run eagerly.
 A graph replays the kernels it recorded on the buffers it recorded, so everything the forward
 pass reads lives in those buffers: token ids, positions, slot mapping and sequence lengths (rows
 of one tensor, filled from one persistent pinned staging buffer in one copy), the int32 block
-tables (max_model_len wide, copied from the step's rows: the engine's block table, or its copy sent to a worker), and each token's adapter slot
-(tokens grouped by adapter slot on the device inside the graph, the null slot for tokens without one:
-`LoRABatch.grouped`). Steps with adapter mixes of up to `mix_passes` adapters replay graphs of their own,
-one grouped pass per adapter of a mix with each token's weight (a gather on the device), unused passes
-on the null slot; larger mixes run eagerly.
+tables (max_model_len wide, copied from the step's rows: the engine's block table, or its copy sent to a worker),
+and each token's adapter slot (tokens grouped by adapter slot on the device inside the graph, the null slot for
+tokens without one: `LoRABatch.grouped`). Steps with adapter mixes of up to `mix_passes` adapters replay graphs
+of their own, one grouped pass per adapter of a mix with each token's weight (a gather on the device), unused
+passes on the null slot; larger mixes run eagerly.
 Padding rows write no KV (slot -1) and attend to one cached position (their table rows hold
 whatever valid block ids an earlier step left). The staging buffers are reused: each step reads
 its sampled tokens back before the next one is built, so the last copy has landed by then.

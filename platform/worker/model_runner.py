@@ -1,6 +1,6 @@
 """A rank's model runner: owns its model (or shard), the LoRA context its layers read and its paged KV cache;
-runs one `ModelInput` (the flat batch the engine built on its host, `platform/core/input_batch.py`) and returns the logits
-of the rows the engine samples and the hidden states of prompt positions whose logprobs a request asked for.
+runs one `ModelInput` (the flat batch the engine built on its host, `platform/core/input_batch.py`) and returns the
+logits of the rows the engine samples and the hidden states of prompt positions whose logprobs a request asked for.
 
 The same runner runs under one rank or several (`worker.py`): the inputs are copied to the rank's device
 (through pinned memory on CUDA, without waiting); the maxima the kernels need are known on the host, so a step
