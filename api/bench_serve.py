@@ -39,6 +39,7 @@ class RequestResult:
     ttft: float = 0.0
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
+    id: str = ""  # the response's id
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -100,6 +101,7 @@ async def _one(client, model: str, prompt: str, args, adapter: str, structured: 
                 else:
                     result.itl.append(now - last)
                 last = now
+            result.id = chunk.id  # the response's id: its usage ledger row is `{id}-0`
             if chunk.usage is not None:
                 result.prompt_tokens = chunk.usage.prompt_tokens
                 result.output_tokens = chunk.usage.completion_tokens

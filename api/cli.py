@@ -84,6 +84,17 @@ def _bench_serve(args: argparse.Namespace) -> int:
     return status
 
 
+def _usage(args: argparse.Namespace) -> int:
+    from loraplex.api.admin.usage_export import export
+    from loraplex.api.launch import usage_db
+
+    path = usage_db(ServerConfig(usage_db=args.usage_db, port=args.port))
+    if path is None:
+        raise ValueError("--usage-db memory keeps nothing to read")
+    print(export(path, args.since, args.until, args.format), end="")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex", description="multi-LoRA, structured-output LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -112,6 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
     ray.add_argument("--ray", action="store_true", help="serve replicas on Ray Serve, routed by adapter")
     add_flags(ray, ClusterConfig)
     p.set_defaults(func=_serve)
+
+    p = sub.add_parser("usage", help="what the usage ledger billed, per day, tenant and adapter")
+    p.add_argument("--usage-db", default=None, metavar="PATH", help="the ledger's file (default: the one "
+                   "`loraplex serve --port PORT` writes, usage-PORT.db in $LORAPLEX_CACHE or ~/.cache/loraplex)")
+    p.add_argument("--port", type=int, default=ServerConfig.port, help="the server's port, for the default file")
+    p.add_argument("--since", default=None, help="unix seconds or ISO 8601 (UTC unless it says); included")
+    p.add_argument("--until", default=None, help="unix seconds or ISO 8601; excluded")
+    p.add_argument("--format", default="csv", choices=["csv", "json"])
+    p.set_defaults(func=_usage)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("serve", help="load an OpenAI-compatible server and report vLLM's serving metrics")

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from loraplex.api.openai import openai_format as fmt
+from loraplex.grammar.backend import WorkerGone
 from loraplex.grammar.tooling.tools import ToolCallError
 from loraplex.platform.engine.engine_client import (AdapterInUseError, ClientTooSlowError, EngineDeadError,
                                              QueueFullError, StepFailedError, UnknownAdapterError)
@@ -29,9 +30,10 @@ class APIError(Exception):
 
 
 # engine-side failures, most specific first; any other ValueError is the request's own fault (a
-# malformed tool call is the output's: under the grammar it is a bug, reported, never hidden)
+# malformed tool call is the output's: under the grammar it is a bug, reported, never hidden; a
+# compile worker killed from outside is the server's, and a retry compiles on a fresh one)
 _STATUSES = ((UnknownAdapterError, 404, "model"), (AdapterInUseError, 409, None), (QueueFullError, 429, None),
-             (EngineDeadError, 503, None), (StepFailedError, 500, None), (ClientTooSlowError, 408, None),
+             (EngineDeadError, 503, None), (WorkerGone, 503, None), (StepFailedError, 500, None), (ClientTooSlowError, 408, None),
              (ToolCallError, 500, None), (ValueError, 400, None))
 
 

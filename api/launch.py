@@ -12,7 +12,9 @@ from pathlib import Path
 from loraplex.api.flags import add_flags, values
 from loraplex.api.settings import ServerConfig
 from loraplex.api.tenancy.tenants import TenantRegistry
+from loraplex.api.tracing import traces_url
 from loraplex.platform.config import EngineConfig
+from loraplex.platform import model_store
 from loraplex.platform.model_store import materialize_default_model
 
 
@@ -43,7 +45,23 @@ def server_config(args: argparse.Namespace, model: str) -> ServerConfig:
     for root in config.adapter_roots:
         if not Path(root).is_dir():
             raise ValueError(f"--adapter-root {root!r} is not a folder")
+    if config.otlp_traces_endpoint:  # a bad URL fails here, before the model is loaded
+        traces_url(config.otlp_traces_endpoint)
     if config.tenants_file:  # a broken file fails here, before the model is loaded
         TenantRegistry(config.tenants_file, (config.admin_api_key, config.metrics_api_key, config.api_key))
     return dataclasses.replace(config, served_model_name=config.served_model_name or Path(model).name,
-                               model_path=model)
+                               model_path=model, usage_db=usage_db(config))
+
+
+def usage_db(config: ServerConfig) -> str | None:
+    """The ledger's file: as given, `usage-PORT.db` in the cache by default, None for 'memory'."""
+    if config.usage_db == "memory":
+        return None
+    if config.usage_db:
+        path = Path(config.usage_db).resolve()
+        if not path.parent.is_dir():
+            raise ValueError(f"--usage-db {config.usage_db!r}: its folder does not exist")
+        return str(path)
+    folder = model_store.cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    return str(folder / f"usage-{config.port}.db")

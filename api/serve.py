@@ -5,6 +5,7 @@ period, then "shutting down" errors) and always exits 0; SIGHUP re-reads the ten
 from __future__ import annotations
 
 import argparse
+import asyncio
 import atexit
 import contextlib
 import logging
@@ -26,6 +27,7 @@ from loraplex.platform.engine.engine_client import EngineClient, build_engine_cl
 
 log = logging.getLogger(__name__)
 EXIT_HOOKS_S = 5.0  # what the exit hooks get before the process leaves without them
+READY_POLL_S = 0.1
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -40,7 +42,7 @@ def serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: None)
     signal.signal(signal.SIGHUP, lambda *_: _reload_tenants(app.state.loraplex))
     try:
-        _DrainingServer(config, client, server.shutdown_timeout_s).run()  # exits the process once drained
+        _DrainingServer(config, client, server).run()  # exits the process once drained
     finally:
         client.shutdown()
     return 1  # uvicorn stopped without starting
@@ -91,9 +93,24 @@ class _DrainingServer(uvicorn.Server):
     """uvicorn's server, plus: on the first SIGTERM/SIGINT, requests still running after the grace
     period are aborted with a 'shutting down' error (a last SSE event, or a 503), not cut off."""
 
-    def __init__(self, config: uvicorn.Config, client: EngineClient, grace_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, client: EngineClient, server: ServerConfig) -> None:
         super().__init__(config)
-        self.client, self.grace_s = client, grace_s
+        self.client, self.grace_s, self.url = client, server.shutdown_timeout_s, server.url
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self._announcer = asyncio.ensure_future(self._announce_ready())
+
+    async def _announce_ready(self) -> None:
+        """One line on stdout once `/ready` would answer 200 (scripts wait for it, or poll /ready)."""
+        while not self.should_exit:
+            health = self.client.health()
+            if health.problem is None and health.warming is None:
+                log.info("ready")
+                print(f"loraplex: ready at {self.url}/v1", flush=True)
+                return
+            await asyncio.sleep(READY_POLL_S)
 
     async def serve(self, sockets=None) -> None:
         await super().serve(sockets)
@@ -101,6 +118,7 @@ class _DrainingServer(uvicorn.Server):
             # drained: exit here, not after the event loop's close, which would wait for its worker
             # threads (one may still be compiling a grammar, for as long as the compile timeout)
             self.client.shutdown()
+            self.config.app.state.loraplex.ledger.close()  # what was billed is committed before the exit
             _exit_now(0)
 
     def handle_exit(self, sig, frame) -> None:

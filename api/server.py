@@ -42,6 +42,7 @@ def app_for(state: ServerState) -> FastAPI:
     app = FastAPI(title="loraplex", version=loraplex.__version__,
                   description="OpenAI-compatible multi-LoRA, structured-output LLM server")
     app.state.loraplex = state
+    app.router.on_shutdown.append(state.tracing.shutdown)  # the spans still buffered are exported at stop
     app.add_middleware(BodyLimit, limit=state.config.max_request_body_bytes)
     app.add_middleware(RelativeRedirects)
     install_error_handlers(app, auth.shown)

@@ -67,6 +67,13 @@ class ServerConfig:
                                                "changed ETag: the new version is loaded)")
     adapter_fetch_timeout: float = setting(30.0, "seconds the object store may take to connect or answer, per attempt")
     adapter_fetch_attempts: int = setting(3, "attempts per object-store request (exponential backoff between)")
+    usage_db: str | None = setting(None, "SQLite file the usage ledger is kept in (every answered request's tokens "
+                                         "per tenant and adapter, kept across restarts; default: usage-PORT.db in "
+                                         "$LORAPLEX_CACHE or ~/.cache/loraplex; 'memory': not kept)", metavar="PATH")
+    otlp_traces_endpoint: str | None = setting(None, "export OpenTelemetry spans of each request (queue, prefill, "
+                                                     "decode, grammar compile, adapter load) over OTLP/HTTP to this "
+                                                     "URL, e.g. http://127.0.0.1:4318/v1/traces (vLLM's flag); none: "
+                                                     "nothing traced", metavar="URL")
     max_waiting_requests: int | None = setting(1024, "beyond this, 429 with Retry-After")
     max_request_body_bytes: int = setting(4 << 20, "beyond this, 413", size=True)
     request_timeout_s: float | None = setting(None, "seconds; beyond this, 504", flag="--request-timeout")

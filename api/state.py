@@ -11,11 +11,13 @@ from fastapi import Request
 from loraplex.api.sources.adapter_directory import AdapterDirectory, SharedAdapters
 from loraplex.api.sources.adapter_roots import relative_to, spellings
 from loraplex.api.admin.audit import AuditLog
+from loraplex.api.admin.ledger import RemoteLedger, UsageLedger
 from loraplex.api.tenancy.callers import OPEN, Caller
 from loraplex.api.admin.metrics import ServerMetrics
 from loraplex.api.tenancy.quotas import TenantLimits
 from loraplex.api.settings import ServerConfig
 from loraplex.api.tenancy.tenants import TenantRegistry
+from loraplex.api.tracing import NoTracing, Tracing, tracing_for
 from loraplex.platform.engine.engine_client import EngineClient
 
 
@@ -29,15 +31,22 @@ class ServerState:
     limits: TenantLimits = field(default_factory=TenantLimits)
     audit: AuditLog = field(default_factory=lambda: AuditLog(None))
     created: int = field(default_factory=lambda: int(time.time()))
+    tracing: Tracing = field(default_factory=NoTracing)  # OpenTelemetry spans (--otlp-traces-endpoint)
 
     @classmethod
-    def create(cls, client: EngineClient, config: ServerConfig, shared: SharedAdapters | None = None):
-        """The state of a server for `config`; a tenants file that cannot be used is a TenantsError."""
+    def create(cls, client: EngineClient, config: ServerConfig, shared: SharedAdapters | None = None,
+               ledger: RemoteLedger | None = None):
+        """The state of a server for `config`; a tenants file that cannot be used is a TenantsError.
+        `ledger`: where usage is billed when not in `config.usage_db` (a Ray replica: the cluster's)."""
         tenants = TenantRegistry(config.tenants_file, (config.admin_api_key, config.metrics_api_key, config.api_key))
-        metrics = ServerMetrics(client.stats)
+        metrics = ServerMetrics(client.stats, ledger or UsageLedger(config.usage_db))
         adapters = AdapterDirectory(client, config, shared, lambda store: setattr(metrics.adapter_store, "store", store))
         return cls(client, config, adapters, metrics, tenants, TenantLimits(share=config.tenant_limit_share),
-                   AuditLog(config.audit_log))
+                   AuditLog(config.audit_log), tracing=tracing_for(config))
+
+    @property
+    def ledger(self) -> UsageLedger | RemoteLedger:
+        return self.metrics.ledger
 
     def redacted(self, text: str, caller: Caller = OPEN) -> str:
         """`text` with the server's folders (the model's, the adapter roots, each adapter's, as

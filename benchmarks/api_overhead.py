@@ -2,7 +2,10 @@
 model (where the HTTP path, not the model, is most of a call), without tenants (`--api-key` only) or with a
 tenants file (`--tenants`: the caller is a tenant with every limit set, so each call takes and settles a lease).
 
-    python benchmarks/api_overhead.py [--tenants] [--calls 300] [--streams 150]
+    python benchmarks/api_overhead.py [--tenants] [--calls 300] [--streams 150] [--ledger-file]
+
+`--ledger-file` keeps the usage ledger in a SQLite file as `loraplex serve` does (default here: in memory); a
+commit from before the ledger ignores it.
 
 Compare two commits side by side in ONE run, alternating: check the other commit out into a worktree and point
 the `loraplex` package at it (a folder whose `loraplex/` holds that tree's `__init__.py` and links to its five
@@ -13,6 +16,7 @@ package folders) with PYTHONPATH; this script and its test helpers stay the curr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -30,7 +34,7 @@ TENANTS = {"tenants": {"bench": {"api_keys": [KEY], "requests_per_minute": 10**9
                        "other": {"api_keys": ["sk-other"]}, "third": {"api_keys": ["sk-third"]}}}
 
 
-def serve(folder: Path, tenants: bool):
+def serve(folder: Path, tenants: bool, ledger_file: bool = False):
     from conftest import make_tiny_model
     from live_server import start_server
 
@@ -38,6 +42,8 @@ def serve(folder: Path, tenants: bool):
 
     model = make_tiny_model(folder / "tiny")
     extra = {}
+    if ledger_file and "usage_db" in {f.name for f in dataclasses.fields(ServerConfig)}:
+        extra["usage_db"] = str(folder / "usage.db")
     if tenants:
         (folder / "tenants.json").write_text(json.dumps(TENANTS))
         extra = {"tenants_file": str(folder / "tenants.json"), "admin_api_key": "sk-admin"}
@@ -59,9 +65,10 @@ def main() -> None:
     parser.add_argument("--tenants", action="store_true", help="call as a tenant (a tenants file, limits set)")
     parser.add_argument("--calls", type=int, default=300, help="non-streamed calls, 1 token each")
     parser.add_argument("--streams", type=int, default=150, help="streamed calls, 8 tokens each")
+    parser.add_argument("--ledger-file", action="store_true", help="the usage ledger in a file, as `serve` has it")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
-        server = serve(Path(folder), args.tenants)
+        server = serve(Path(folder), args.tenants, args.ledger_file)
         try:
             body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 1, "temperature": 0}
             for _ in range(30):  # warm-up

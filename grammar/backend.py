@@ -22,6 +22,11 @@ class GrammarError(ValueError):
     raises it for a spec it cannot build lets `auto` try the next backend."""
 
 
+class WorkerGone(GrammarError):
+    """A compile worker process ended without an answer (killed from outside, or out of memory): the
+    server's failure, not the spec's (grammar/compile_pool.py)."""
+
+
 class RefusedError(GrammarError):
     """A spec refused for soundness: the backend would not enforce it exactly. Final: `auto`
     never hands it to a backend after it, which would enforce less."""

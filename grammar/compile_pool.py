@@ -11,6 +11,11 @@ with its process (SIGKILL, waited for) and a fresh worker forked in its place. A
 build inside a worker does not count toward a compile's timeout: the worker says when it starts
 and ends. Both processes get SIGKILL when their parent ends, so none outlives the server.
 
+A worker killed from outside (an OOM killer) fails only the compile it held, with an error that
+says so, and is replaced at once; one that died idle is found dead as it is handed its next job,
+which goes to its replacement instead of failing. A killed zygote takes its workers with it
+(their parent-death signal) and is started again at the next fork.
+
 `CompilePool.submit` queues a job and returns at once; the worker's answer (or the timeout's
 error) completes the job on the pool's own thread, one per worker slot.
 """
@@ -33,7 +38,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import sendfds
 from typing import Callable
 
-from loraplex.grammar.backend import GrammarError, StructuredOutputs
+from loraplex.grammar.backend import GrammarError, StructuredOutputs, WorkerGone
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +55,9 @@ class Job:
     done: Callable[[object, BaseException | None], None]  # (result, error), called on the slot's thread
 
 
-class WorkerGone(GrammarError):
-    """The worker process ended without an answer (killed from outside, or out of memory)."""
+class GoneIdle(WorkerGone):
+    """The worker had ended before it was handed the spec (killed while idle): the spec is not why, so the job
+    goes to a fresh worker instead of failing."""
 
 
 class Zygote:
@@ -83,11 +89,17 @@ class Zygote:
                     self._started = True
                 from_child, child_out = os.pipe()
                 child_in, to_child = os.pipe()
-                self.control.send("fork")
-                sendfds(self.sock, [child_in, child_out])
-                os.close(child_in)
-                os.close(child_out)
-                pid = self.control.recv()
+                try:
+                    self.control.send("fork")
+                    sendfds(self.sock, [child_in, child_out])
+                    pid = self.control.recv()
+                except BaseException:  # no worker: no ends of its pipes left open here either
+                    os.close(from_child)
+                    os.close(to_child)
+                    raise
+                finally:
+                    os.close(child_in)
+                    os.close(child_out)
             except (EOFError, OSError):
                 raise WorkerGone("the grammar compile zygote ended unexpectedly") from None
         return Worker(pid, Connection(from_child, writable=False), Connection(to_child, readable=False))
@@ -115,6 +127,18 @@ class Worker:
             return self.inbox.recv()
         except (EOFError, OSError):
             raise WorkerGone("the grammar compile worker ended unexpectedly") from None
+
+    def hand(self, spec: StructuredOutputs) -> None:
+        """Send `spec`; GoneIdle if the worker has ended meanwhile. An idle worker sends nothing, so a readable
+        inbox is its end of file; a send into a pipe nobody reads fails."""
+        try:
+            gone = self.inbox.poll(0)
+            if not gone:
+                self.outbox.send(spec)
+        except OSError:
+            gone = True
+        if gone:
+            raise GoneIdle(f"the grammar compile worker died before it took the {spec.kind} spec")
 
     def kill(self) -> None:
         with self._lock:  # the slot's thread and close() may both get here
@@ -150,12 +174,27 @@ class CompilePool:
         with self._lock:
             if self.closed:
                 raise GrammarError("the grammar compile pool is shut down")
-            while len(self._slots) < self.workers:  # all at the first job: a burst finds them started
-                slot = threading.Thread(target=self._serve, args=(len(self._slots),), daemon=True,
-                                        name=f"loraplex-grammar-{len(self._slots)}")
-                self._slots.append(slot)
-                slot.start()
+            self._start_slots()
             self._jobs.put(job)
+
+    def warm_up(self) -> None:
+        """Start the zygote and every worker now rather than at the first compile (a server does,
+        so that it is ready when it says so)."""
+        with self._lock:
+            if not self.closed:
+                self._start_slots()
+
+    @property
+    def warm(self) -> bool:
+        """Whether every slot has its worker (forked from a zygote that has imported the backends)."""
+        return len(self._procs) == self.workers and all(w is not None for w in self._procs.values())
+
+    def _start_slots(self) -> None:
+        while len(self._slots) < self.workers:  # all at once: a burst finds them started
+            slot = threading.Thread(target=self._serve, args=(len(self._slots),), daemon=True,
+                                    name=f"loraplex-grammar-{len(self._slots)}")
+            self._slots.append(slot)
+            slot.start()
 
     def _serve(self, slot: int) -> None:
         worker = self._procs[slot] = self._fork()
@@ -163,17 +202,10 @@ class CompilePool:
             job = self._jobs.get()
             if job is None or self.closed:
                 break
-            try:
-                if worker is None:
-                    worker = self._procs[slot] = self._fork()
-                result, error = self._run(worker, job.spec), None
-            except BaseException as exc:  # handed to the job's waiters
-                result, error = None, exc
-                if worker is not None and (isinstance(exc, (WorkerGone, TimeoutError)) or not worker.ready):
-                    worker.kill()
-                    self.num_killed += isinstance(exc, TimeoutError)
-                    worker = None if self.closed else self._fork()  # its replacement, at once
-                    self._procs[slot] = worker
+            for _ in range(2):  # a worker found dead before it took the spec: once more, on its replacement
+                worker, result, error = self._attempt(slot, worker, job.spec)
+                if not isinstance(error, GoneIdle):
+                    break
             self.num_compiles += 1
             if isinstance(error, TimeoutError):
                 error = GrammarError(str(error))
@@ -181,30 +213,72 @@ class CompilePool:
         if worker is not None:
             worker.kill()
 
-    def _fork(self) -> Worker | None:
+    def _attempt(self, slot: int, worker: Worker | None, spec: StructuredOutputs):
+        """`spec` compiled on the slot's worker: (the slot's worker after it, result, error). A worker that
+        ended, timed out or never started is killed and replaced at once."""
         try:
-            with self._lock:  # started by a slot's thread, which lives as long as the pool: the
-                if self._zygote is None and not self.closed:  # zygote dies with the thread that started it
-                    self._zygote = Zygote(self.setup)
-            if self._zygote is None:
-                return None
-            return self._zygote.fork()
-        except WorkerGone:
-            log.exception("no grammar compile worker")
-            return None
+            if worker is None:
+                worker = self._procs[slot] = self._fork()
+            return worker, self._run(worker, spec), None
+        except BaseException as exc:  # handed to the job's waiters
+            if worker is not None and (isinstance(exc, (WorkerGone, TimeoutError)) or not worker.ready):
+                if isinstance(exc, WorkerGone):
+                    log.warning("grammar compile worker %d: %s; forking a fresh one", worker.pid, exc)
+                worker.kill()
+                self.num_killed += isinstance(exc, TimeoutError)
+                worker = None if self.closed else self._fork()  # its replacement, at once
+                self._procs[slot] = worker
+            return worker, None, exc
+
+    def _fork(self) -> Worker | None:
+        for _ in range(2):  # a zygote found dead (killed, its workers with it) is started again, once
+            try:
+                with self._lock:  # started by a slot's thread, which lives as long as the pool: the
+                    if self._zygote is None and not self.closed:  # zygote dies with the thread that started it
+                        self._zygote = Zygote(self.setup)
+                    zygote = self._zygote
+                if zygote is None:
+                    return None
+                return zygote.fork()
+            except WorkerGone:
+                if self.closed:  # closed while this slot forked (a server stopped during its warm-up)
+                    return None
+                log.exception("no grammar compile worker")
+                if not self._drop_if_dead(zygote):
+                    return None
+        return None
+
+    def _drop_if_dead(self, zygote: Zygote) -> bool:
+        """Forget `zygote` if it has ended (reaped), so that the next fork starts a new one; whether it had."""
+        try:
+            zygote.proc.wait(timeout=1)  # a failed fork: it is ending, or it is stuck (then it stays)
+        except subprocess.TimeoutExpired:
+            return False
+        with self._lock:
+            if self._zygote is zygote:
+                self._zygote = None
+        zygote.close()
+        return True
 
     def _run(self, worker: Worker | None, spec: StructuredOutputs):
         if worker is None:
             raise WorkerGone("no grammar compile worker could be started; see the server log")
         if not worker.ready:
-            message = worker.wait(START_LIMIT_S)
+            try:
+                message = worker.wait(START_LIMIT_S)
+            except WorkerGone:  # before it took the spec: not the spec's doing
+                raise GoneIdle("the grammar compile worker died as it started") from None
             if message is None or message[0] != "ready":
                 raise WorkerGone(f"the grammar compile worker did not start: {message!r}")
             worker.ready = True
-        worker.outbox.send(spec)
+        worker.hand(spec)
         left, deadline = self.timeout_s, time.monotonic() + self.timeout_s
         while True:
-            message = worker.wait(deadline - time.monotonic())
+            try:
+                message = worker.wait(deadline - time.monotonic())
+            except WorkerGone:
+                raise WorkerGone(f"the grammar compile worker died while compiling the {spec.kind} spec (killed "
+                                 "from outside, or out of memory)") from None
             if message is None:
                 raise TimeoutError(f"{spec.kind} took longer than {self.timeout_s:g}s to compile")
             if message[0] == "building":  # the clock stops while a backend is built

@@ -155,6 +155,15 @@ class GrammarManager:
         else:
             future.set_exception(error)
 
+    def warm_up(self) -> None:
+        """Start the compile workers now (none without a pool)."""
+        if self.pool is not None:
+            self.pool.warm_up()
+
+    @property
+    def warm(self) -> bool:
+        return self.pool is None or self.pool.warm
+
     def close(self) -> None:
         """Stop the compile workers (the server's shutdown; also run at exit)."""
         if self.pool is not None:

@@ -163,6 +163,8 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     tool_call_format: str | None = None  # the format tool calls are read in (the chat template's, under auto)
     queue_time_s: float | None = None  # arrival to first admission into the batch (once admitted)
+    # the front end's wait for the request's grammar compile, (start, end) in seconds after arrival; None without one
+    grammar_wait_s: tuple[float, float] | None = None
 
 
 class Request:
@@ -196,6 +198,7 @@ class Request:
         self.num_cached_tokens = 0  # prefix-cache hit on first admission
         self.arrival_time = time.monotonic()
         self.queue_time_s: float | None = None  # set on first admission
+        self.grammar_wait_s: tuple[float, float] | None = None  # set by the async front end (traces)
         self.pending_forks = params.n - 1 if index == 0 else 0
         self.stop_reason: str | int | None = None
         self.spec_token_ids: list[int] = []  # drafts computed (and verified) with its next token this step

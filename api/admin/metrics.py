@@ -2,12 +2,14 @@
 prefix-cache hits, adapters, speculative decoding's counters) is read from the engine's latest stats snapshot at
 scrape time;
 latencies and token counts are recorded by the server as requests stream. Each tenant's console
-numbers (`TenantNumbers`) are kept apart, from its own requests only."""
+numbers (`TenantNumbers`) are kept apart, from its own requests only. What is billed (each answered
+prompt, each 429) also goes to the usage ledger (`api/admin/ledger.py`), which outlives the process."""
 
 from __future__ import annotations
 
 import statistics
 import time
+import uuid
 import weakref
 from collections import deque
 from typing import Callable
@@ -15,6 +17,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from loraplex.api.admin.ledger import RemoteLedger, UsageLedger, UsageRow
 from loraplex.platform.engine.engine_client import AdapterMix, EngineStats
 
 P = "loraplex:"
@@ -106,7 +109,9 @@ class _StoreCollector:
 
 
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], ledger: UsageLedger | RemoteLedger | None = None) -> None:
+        """`ledger`: where each answered request and each 429 is billed (in memory when None)."""
+        self.ledger = ledger if ledger is not None else UsageLedger(None)
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(stats))
         self.adapter_store = _StoreCollector()
@@ -145,7 +150,7 @@ class ServerMetrics:
         self.recent_itl: deque[float] = deque(maxlen=RECENT)
         self.by_adapter: dict[str, dict[str, int]] = {}  # '' = the base model; a mix counts for each adapter
         self.totals = _counts()  # each request once, mixes included
-        self.by_tenant: dict[str, dict[str, int]] = {}  # usage since start, for billing (`GET /v1/usage`)
+        self.by_tenant: dict[str, dict[str, int]] = {}  # since start, for the console (the bill: the ledger)
         self.tenants: dict[str, TenantNumbers] = {}  # each tenant's console numbers, from its own requests only
 
     def render(self) -> bytes:
@@ -165,7 +170,11 @@ class ServerMetrics:
                 self.tenant(tenant).served_on(name)["requests"] += 1
 
     def count_served(self, adapter: str | AdapterMix | None, prompt_tokens: int, generated: int,
-                     tenant: str | None = None) -> None:
+                     tenant: str | None = None, request_id: str | None = None, reasoning: int = 0) -> None:
+        """One answered prompt: counted here and billed in the ledger (`reasoning`: of `generated`, the
+        tokens before the reasoning's end)."""
+        self.ledger.record(UsageRow(request_id or uuid.uuid4().hex, time.time(), tenant or "", adapter_labels(adapter),
+                                    1, prompt_tokens, generated, reasoning))
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generated)
         counted = [self.totals] + [self.adapter_totals(name) for name in adapter_labels(adapter)]
@@ -183,14 +192,10 @@ class ServerMetrics:
     def count_rate_limited(self, tenant: str, limit: str) -> None:
         self.tenant_rate_limited.labels(tenant, limit).inc()
         self.tenant_totals(tenant)["rate_limited"] += 1
+        self.ledger.record(UsageRow(uuid.uuid4().hex, time.time(), tenant, (), rate_limited=1))
 
     def tenant_totals(self, tenant: str) -> dict[str, int]:
         return self.by_tenant.setdefault(tenant, {**_counts(), "rate_limited": 0})
-
-    def usage(self) -> dict:
-        """Token totals since start per tenant and per adapter ('' = the base model)."""
-        return {"tenants": {name: dict(c) for name, c in self.by_tenant.items()},
-                "adapters": {name: dict(c) for name, c in self.by_adapter.items()}, "totals": dict(self.totals)}
 
     def adapter_totals(self, name: str | None) -> dict[str, int]:
         return self.by_adapter.setdefault(name or "", _counts())
@@ -327,6 +332,10 @@ class RequestTimer:
         self.arrival = self.last = time.perf_counter()
         self.num_tokens = 0
         self.started = self.done = False  # admitted (the engine answered); finished
+        # for its spans (api/tracing.py): when the first token came, the engine's queue time and grammar wait
+        self.first_token: float | None = None
+        self.queue_s: float | None = None
+        self.grammar_wait_s: tuple[float, float] | None = None
         self.own = metrics.tenant(tenant) if tenant is not None else None
         if self.own is not None:
             self.own.flying.add(self)
@@ -339,6 +348,7 @@ class RequestTimer:
         self.started = True
         recent = [self.metrics] + ([self.own] if self.own is not None else [])
         if self.num_tokens == 0:
+            self.first_token = now
             self.metrics.ttft.observe(now - self.arrival)
             for into in recent:
                 into.recent_ttft.append(now - self.arrival)
@@ -349,12 +359,14 @@ class RequestTimer:
                 into.recent_itl.append((now - self.last) / new)
         self.last, self.num_tokens = now, total
 
-    def finish(self, prompt_tokens: int, finish_reasons: list[str | None], generated: int | None = None) -> None:
-        """`generated`: tokens of all choices (default: the longest choice's)."""
+    def finish(self, prompt_tokens: int, finish_reasons: list[str | None], generated: int | None = None,
+               request_id: str | None = None, reasoning: int = 0) -> None:
+        """`generated`: tokens of all choices (default: the longest choice's), `reasoning` of them before
+        the reasoning ended; `request_id`: the engine's, the prompt's row in the usage ledger."""
         generated = self.num_tokens if generated is None else generated
         self._landed()
         self.metrics.e2e.observe(time.perf_counter() - self.arrival)
-        self.metrics.count_served(self.adapter, prompt_tokens, generated, self.tenant)
+        self.metrics.count_served(self.adapter, prompt_tokens, generated, self.tenant, request_id, reasoning)
         for reason in finish_reasons:
             self.metrics.request_success.labels(reason or "abort").inc()
 
@@ -368,7 +380,9 @@ class RequestTimer:
         if self.own is not None:
             self.own.flying.discard(self)
 
-    def queued(self, seconds: float) -> None:
+    def queued(self, seconds: float, grammar_wait_s: tuple[float, float] | None = None) -> None:
+        """The engine's queue time (and its wait for the request's grammar: (start, end) after its arrival)."""
         self.started = True
+        self.queue_s, self.grammar_wait_s = seconds, grammar_wait_s
         if self.tenant is not None:
             self.metrics.tenant_queue_time.labels(self.tenant).observe(seconds)

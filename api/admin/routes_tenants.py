@@ -1,13 +1,15 @@
-"""The operator's tenant endpoints (admin key): GET /v1/usage, token totals since start per tenant
-and per adapter, and POST /v1/reload_tenants, the tenants file read again (SIGHUP does the same
+"""The operator's tenant endpoints (admin key): GET /v1/usage, what the usage ledger holds
+(api/admin/ledger.py) per tenant, per adapter and per day, in a `?since=` / `?until=` window, and POST /v1/reload_tenants, the tenants file read again (SIGHUP does the same
 through `reload_tenants_now`)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from fastapi import APIRouter, Depends
 
+from loraplex.api.admin.ledger import parse_time
 from loraplex.api.tenancy.auth import require_admin
 from loraplex.api.errors import APIError
 from loraplex.api.state import ServerState, state_of
@@ -18,8 +20,13 @@ router = APIRouter(dependencies=[Depends(require_admin)])
 
 
 @router.get("/v1/usage")
-async def usage(state: ServerState = Depends(state_of)):
-    return state.metrics.usage()
+async def usage(since: str | None = None, until: str | None = None, state: ServerState = Depends(state_of)):
+    """`since` / `until`: unix seconds or ISO 8601 (UTC unless it says), `until` excluded."""
+    try:
+        window = parse_time(since, "since"), parse_time(until, "until")
+    except ValueError as exc:
+        raise APIError(400, str(exc), "since" if "since" in str(exc) else "until") from None
+    return await asyncio.to_thread(state.ledger.usage, *window)
 
 
 @router.post("/v1/reload_tenants")

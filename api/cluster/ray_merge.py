@@ -3,8 +3,8 @@ is tested with dicts (tests/api/test_ray_merge.py).
 
 What is merged: `/metrics` (every replica's Prometheus text, labelled by replica), `/v1/stats`
 (counts summed, percentiles the worst replica's, speculation's rates from the summed counts; a tenant
-reads only its own), `/v1/adapters` (each adapter with the replicas holding it; a tenant's own traffic),
-`/v1/usage` (every count summed). The ingress (`api/cluster/ray_ingress.py`) calls `merged_view` with the replica's answer and the
+reads only its own), `/v1/adapters` (each adapter with the replicas holding it; a tenant's own traffic).
+(`/v1/usage` needs no merging: the cluster has one usage ledger, the catalog's.) The ingress (`api/cluster/ray_ingress.py`) calls `merged_view` with the replica's answer and the
 views the catalog holds from the replicas' heartbeats (`api/cluster/ray_catalog.py`)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from loraplex.api.openai import openai_format as fmt
 from loraplex.api.admin.metrics import acceptance_length, spec_rates
 
-__all__ = ["merge_adapters", "merge_metrics", "merge_spec_decode", "merge_stats", "merge_usage", "merged_view",
+__all__ = ["merge_adapters", "merge_metrics", "merge_spec_decode", "merge_stats", "merged_view",
            "scoped_stats", "tenant_adapters"]
 
 Counts = dict[str, int]
@@ -166,13 +166,6 @@ def _summed_counts(values: list[dict[str, Counts]]) -> dict[str, Counts]:
     return {name: _added(value[name] for value in values if name in value) for name in names}
 
 
-def merge_usage(usages: list[dict]) -> dict:
-    """Each replica's `/v1/usage` added up: per tenant and per adapter, every count summed."""
-    return {"tenants": _summed_counts([u.get("tenants", {}) for u in usages]),
-            "adapters": _summed_counts([u.get("adapters", {}) for u in usages]),
-            "totals": _added(u.get("totals", {}) for u in usages)}
-
-
 # ---- /v1/adapters ---------------------------------------------------------------------------
 
 
@@ -207,10 +200,6 @@ def _stats_view(reply: dict, views: dict[str, dict]) -> dict:
     return scoped_stats(merge_stats({replica: view["stats"] for replica, view in views.items()}), reply)
 
 
-def _usage_view(reply: dict, views: dict[str, dict]) -> dict:
-    return merge_usage([view["usage"] for view in views.values() if "usage" in view])
-
-
 def _adapters_view(reply: dict, views: dict[str, dict]) -> dict:
     tenant = reply.get("tenant")
     if tenant is None:
@@ -221,12 +210,12 @@ def _adapters_view(reply: dict, views: dict[str, dict]) -> dict:
 
 # path -> how the replicas' views answer it; the replica's own reply says who asked (a tenant, its scope)
 JSON_VIEWS: dict[str, Callable[[dict, dict[str, dict]], dict]] = {
-    "/v1/stats": _stats_view, "/v1/usage": _usage_view, "/v1/adapters": _adapters_view}
+    "/v1/stats": _stats_view, "/v1/adapters": _adapters_view}
 
 
 def merged_view(path: str, reply: dict, views: dict[str, dict]) -> dict:
     """The cluster's answer to GET `path` (one of `JSON_VIEWS`): `reply` is one replica's answer,
-    `views` each live replica's heartbeat view (`EngineReplica.view`: stats, adapters, usage).
+    `views` each live replica's heartbeat view (`EngineReplica.view`: stats, adapters).
     Before any heartbeat, the one replica's answer."""
     if not views:
         return reply

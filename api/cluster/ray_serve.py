@@ -5,13 +5,14 @@ The parts, one module each:
 - `api/cluster/ray_ingress.py`: `Ingress`, the HTTP entry; forwards each request to an engine replica
   with the adapter it is routed by, and answers the merged views.
 - `api/cluster/ray_router.py`: `AdapterRouter`, the engine deployment's Ray request router (asks
-  `api/cluster/placement.py`'s `Placement`), in the ingress's process.
+  `api/cluster/placement.py`'s `Placement`), in the ingress's process; and the middleware of Ray's HTTP proxy.
 - `api/cluster/ray_catalog.py`: `AdapterCatalog`, one Ray actor with the shared adapter names and the
   replicas' heartbeats.
 - `api/cluster/ray_merge.py`: the replicas' metrics, stats, adapters and usage merged (pure functions).
 - here: the engine replicas (`api/cluster/replica.py`'s `EngineReplica`, plain and tested without Ray, in
   a thin Ray deployment whose multiplexing hook is the replica's `hold`), the application built
-  from the parts, and `loraplex serve --ray` running it until a stop signal.
+  from the parts, and `loraplex serve --ray` running it until a stop signal (with one line on stdout
+  once the cluster's `/ready` says so).
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ import argparse
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import threading
+import urllib.request
 from pathlib import Path
+from typing import Callable
 
 from loraplex.api import launch
 from loraplex.api.flags import values
@@ -36,8 +40,13 @@ __all__ = ["AdapterCatalog", "ClusterConfig", "Ingress", "build_application", "e
 
 log = logging.getLogger(__name__)
 
-# Ray imports the router by this path in the ingress's process (the module imports Ray at its top)
+# Ray imports the router by this path in the ingress's process (the module imports Ray at its top),
+# and its HTTP proxy the middlewares by the path in that variable
 ROUTER = "loraplex.api.cluster.ray_router.AdapterRouter"
+PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+PROXY_MIDDLEWARES = "loraplex.api.cluster.ray_router.proxy_middlewares"
+READY_POLL_S = 0.5  # how often the command asks the cluster's /ready until it says so
+READY_ASK_S = 10.0  # how long one such question may take (the ingress probes every replica)
 
 
 # ---- an engine replica ------------------------------------------------------------------------
@@ -72,6 +81,9 @@ def engine_replica(max_adapters: int):
         async def check_health(self) -> None:
             await self.replica.check_health()
 
+        async def reached(self) -> str:
+            return self.replica.reached()
+
     return RayEngineReplica
 
 
@@ -101,7 +113,11 @@ def build_application(engine_args: dict, model: str | None, server: ServerConfig
     import ray
     from ray import serve
 
-    catalog = ray.remote(num_cpus=0)(AdapterCatalog).remote(adapters)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # on this node: the usage ledger's file is where `--usage-db` (or the cache here) says
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    catalog = ray.remote(num_cpus=0, scheduling_strategy=here)(AdapterCatalog).remote(adapters, server.usage_db)
     # each replica enforces its share of every tenant's limits (docs/tenants.md)
     server = dataclasses.replace(server, tenant_limit_share=1.0 / cluster.replicas)
     ranks = engine_args.get("tensor_parallel_size", 1)
@@ -114,7 +130,8 @@ def build_application(engine_args: dict, model: str | None, server: ServerConfig
     replica = serve.deployment(engine_replica(cluster.max_adapters_per_replica), name="Engine", **options)
     ingress = serve.deployment(Ingress, name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
     engines = replica.bind(engine_args, model, server, catalog, int(cluster.replica_cpus))
-    return ingress.bind(engines, catalog, server.served_model_name, cluster.routing, server.max_request_body_bytes)
+    return ingress.bind(engines, catalog, server.served_model_name, cluster.routing, server.max_request_body_bytes,
+                        cluster.replicas)
 
 
 def _replica_options(server: ServerConfig, cluster: ClusterConfig, tensor_parallel_size: int = 1,
@@ -209,7 +226,7 @@ def serve_ray(args: argparse.Namespace) -> int:
               blocking=False)
     log.info("serving %r at %s/v1 on Ray Serve: %d replica(s), %s routing", server.served_model_name, server.url,
              cluster.replicas, cluster.routing)
-    _wait_for_a_stop_signal()
+    _wait_for_a_stop_signal(lambda: _is_ready(server), lambda: _say_ready(server, cluster))
     with contextlib.suppress(Exception):
         serve.delete("loraplex")
         if not cluster.address:
@@ -221,6 +238,9 @@ def serve_ray(args: argparse.Namespace) -> int:
 def _start_ray(cluster: ClusterConfig) -> None:
     import ray
 
+    # Ray's proxy reads its middlewares' import path from its environment, inherited from here by a
+    # local Ray; a running cluster's is the one `ray start` had (docs/ray.md)
+    os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_MIDDLEWARES)
     if cluster.address:
         ray.init(address=cluster.address, namespace="loraplex", log_to_driver=False)
     else:  # this machine only, everything on loopback
@@ -228,8 +248,36 @@ def _start_ray(cluster: ClusterConfig) -> None:
                  _node_ip_address="127.0.0.1", num_cpus=cluster.num_cpus)
 
 
-def _wait_for_a_stop_signal() -> None:
+def _wait_for_a_stop_signal(ready: Callable[[], bool], when_ready: Callable[[], None]) -> None:
+    """Until SIGTERM / SIGINT; meanwhile `ready` is asked until it says so, then `when_ready` runs once."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(READY_POLL_S):
+        if ready():
+            when_ready()
+            break
     stop.wait()
+
+
+def _is_ready(server: ServerConfig) -> bool:
+    """The cluster's own `/ready` (the ingress asks its router and the catalog): the line printed
+    then means what a load balancer is told."""
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through an HTTP_PROXY
+    try:
+        with direct.open(_local_url(server) + "/ready", timeout=READY_ASK_S) as reply:
+            return reply.status == 200
+    except OSError:  # not up yet (the proxy, the ingress), or 503: not ready
+        return False
+
+
+def _local_url(server: ServerConfig) -> str:
+    """Where this machine reaches the proxy: loopback when it listens on every interface."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(server.host, server.host)
+    return f"http://[{host}]:{server.port}" if ":" in host else f"http://{host}:{server.port}"
+
+
+def _say_ready(server: ServerConfig, cluster: ClusterConfig) -> None:
+    line = f"loraplex: ready at {server.url} ({cluster.replicas} replica{'s' if cluster.replicas != 1 else ''})"
+    log.info("%s", line)
+    print(line, flush=True)  # the command's output: what a script starting it waits for

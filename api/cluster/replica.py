@@ -7,8 +7,8 @@ multiplexing hook is `hold`.
 are the server's); what it returns is what Ray's LRU keeps, and its eviction unloads the adapter
 once its requests end. Replies carry `x-loraplex-replica` and, for adapter requests,
 `x-loraplex-adapter-cache: hit|miss` (miss: its weights had to be read here). Twice a second
-the replica reports to the catalog (its metrics, stats and adapters, the catalog version it
-applied) and lets go of names the catalog no longer has.
+the replica reports to the catalog (its metrics, stats and adapters, whether it is ready, the
+catalog version it applied) and lets go of names the catalog no longer has.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator, Callable
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from loraplex.api.admin.ledger import RemoteLedger, UsageRow
 from loraplex.api.tenancy import auth
 from loraplex.api.openai import openai_format as fmt
 from loraplex.api.cluster.in_process import call_asgi
@@ -37,6 +38,7 @@ REPLICA_HEADER = "x-loraplex-replica"
 CACHE_HEADER = "x-loraplex-adapter-cache"
 REPORT_INTERVAL_S = 0.5
 RELEASE_RETRY_S = 0.25  # an evicted adapter still in use is unloaded when its requests end
+LEDGER_CALL_S = 30.0  # a call to the cluster's ledger that takes longer failed (its rows are sent again)
 
 
 class CatalogClient:
@@ -72,7 +74,7 @@ class EngineReplica:
         """`routed`: whether Ray routed this request by its adapter (a multiplexed model id)."""
         self.client, self.catalog, self.replica, self.routed = client, catalog, replica_id, routed
         self.shared = CatalogClient(catalog)
-        self.state = ServerState.create(client, config, self.shared)
+        self.state = ServerState.create(client, config, self.shared, RemoteLedger(self._bill, self._usage))
         self.app = app_for(self.state)
         self.hook = self.hold  # Ray's wrapper puts its multiplexed method here
         self.id_header = (REPLICA_HEADER.encode(), replica_id.encode())
@@ -112,6 +114,24 @@ class EngineReplica:
             yield message
         if loading and status == 200:
             await self.hook(adapter)  # loaded and registered here: Ray routes its requests here
+
+    def _bill(self, rows: list[UsageRow]) -> None:
+        """The ledger's writer thread: `rows` committed to the cluster's ledger (the catalog's)."""
+        self._on_loop(self.catalog.bill, rows)
+
+    def _usage(self, since: float | None, until: float | None) -> dict:
+        """`GET /v1/usage` (from a worker thread): the cluster's ledger, summed."""
+        return self._on_loop(self.catalog.usage, since, until)
+
+    def _on_loop(self, method, *args):
+        """Call an actor method from another thread, on this replica's event loop (where its handle lives)."""
+        if self.loop is None:
+            raise RuntimeError("the replica has not started serving")
+
+        async def call():
+            return await method.remote(*args)
+
+        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(LEDGER_CALL_S)
 
     def _allowed(self, request: dict, adapter: str) -> bool:
         authorization = next((v.decode("latin-1") for k, v in request["headers"] if k.lower() == b"authorization"), "")
@@ -182,10 +202,21 @@ class EngineReplica:
 
     def view(self) -> dict:
         """What the ingress merges: this replica's `/v1/stats` and its `/v1/adapters` rows (the
-        adapters registered here)."""
+        adapters registered here); and whether it is ready (the cluster's `/ready` counts it)."""
         rows = fmt.adapter_list(self.client.list_adapters(), self.client.adapter_status(),
                                 self.state.metrics.by_adapter)["data"]
-        return {"stats": self.state.metrics.snapshot(), "adapters": rows, "usage": self.state.metrics.usage()}
+        return {"stats": self.state.metrics.snapshot(), "adapters": rows, "ready": self.ready()}
+
+    def ready(self) -> bool:
+        """What one server's `/ready` checks: the engine takes requests and nothing is still starting
+        (its grammar compile workers). Its `--lora-modules` are the catalog's, read on first use."""
+        health = self.client.health()
+        return health.problem is None and health.warming is None
+
+    def reached(self) -> str:
+        """The ingress's probe through its router (`/ready`); it starts the heartbeat too."""
+        self._start_reporting()
+        return self.replica
 
     def _let_go_of_unshared(self, adapters: list[AdapterInfo]) -> None:
         shared = {a.name: a.content_hash for a in adapters}
@@ -202,6 +233,7 @@ class EngineReplica:
 
     def close(self) -> None:
         self.client.shutdown()
+        self.state.tracing.shutdown()  # a replica's app has no lifespan: its buffered spans are exported here
 
 
 class _LoadedAdapters:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -36,14 +35,16 @@ class _Timers:
     call's bill: each prompt whose work the engine took, with every token delivered to the client."""
 
     def __init__(self, state: ServerState, prompts: list[list[int]], adapter: str | AdapterMix | None,
-                 tenant: str | None) -> None:
-        self.prompts = prompts
+                 tenant: str | None, request_ids: list[str]) -> None:
+        self.prompts, self.request_ids = prompts, request_ids
         self.timers = [RequestTimer(state.metrics, adapter, tenant) for _ in prompts]
         self.seen: list[dict[int, int]] = [{} for _ in prompts]  # tokens out of the engine so far per choice
         self.generated: list[dict[int, int]] = [{} for _ in prompts]  # tokens delivered so far per choice
+        self.reasoning = [0 for _ in prompts]  # of those, tokens delivered while the reasoning ran
         self.reasons: list[dict[int, str | None]] = [{} for _ in prompts]
         self.queued = [False for _ in prompts]
         self.done = [False for _ in prompts]
+        self.tracing = state.tracing  # each finished prompt's spans (a no-op without --otlp-traces-endpoint)
         for _ in prompts:
             state.metrics.count_request(adapter, tenant)
 
@@ -51,7 +52,7 @@ class _Timers:
         """A delta out of the engine: latencies."""
         if delta.queue_time_s is not None and not self.queued[i]:
             self.queued[i] = True
-            self.timers[i].queued(delta.queue_time_s)
+            self.timers[i].queued(delta.queue_time_s, delta.grammar_wait_s)
         for o in delta.outputs:
             self.seen[i][o.index] = self.seen[i].get(o.index, 0) + len(o.token_ids)
         self.timers[i].tokens(max(self.seen[i].values(), default=0))
@@ -61,6 +62,8 @@ class _Timers:
         for o in delta.outputs:
             self.generated[i][o.index] = self.generated[i].get(o.index, 0) + len(o.token_ids)
             self.reasons[i][o.index] = o.finish_reason
+            if o.reasoning_text and not o.text:  # a delta of reasoning only: its tokens are reasoning
+                self.reasoning[i] += len(o.token_ids)
         if delta.finished:
             self._finish(i)
 
@@ -80,8 +83,9 @@ class _Timers:
 
     def _finish(self, i: int) -> None:
         self.done[i] = True
-        self.timers[i].finish(len(self.prompts[i]), list(self.reasons[i].values()) or [None],
-                              sum(self.generated[i].values()))
+        reasons, generated = list(self.reasons[i].values()) or [None], sum(self.generated[i].values())
+        self.timers[i].finish(len(self.prompts[i]), reasons, generated, self.request_ids[i], self.reasoning[i])
+        self.tracing.finished(self.timers[i], self.request_ids[i], len(self.prompts[i]), generated, reasons)
 
 
 def reserved_tokens(prompts: list[list[int]], params: list[SamplingParams]) -> int:
@@ -90,24 +94,24 @@ def reserved_tokens(prompts: list[list[int]], params: list[SamplingParams]) -> i
 
 
 async def run(state: ServerState, prompts: list[list[int]], params: list[SamplingParams],
-              adapter: str | AdapterMix | None, prefix: str, caller: Caller = OPEN,
+              adapter: str | AdapterMix | None, call_id: str, caller: Caller = OPEN,
               lease: Lease | None = None, stream: bool = False) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, delta output) as any prompt's output grows, until all finish. Leaving
     early (error, disconnect, timeout) aborts whatever is still running. `lease`: the tenant's
     (api/tenancy/admission.py), its tokens reserved here and settled at the end with what was billed: a
     stream's tokens as each delta is handed to the response, a whole answer's once it is complete
     (one cut short by a timeout or a client that left sent none)."""
-    base_id = f"{prefix}-{uuid.uuid4().hex}"
+    request_ids = [f"{call_id}-{i}" for i in range(len(prompts))]  # the response's id, then the prompt's index
     try:
         admission.reserve(state, caller, lease, reserved_tokens(prompts, params))
-        timers = _Timers(state, prompts, adapter, caller.tenant.name if caller.tenant else None)
+        timers = _Timers(state, prompts, adapter, caller.tenant.name if caller.tenant else None, request_ids)
     except BaseException:
         _end(lease, 0)
         raise
     refused = False  # the engine refused the prompts before running any: nothing to bill
     try:
-        outputs = state.client.generate_many([{"prompt_token_ids": p} for p in prompts], params,
-                                             [f"{base_id}-{i}" for i in range(len(prompts))], adapter, caller.share)
+        outputs = state.client.generate_many([{"prompt_token_ids": p} for p in prompts], params, request_ids,
+                                             adapter, caller.share)
         limit = state.config.request_timeout_s
         deadline = None if limit is None else time.monotonic() + limit
         seen, pending = False, []
@@ -118,6 +122,7 @@ async def run(state: ServerState, prompts: list[list[int]], params: list[Samplin
                 except StopAsyncIteration:
                     for i, delta in pending:  # the whole answer goes out
                         timers.delivered(i, delta)
+                    await state.ledger.committed()  # billed on disk before the answer (or [DONE]) goes out
                     return
                 except TimeoutError:
                     raise APIError(504, f"the request took longer than {limit:g}s (request timeout)") from None
@@ -162,7 +167,7 @@ async def respond(state: ServerState, request: Request, body, ids: list[list[int
     """The whole response as JSON, or (stream: true) SSE once the first output is in: errors
     before it (validation, unknown adapter, bad schema) are plain HTTP errors. The tenant's `lease` is
     released when the generation ends (or here, if it never started)."""
-    updates = run(state, ids, params, adapter, view.id_prefix, caller_of(request), lease, body.stream)
+    updates = run(state, ids, params, adapter, view.id, caller_of(request), lease, body.stream)
     try:
         if not body.stream:
             outputs = await until_disconnect(request, _collect(updates, len(ids)))

@@ -1,4 +1,4 @@
-"""Service endpoints: GET /health, /version, /metrics, and the model list /v1/models (the base
+"""Service endpoints: GET /health (liveness), /ready (readiness), /version, /metrics, and the model list /v1/models (the base
 model, then each adapter with the base as its parent; folders only for the admin)."""
 
 from __future__ import annotations
@@ -20,6 +20,17 @@ router = APIRouter()
 async def health(state: ServerState = Depends(state_of)):
     problem = state.client.health().problem
     return Response(status_code=200) if problem is None else error_response(503, problem)
+
+
+@router.get("/ready")
+async def ready(state: ServerState = Depends(state_of)):
+    """Readiness: the engine takes requests, the `--lora-modules` are loaded (before the app is
+    built) and the grammar compile workers are started; 503 with what is missing until then."""
+    health = state.client.health()
+    problem = health.problem or health.warming
+    if problem is not None:
+        return error_response(503, problem)
+    return {"ready": True}  # nothing more: /ready is open to every caller, like /health
 
 
 @router.get("/version")

@@ -18,6 +18,7 @@ from loraplex.api.errors import APIError, bad_input, unknown_adapter
 from loraplex.api.openai.model_name import adapter_of
 from loraplex.api.sources.store_loader import StoreLoader
 from loraplex.api.settings import ServerConfig
+from loraplex.api.tracing import adapter_load
 from loraplex.platform.engine.engine_client import (AdapterInfo, AdapterInUseError, AdapterMix, EngineClient,
                                              UnknownAdapterError, parse_mix)
 
@@ -109,13 +110,15 @@ class AdapterDirectory:
         if source is None:
             raise APIError(404, missing, param)
         if source == STORE:
-            await self.objects.fetch_once(name, self.objects.sources_of(caller), missing, param)
+            with adapter_load(name):  # the call's `adapter_load` span (api/tracing.py)
+                await self.objects.fetch_once(name, self.objects.sources_of(caller), missing, param)
             if not self._here(name, caller):  # the load it waited for was another caller's, from another source
                 raise APIError(404, missing, param)
         elif source is True:
             await self.objects.refresh(name)
         else:
-            await self._load_once(name, *source, param)
+            with adapter_load(name):
+                await self._load_once(name, *source, param)
 
     async def _source(self, name: str, caller: Caller = OPEN) -> tuple[Path, bool] | bool | str | None:
         """True: served here already; (folder, confined): to read first; STORE: to look up in object storage;

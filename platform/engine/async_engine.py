@@ -15,6 +15,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Iterator
 
@@ -159,7 +160,8 @@ class AsyncEngine:
         return self._stats
 
     def health(self) -> Health:
-        return Health(self.is_alive, self.closing)
+        warming = None if self.engine.grammars.warm else "the grammar compile workers are starting"
+        return Health(self.is_alive, self.closing, warming)
 
     @property
     def is_alive(self) -> bool:
@@ -217,8 +219,10 @@ class AsyncEngine:
         for request in requests:  # awaited here: a slow compile holds none of the loop's worker threads
             spec = self.inputs.grammar_spec(request)
             if spec is not None:
+                waited = time.monotonic()
                 request.compiled_grammar = await self.grammars.compiled(
                     spec, tenant.cache_namespace if tenant is not None else "")
+                request.grammar_wait_s = (waited - request.arrival_time, time.monotonic() - request.arrival_time)
         items: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         remaining: set[int] = set()
@@ -271,6 +275,8 @@ class AsyncEngine:
         with self._lock:
             self._num_queued += request.params.n
         self._commands.put(_Add(request))
+        if self.error is not None:  # the engine died while this request compiled: its loop reads no more
+            stream.put(EngineDeadError("the engine failed; see the server log"))
         return stream
 
     # ---- engine thread ---------------------------------------------------------------------
@@ -289,6 +295,9 @@ class AsyncEngine:
             self.error = exc
             for stream in list(self._streams.values()):
                 stream.put(EngineDeadError("the engine failed; see the server log"))
+            for request_id in self.engine.unfinished_request_ids():  # their KV blocks and adapter pins freed
+                with contextlib.suppress(Exception):
+                    self.engine.abort(request_id)
 
     def _step(self, failures: int) -> int:
         """One engine step, its outputs published; back: consecutive failed steps. A failed step

@@ -76,7 +76,8 @@ class EngineClient(Protocol):
 
     def stats(self) -> EngineStats: ...
 
-    def health(self) -> Health: ...
+    def health(self) -> Health:
+        """Liveness (`problem`) and readiness (`warming`: what is still starting)."""
 
     def fail_all(self, reason: str) -> None:
         """Take no more requests; end every one in flight with EngineDeadError(reason)."""
@@ -92,6 +93,7 @@ def build_engine_client(config: EngineConfig, max_waiting_requests: int | None =
     from loraplex.platform.engine.llm_engine import Engine
 
     engine = Engine(config)
+    engine.grammars.warm_up()  # in the background, while the adapters load: ready means ready
     for name, path in lora_modules:
         engine.adapters.load(name, str(path))
     return AsyncEngine(engine, max_waiting_requests=max_waiting_requests)

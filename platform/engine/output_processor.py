@@ -174,7 +174,7 @@ class OutputProcessor:
             prompt_logprobs, group.sent_prompt_logprobs = self._decoded(req.prompt_logprobs), True
         return RequestOutput(request_id, req.prompt, req.prompt_token_ids, sorted(outs, key=lambda o: o.index),
                              finished, group.num_cached_tokens, unenforced, prompt_logprobs, _tool_call_format(req),
-                             req.queue_time_s)
+                             req.queue_time_s, req.grammar_wait_s)
 
     def _decoded(self, entries: list[dict[int, Logprob] | None]) -> list[dict[int, Logprob] | None]:
         """Each entry's tokens decoded (prompt entries may be None: the first prompt token)."""
@@ -216,6 +216,7 @@ def accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutp
     total.finished = delta.finished
     total.num_cached_tokens = max(total.num_cached_tokens, delta.num_cached_tokens)
     total.queue_time_s = total.queue_time_s if total.queue_time_s is not None else delta.queue_time_s
+    total.grammar_wait_s = total.grammar_wait_s or delta.grammar_wait_s
     return total
 
 

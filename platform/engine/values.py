@@ -26,6 +26,7 @@ class QueueFullError(RuntimeError):
 class Health:
     alive: bool  # the engine thread runs and never failed
     closing: str | None = None  # why new requests are refused (shutting down)
+    warming: str | None = None  # what is still starting (alive, but not ready: `/ready` says 503)
 
     @property
     def problem(self) -> str | None:

@@ -46,6 +46,29 @@ def test_sequential_loads_spread_over_replicas_and_requests_follow_their_adapter
     assert p.flights == {}
 
 
+def test_concurrent_loads_chosen_before_any_is_dispatched_spread_and_their_requests_follow():
+    """Four admin loads at once (#68): each is chosen while the others are still in flight, counted
+    where it was placed (a running request, a held adapter), so they spread; then each adapter's
+    requests go to where it was placed."""
+    p, _ = placement()
+    where = {name: p.choose(f"load-{name}", name, 10)[0] for name in "abcd"}  # none dispatched yet
+    assert sorted(where.values()) == ["r1", "r1", "r2", "r2"], where
+    for name in "abcd":
+        p.dispatched(f"load-{name}", where[name], name)
+        p.finished(f"load-{name}", where[name])
+    assert {name: run(p, f"q-{name}", name) for name in "abcd"} == where
+
+
+def test_a_replica_ray_has_not_reported_gets_nothing_so_readiness_waits_for_the_router():
+    """Why `/ready` probes through the ingress's router: a replica Ray has not yet told the router
+    about is not placed on, and what lands elsewhere meanwhile stays there under sequential traffic."""
+    p, _ = placement(("r1",))
+    early = {name: run(p, f"load-{name}", name) for name in "ab"}
+    p.sync({"r1": set(early), "r2": set()})  # r2 joins
+    assert {run(p, f"q-{name}", name) for name in "ab"} == {"r1"}
+    assert run(p, "load-c", "c") == "r2"  # a new adapter goes to the replica holding fewest
+
+
 def test_the_holders_ray_reports_are_followed_and_a_placement_counts_until_ray_reports_it():
     p, clock = placement()
     p.sync({"r1": set(), "r2": {"a"}})

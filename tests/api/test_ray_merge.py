@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loraplex.api.cluster.ray_merge import (JSON_VIEWS, merge_adapters, merge_metrics, merge_stats, merge_usage, merged_view,
+from loraplex.api.cluster.ray_merge import (JSON_VIEWS, merge_adapters, merge_metrics, merge_stats, merged_view,
                                     scoped_stats, tenant_adapters)
 
 
@@ -72,17 +72,6 @@ def test_each_tenants_stats_merge_alike_and_only_the_tenant_reads_them():
     assert scoped_stats(merged, {"adapter_scope": []}) == {"adapter_scope": []}  # a scope but no tenant
 
 
-def test_usage_adds_every_count_up_and_tolerates_missing_groups():
-    ra = {"tenants": {"t": {"requests": 1, "prompt_tokens": 10}}, "totals": {"requests": 1, "prompt_tokens": 10}}
-    rb = {"tenants": {"t": {"requests": 2}, "u": {"rate_limited": 1}}, "adapters": {"t-a": {"requests": 2}},
-          "totals": {"requests": 2, "rate_limited": 1}}
-    assert merge_usage([ra, rb, {}]) == {
-        "tenants": {"t": {"requests": 3, "prompt_tokens": 10}, "u": {"rate_limited": 1}},
-        "adapters": {"t-a": {"requests": 2}},
-        "totals": {"requests": 3, "prompt_tokens": 10, "rate_limited": 1}}
-    assert merge_usage([]) == {"tenants": {}, "adapters": {}, "totals": {}}
-
-
 def test_adapters_list_their_holders_with_residency_and_traffic_added_up():
     def held(name: str, **fields) -> dict:
         return {"id": name, "in_memory": True, **fields}
@@ -114,19 +103,16 @@ def _views() -> dict[str, dict]:
     """Two replicas' heartbeat views (`EngineReplica.view`)."""
     def view(running: int, tenant_requests: int, adapters: list[dict]) -> dict:
         tenants = {"t": {"requests": tenant_requests, "served": {"t-a": {"requests": tenant_requests}}}}
-        return {"stats": {"num_requests_running": running, "tenants": tenants}, "adapters": adapters,
-                "usage": {"tenants": {"t": {"requests": tenant_requests}}, "totals": {"requests": running}}}
+        return {"stats": {"num_requests_running": running, "tenants": tenants}, "adapters": adapters}
 
     return {"ra": view(1, 2, [{"id": "t-a", "requests": 2}]), "rb": view(3, 1, [])}
 
 
 def test_the_ingress_answers_each_view_from_the_replicas_heartbeats():
-    assert set(JSON_VIEWS) == {"/v1/stats", "/v1/adapters", "/v1/usage"}
+    assert set(JSON_VIEWS) == {"/v1/stats", "/v1/adapters"}  # /v1/usage: the catalog's one ledger
     stats = merged_view("/v1/stats", {"num_requests_running": 1}, _views())
     assert stats["num_requests_running"] == 4 and set(stats["replicas"]) == {"ra", "rb"}
     assert merged_view("/v1/stats", {"tenant": "t", "adapter_scope": ["t-*"]}, _views())["requests"] == 3
-    usage = merged_view("/v1/usage", {"tenants": {}}, _views())
-    assert usage["tenants"] == {"t": {"requests": 3}} and usage["totals"] == {"requests": 4}
 
     rows = merged_view("/v1/adapters", {"data": [{"id": "t-a"}]}, _views())["data"]
     assert rows[0]["replicas"] == ["ra"] and rows[0]["requests"] == 2

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -55,17 +56,18 @@ def cluster(default_model_dir, adapter_root, expected):
     modules = [f"{name}={adapter_root / name}" for name in ADAPTERS]
     with ray_serving(default_model_dir, "--dtype", "float32", "--replicas", "2", "--replica-cpus", "1",
                      "--lora-modules", *modules, "--adapter-root", str(adapter_root)) as url:
-        wait_for_both_replicas(url)
+        wait_ready(url)
         yield url
 
 
 @contextlib.contextmanager
-def ray_serving(model_dir, *flags: str):
-    """`loraplex serve --ray` in a subprocess, healthy; SIGTERM on exit so it takes its local Ray
-    down with it (a kill would leave Ray's processes behind)."""
+def ray_serving(model_dir, *flags: str, log=subprocess.DEVNULL):
+    """`loraplex serve --ray` in a subprocess, live (its ingress answers `/health`); SIGTERM on exit so
+    it takes its local Ray down with it (a kill would leave Ray's processes behind). `log`: where its
+    output goes (an open file)."""
     port = free_port()
     cmd = [sys.executable, "-m", "loraplex.api.cli", "serve", str(model_dir), "--ray", "--port", str(port), *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     url = f"http://127.0.0.1:{port}"
     try:
@@ -78,6 +80,31 @@ def ray_serving(model_dir, *flags: str):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(30)
+
+
+def readiness(url: str) -> tuple[int, dict]:
+    """`/ready`: (status, body); (0, {}) while nothing answers."""
+    try:
+        with urllib.request.urlopen(url + "/ready", timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+    except OSError:
+        return 0, {}
+
+
+def wait_ready(url: str, timeout: float = 300) -> dict:
+    """Until `/ready` is 200: every replica ready and known to the ingress's router. Its body."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status, body = readiness(url)
+        if status == 200:
+            return body
+        assert status in (0, 503), (status, body)
+        if status == 503:
+            assert re.fullmatch(r"\d+ of \d+ engine replicas ready", body["error"]["message"]), body
+        time.sleep(0.5)
+    raise AssertionError(f"not ready after {timeout}s: {readiness(url)}")
 
 
 def workload() -> list[tuple[str, str, bool]]:
@@ -121,19 +148,6 @@ def post(url: str, path: str, body: dict) -> tuple[int, str]:
             return resp.status, resp.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
-
-
-def wait_for_both_replicas(url: str, tries: int = 40) -> None:
-    """Base requests (spread by Ray, no adapter affinity) until both replicas have answered. Seen
-    once in a full test run: all 40 requests on one replica; likely cause: the ingress's handle
-    learns of replicas asynchronously, so the adapters' first requests (which then fix where each
-    adapter lives) all went to the one it knew."""
-    seen = set()
-    for _ in range(tries):
-        seen.add(ask(url, None, "Hi", False)[1])
-        if len(seen) == 2:
-            return
-    raise AssertionError(f"only replica(s) {seen} answered {tries} base requests")
 
 
 def test_two_replicas_route_by_adapter(cluster, expected):

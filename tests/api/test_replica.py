@@ -25,7 +25,7 @@ class ActorHandle:
     """A Ray actor handle's shape over the catalog object itself."""
 
     def __init__(self, actor) -> None:
-        for name in ("get", "list", "register", "unregister", "report", "metrics", "tenants"):
+        for name in ("get", "list", "register", "unregister", "report", "metrics", "tenants", "bill", "usage"):
             setattr(self, name, _Remote(getattr(actor, name)))
 
 

@@ -207,6 +207,7 @@ def test_sigterm_exits_zero_and_keys_never_reach_the_log(served):
     assert proc.wait(60) == 0
     log = proc.stdout.read()
     assert "shutting down" in log or "Shutting down" in log
+    assert f"loraplex: ready at {url}/v1" in log  # said once /ready answers 200
     assert ADMIN not in log and ADMIN[::-1] not in log and "Bearer" not in log
 
 
