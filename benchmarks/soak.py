@@ -22,6 +22,7 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -63,6 +64,9 @@ async def disconnecting_clients(url: str, count: int) -> int:
     cut = sum(await asyncio.gather(*(one(i) for i in range(count))))
     await client.close()
     return cut
+
+
+KILL_AFTER_S = 3.0  # into its wave: streams are running
 
 
 def free_port() -> int:
@@ -153,12 +157,17 @@ def main() -> int:
     server = Server(args.ray, db)
     server.start()
     samples, answered, counts, events = [], [], {"served": 0, "failed": 0, "faulted": 0, "rejected": 0, "cut": 0}, []
-    faults = {0.25: server.kill, 0.5: lambda: (server.stop(), server.start(), "server restarted (SIGTERM)")[-1]}
+    # the kill lands in the middle of a wave (requests in flight); the restart between two (a deploy)
+    faults = {0.25: (server.kill, KILL_AFTER_S),
+              0.5: (lambda: (server.stop(), server.start(), "server restarted (SIGTERM)")[-1], None)}
     start = time.monotonic()
     try:
         while time.monotonic() - start < args.minutes * 60:
-            faulted = _fault_due(faults, (time.monotonic() - start) / (args.minutes * 60), events, start)
+            fault = _fault_due(faults, (time.monotonic() - start) / (args.minutes * 60), events, start)
             results, cut = wave(server.url, args.wave, len(samples))
+            if fault is not None:
+                fault.join()
+            faulted = fault is not None  # a restart between waves must fail nothing
             answered += [r for r in results if r.ok]
             _count(counts, results, cut, faulted)
             samples.append((time.monotonic() - start, server.rss_mib(), len(events)))
@@ -170,13 +179,25 @@ def main() -> int:
     return _report(args, samples, counts, events, running, health, ledger_check(db, answered))
 
 
-def _fault_due(faults: dict, done: float, events: list, start: float) -> bool:
+def _fault_due(faults: dict, done: float, events: list, start: float) -> threading.Thread | None:
+    """The first fault due, run now (between waves) or on a thread after its delay (into the next wave):
+    the thread to join after that wave."""
     for at in sorted(faults):
         if done >= at:
-            events.append((time.monotonic() - start, faults.pop(at)()))
-            print(f"t={events[-1][0]:6.0f}s {events[-1][1]}", file=sys.stderr, flush=True)
-            return True
-    return False
+            act, delay = faults.pop(at)
+
+            def run() -> None:
+                what = act()
+                events.append((time.monotonic() - start, what))
+                print(f"t={events[-1][0]:6.0f}s {what}", file=sys.stderr, flush=True)
+
+            if delay is None:
+                run()
+                return None
+            thread = threading.Timer(delay, run)
+            thread.start()
+            return thread
+    return None
 
 
 def _count(counts: dict, results: list, cut: int, faulted: bool) -> None:

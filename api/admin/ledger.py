@@ -76,6 +76,7 @@ class _GroupCommit(abc.ABC):
 
     def __init__(self) -> None:
         self._queue: queue.Queue = queue.Queue()
+        self.durable = True  # whether a commit outlives the process (`committed` waits for it)
         self._writer = threading.Thread(target=self._write_forever, name="usage-ledger", daemon=True)
         self._writer.start()
         self.closed = False
@@ -96,6 +97,8 @@ class _GroupCommit(abc.ABC):
 
     async def committed(self) -> None:
         """Wait, without holding the event loop, until every row recorded before this call is committed."""
+        if not self.durable:  # nothing outlives the process: nothing to wait for
+            return
         loop, done = asyncio.get_running_loop(), asyncio.Event()
         self._queue.put(_Wake(loop, done))
         await done.wait()
@@ -148,6 +151,7 @@ class UsageLedger(_GroupCommit):
         self._keep.executescript(SCHEMA)
         self.unsent: list[UsageRow] = []
         super().__init__()
+        self.durable = bool(path)
 
     def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.uri, uri=True, check_same_thread=False, isolation_level=None, timeout=BUSY_S)
