@@ -33,8 +33,8 @@ class APIError(Exception):
 # malformed tool call is the output's: under the grammar it is a bug, reported, never hidden; a
 # compile worker killed from outside is the server's, and a retry compiles on a fresh one)
 _STATUSES = ((UnknownAdapterError, 404, "model"), (AdapterInUseError, 409, None), (QueueFullError, 429, None),
-             (EngineDeadError, 503, None), (WorkerGone, 503, None), (StepFailedError, 500, None), (ClientTooSlowError, 408, None),
-             (ToolCallError, 500, None), (ValueError, 400, None))
+             (EngineDeadError, 503, None), (WorkerGone, 503, None), (StepFailedError, 500, None),
+             (ClientTooSlowError, 408, None), (ToolCallError, 500, None), (ValueError, 400, None))
 
 
 # the current request's answer for an adapter it names that the engine does not know (unloaded after

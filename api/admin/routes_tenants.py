@@ -1,6 +1,7 @@
 """The operator's tenant endpoints (admin key): GET /v1/usage, what the usage ledger holds
-(api/admin/ledger.py) per tenant, per adapter and per day, in a `?since=` / `?until=` window, and POST /v1/reload_tenants, the tenants file read again (SIGHUP does the same
-through `reload_tenants_now`)."""
+(api/admin/ledger.py) per tenant, per adapter and per day, in a `?since=` / `?until=` window, and
+POST /v1/reload_tenants, the tenants file read again (SIGHUP does the same through
+`reload_tenants_now`)."""
 
 from __future__ import annotations
 

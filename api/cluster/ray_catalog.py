@@ -4,9 +4,10 @@ async Ray actor (`api/cluster/ray_serve.py` starts it). A plain class: tested wi
 Replicas report to it twice a second (their metrics, stats and adapters, the catalog version
 they applied) and let go of names it no longer has, so an unload reaches every replica; the unload
 answers once every live replica has seen it. It keeps the cluster's one usage ledger: replicas send
-it their rows and a request's answer waits for their commit, as on one server. The ingress reads the live replicas' reports back to
-merge them (`api/cluster/ray_merge.py`), and asks it whether the cluster is ready (`readiness`: the
-replicas its router reached that last reported themselves ready)."""
+it their rows and a request's answer waits for their commit, as on one server. The ingress reads
+the live replicas' reports back to merge them (`api/cluster/ray_merge.py`), and asks it whether the
+cluster is ready (`readiness`: the replicas its router reached that last reported themselves
+ready)."""
 
 from __future__ import annotations
 

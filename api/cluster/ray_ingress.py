@@ -9,8 +9,9 @@ before it is done is a 503, never a cut body. `/health` (the ingress is up) and 
 replica the deployment wants is ready, as the replicas report to the catalog, and reached through
 this ingress's router) are answered here. A few answers are the cluster's, not one replica's
 (`Ingress.after`): once a replica has answered 200 (it checked the caller), `/metrics`,
-`/v1/stats` and `/v1/adapters` are merged over the replicas' heartbeats
-(`api/cluster/ray_merge.py`; `/v1/usage` is the replica's answer: it reads the cluster's one ledger), and a tenants reload is passed on to the other replicas through the catalog.
+`/v1/stats` and `/v1/adapters` are merged over the replicas' heartbeats (`api/cluster/ray_merge.py`;
+`/v1/usage` is the replica's own answer, read from the cluster's one ledger), and a tenants reload
+is passed on to the other replicas through the catalog.
 Ray reaches it only through the handles it is given: a plain class."""
 
 from __future__ import annotations

@@ -3,9 +3,10 @@ is tested with dicts (tests/api/test_ray_merge.py).
 
 What is merged: `/metrics` (every replica's Prometheus text, labelled by replica), `/v1/stats`
 (counts summed, percentiles the worst replica's, speculation's rates from the summed counts; a tenant
-reads only its own), `/v1/adapters` (each adapter with the replicas holding it; a tenant's own traffic).
-(`/v1/usage` needs no merging: the cluster has one usage ledger, the catalog's.) The ingress (`api/cluster/ray_ingress.py`) calls `merged_view` with the replica's answer and the
-views the catalog holds from the replicas' heartbeats (`api/cluster/ray_catalog.py`)."""
+reads only its own), `/v1/adapters` (each adapter with the replicas holding it; a tenant's own
+traffic). `/v1/usage` needs no merging: the cluster has one usage ledger, the catalog's. The ingress
+(`api/cluster/ray_ingress.py`) calls `merged_view` with the replica's answer and the views the
+catalog holds from the replicas' heartbeats (`api/cluster/ray_catalog.py`)."""
 
 from __future__ import annotations
 

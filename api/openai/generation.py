@@ -41,6 +41,7 @@ class _Timers:
         self.seen: list[dict[int, int]] = [{} for _ in prompts]  # tokens out of the engine so far per choice
         self.generated: list[dict[int, int]] = [{} for _ in prompts]  # tokens delivered so far per choice
         self.reasoning = [0 for _ in prompts]  # of those, tokens delivered while the reasoning ran
+        self.undecided: list[dict[int, int]] = [{} for _ in prompts]  # per choice: tokens whose text is held back
         self.reasons: list[dict[int, str | None]] = [{} for _ in prompts]
         self.queued = [False for _ in prompts]
         self.done = [False for _ in prompts]
@@ -62,10 +63,20 @@ class _Timers:
         for o in delta.outputs:
             self.generated[i][o.index] = self.generated[i].get(o.index, 0) + len(o.token_ids)
             self.reasons[i][o.index] = o.finish_reason
-            if o.reasoning_text and not o.text:  # a delta of reasoning only: its tokens are reasoning
-                self.reasoning[i] += len(o.token_ids)
+            self._split_reasoning(i, o)
         if delta.finished:
             self._finish(i)
+
+    def _split_reasoning(self, i: int, o) -> None:
+        """Tokens are reasoning until the content starts: a delta with reasoning text takes the tokens whose
+        text was held back before it (a partial character, a marker), one with content text drops them."""
+        held = self.undecided[i].pop(o.index, 0) + len(o.token_ids)
+        if o.text:
+            return
+        if o.reasoning_text:
+            self.reasoning[i] += held
+        else:
+            self.undecided[i][o.index] = held
 
     def close(self) -> int:
         """Bills every prompt not finished yet (a dropped client, an abort, a timeout) with what it was

@@ -382,7 +382,8 @@ def test_sigterm_during_a_slow_compile_exits_zero_after_the_drain(tiny_model_dir
     port = free_port()
     cmd = [sys.executable, "-m", "loraplex.api.cli", "serve", str(tiny_model_dir), "--port", str(port), "--dtype",
            "float32", "--kv-cache-memory", "64MiB", "--shutdown-timeout", "1", "--grammar-backend", "outlines",
-           "--grammar-compile-timeout", "600", "--served-model-name", "tiny"]  # (without it: a 404, no compile)
+           "--grammar-compile-timeout", "600", "--served-model-name", "tiny",  # (without it: a 404, no compile)
+           "--usage-db", "memory"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -66,7 +66,8 @@ def ray_serving(model_dir, *flags: str, log=subprocess.DEVNULL):
     it takes its local Ray down with it (a kill would leave Ray's processes behind). `log`: where its
     output goes (an open file)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "loraplex.api.cli", "serve", str(model_dir), "--ray", "--port", str(port), *flags]
+    cmd = [sys.executable, "-m", "loraplex.api.cli", "serve", str(model_dir), "--ray", "--port", str(port),
+           "--usage-db", "memory", *flags]  # no ledger file left in the cache (a --usage-db in flags wins)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     url = f"http://127.0.0.1:{port}"

@@ -71,6 +71,18 @@ def test_the_budget_forces_the_close_tag_and_the_schema_holds_after_it(thinker, 
     assert (message["reasoning_content"] or "") == "".join(tokens[:budget])
     jsonschema.validate(json.loads(message["content"]), SCHEMA)
     assert choice["finish_reason"] == "stop"
+    billed = _ledger_row(thinker, out["id"])
+    assert billed[1] == out["usage"]["completion_tokens"] and billed[2] == budget  # the reasoning's tokens
+
+
+def _ledger_row(thinker, response_id: str) -> tuple:
+    """(prompt, generation, reasoning) tokens the usage ledger billed the call's first prompt."""
+    row = next(r for r in _state(thinker).ledger.rows() if r.id == f"{response_id}-0")
+    return row.prompt_tokens, row.generation_tokens, row.reasoning_tokens
+
+
+def _state(thinker):
+    return thinker.uvicorn_server.config.app.state.loraplex
 
 
 def test_streamed_deltas_carry_the_reasoning_then_the_content(client, thinker):

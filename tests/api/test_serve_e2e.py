@@ -49,7 +49,8 @@ def serving(model_dir, *flags: str, env: dict | None = None, stdout=subprocess.D
     """`loraplex serve` in a subprocess on a free loopback port, healthy, killed on exit.
     `stdout=subprocess.PIPE` keeps the log for a test to read (it must read it)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "loraplex.api.cli", "serve", str(model_dir), "--port", str(port), *flags]
+    cmd = [sys.executable, "-m", "loraplex.api.cli", "serve", str(model_dir), "--port", str(port),
+           "--usage-db", "memory", *flags]  # no ledger file left in the cache (a --usage-db in flags wins)
     proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     try:
