@@ -278,6 +278,6 @@ def _local_url(server: ServerConfig) -> str:
 
 
 def _say_ready(server: ServerConfig, cluster: ClusterConfig) -> None:
-    line = f"loraplex: ready at {server.url} ({cluster.replicas} replica{'s' if cluster.replicas != 1 else ''})"
+    line = f"loraplex: ready at {server.url}/v1 ({cluster.replicas} replica{'s' if cluster.replicas != 1 else ''})"
     log.info("%s", line)
     print(line, flush=True)  # the command's output: what a script starting it waits for
