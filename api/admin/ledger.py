@@ -91,13 +91,15 @@ class _GroupCommit(abc.ABC):
 
     def flush(self, timeout: float | None = 30.0) -> bool:
         """Wait until every row recorded before this call is committed; False past `timeout`."""
+        if not self._writer.is_alive():
+            return False
         done = threading.Event()
         self._queue.put(done)
         return done.wait(timeout)
 
     async def committed(self) -> None:
         """Wait, without holding the event loop, until every row recorded before this call is committed."""
-        if not self.durable:  # nothing outlives the process: nothing to wait for
+        if not self.durable or not self._writer.is_alive():  # nothing to wait for, or nobody to wait on
             return
         loop, done = asyncio.get_running_loop(), asyncio.Event()
         self._queue.put(_Wake(loop, done))
@@ -113,22 +115,32 @@ class _GroupCommit(abc.ABC):
 
     def _write_forever(self) -> None:
         handle = self._open()
+        stopping = False
         while True:
-            batch = [self._queue.get()]
+            batch = [] if stopping else [self._queue.get()]
             while True:  # everything queued meanwhile goes into the same transaction
                 try:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            rows = [item for item in batch if isinstance(item, UsageRow)]
+            self._commit(handle, batch)
+            if stopping:  # what came after the stop (a waiter racing close) is written and woken too
+                self._close(handle)
+                return
+            stopping = any(item is None for item in batch)
+
+    def _commit(self, handle, batch: list) -> None:
+        """One batch's rows written, then its waiters woken, whatever the write did: a waiter never hangs."""
+        rows = [item for item in batch if isinstance(item, UsageRow)]
+        try:
             if rows:
                 self._write(handle, rows)
+        except Exception:  # a sink's own failures are handled in `_write`; anything else must not stop the writer
+            log.exception("usage ledger: %d rows could not be written", len(rows))
+        finally:
             for item in batch:
                 if isinstance(item, (threading.Event, _Wake)):
                     item.set()
-            if any(item is None for item in batch):
-                self._close(handle)
-                return
 
     def _open(self):
         return None

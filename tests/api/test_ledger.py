@@ -4,6 +4,7 @@ a restart, read back by `GET /v1/usage` and `loraplex usage`."""
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import io
 import json
@@ -202,3 +203,27 @@ def test_rows_a_write_could_not_take_are_kept_for_the_next(tmp_path, monkeypatch
     ledger.record(_rows()[1])
     assert ledger.usage()["totals"]["requests"] == 2
     ledger.close()
+
+
+def test_a_write_that_raises_wakes_its_waiters_and_the_writer_goes_on(tmp_path, monkeypatch):
+    ledger = UsageLedger(str(tmp_path / "u.db"))
+    real, calls = ledger._write, []
+
+    def broken_once(handle, rows):
+        calls.append(len(rows))
+        if len(calls) == 1:
+            raise RuntimeError("a bug in a sink")
+        real(handle, rows)
+
+    monkeypatch.setattr(ledger, "_write", broken_once)
+
+    async def bill(row):
+        ledger.record(row)
+        await asyncio.wait_for(ledger.committed(), 10)  # never a hang
+
+    asyncio.run(bill(_rows()[0]))
+    asyncio.run(bill(_rows()[1]))
+    assert ledger.usage()["totals"]["requests"] == 1  # the second row, written after the failure
+    ledger.close()
+    asyncio.run(asyncio.wait_for(ledger.committed(), 10))  # after close: nothing to wait on
+    assert ledger.flush() is False
