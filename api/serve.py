@@ -117,8 +117,10 @@ class _DrainingServer(uvicorn.Server):
         if self.started:
             # drained: exit here, not after the event loop's close, which would wait for its worker
             # threads (one may still be compiling a grammar, for as long as the compile timeout)
-            self.client.shutdown()
-            self.config.app.state.loraplex.ledger.close()  # what was billed is committed before the exit
+            try:
+                self.client.shutdown()
+            finally:
+                self.config.app.state.loraplex.ledger.close()  # what was billed is committed before the exit
             _exit_now(0)
 
     def handle_exit(self, sig, frame) -> None:

@@ -22,6 +22,7 @@ import contextlib
 import datetime
 import itertools
 import logging
+import math
 import queue
 import sqlite3
 import threading
@@ -77,6 +78,7 @@ class _GroupCommit(abc.ABC):
     def __init__(self) -> None:
         self._queue: queue.Queue = queue.Queue()
         self.durable = True  # whether a commit outlives the process (`committed` waits for it)
+        self.unsent: list[UsageRow] = []  # rows a failed write kept for the next
         self._writer = threading.Thread(target=self._write_forever, name="usage-ledger", daemon=True)
         self._writer.start()
         self.closed = False
@@ -133,7 +135,7 @@ class _GroupCommit(abc.ABC):
         """One batch's rows written, then its waiters woken, whatever the write did: a waiter never hangs."""
         rows = [item for item in batch if isinstance(item, UsageRow)]
         try:
-            if rows:
+            if rows or self.unsent:  # rows kept from a failed write go with the next batch, even a flush
                 self._write(handle, rows)
         except Exception:  # a sink's own failures are handled in `_write`; anything else must not stop the writer
             log.exception("usage ledger: %d rows could not be written", len(rows))
@@ -161,7 +163,8 @@ class UsageLedger(_GroupCommit):
         self.uri = f"file:{path}" if path else f"file:loraplex-ledger-{next(_memory_names)}?mode=memory&cache=shared"
         self._keep = self._connect()  # an in-memory database lives while a connection holds it
         self._keep.executescript(SCHEMA)
-        self.unsent: list[UsageRow] = []
+        # in memory (a shared cache) a reader meets table locks, not WAL's snapshots: reads and writes take turns
+        self._memory_lock = threading.Lock() if not path else contextlib.nullcontext()
         super().__init__()
         self.durable = bool(path)
 
@@ -187,16 +190,27 @@ class UsageLedger(_GroupCommit):
         """A failed write (a full disk, a locked file) keeps its rows for the next batch."""
         rows, self.unsent = self.unsent + rows, []
         try:
-            with db:  # one transaction
-                db.execute("BEGIN IMMEDIATE")
-                db.executemany("INSERT OR IGNORE INTO usage VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                               [row.as_tuple() for row in rows])
-                db.executemany("INSERT OR IGNORE INTO usage_adapters VALUES (?, ?)",
-                               [(row.id, name) for row in rows for name in row.adapters])
-        except sqlite3.Error:
+            self._insert(db, rows)
+        except sqlite3.OperationalError:  # locked, busy, full: the file's state, not the rows'
             log.exception("usage ledger: %d rows could not be written to %s; kept in memory until a write succeeds",
                           len(rows), self.path or "memory")
             self.unsent = rows
+        except Exception:  # a row SQLite refuses (a count out of range): written one by one, the bad one dropped
+            for row in rows:
+                try:
+                    self._insert(db, [row])
+                except sqlite3.OperationalError:
+                    self.unsent.append(row)
+                except Exception:
+                    log.exception("usage ledger: row %s cannot be written; dropped", row)
+
+    def _insert(self, db: sqlite3.Connection, rows: list[UsageRow]) -> None:
+        with self._memory_lock, db:  # one transaction
+            db.execute("BEGIN IMMEDIATE")
+            db.executemany("INSERT OR IGNORE INTO usage VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                           [row.as_tuple() for row in rows])
+            db.executemany("INSERT OR IGNORE INTO usage_adapters VALUES (?, ?)",
+                           [(row.id, name) for row in rows for name in row.adapters])
 
     # ---- reading ----------------------------------------------------------------------------
 
@@ -206,10 +220,11 @@ class UsageLedger(_GroupCommit):
         db = self._connect()
         try:
             window, params = _window(since, until)
-            by_tenant = db.execute(f"SELECT {_DAY}, tenant, {_SUMS} FROM usage u {window} GROUP BY 1, 2",
-                                   params).fetchall()
-            by_adapter = db.execute(f"SELECT {_DAY}, a.name, {_SUMS} FROM usage u JOIN usage_adapters a "
-                                    f"ON a.id = u.id {window} GROUP BY 1, 2", params).fetchall()
+            with self._memory_lock:
+                by_tenant = db.execute(f"SELECT {_DAY}, tenant, {_SUMS} FROM usage u {window} GROUP BY 1, 2",
+                                       params).fetchall()
+                by_adapter = db.execute(f"SELECT {_DAY}, a.name, {_SUMS} FROM usage u JOIN usage_adapters a "
+                                        f"ON a.id = u.id {window} GROUP BY 1, 2", params).fetchall()
         finally:
             db.close()
         return {"object": "usage", "since": since, "until": until, **_summed(by_tenant, by_adapter),
@@ -222,7 +237,8 @@ class UsageLedger(_GroupCommit):
         db = self._connect()
         try:
             window, params = _window(since, until)
-            found = db.execute(f"SELECT * FROM usage u {window} ORDER BY at, id", params).fetchall()
+            with self._memory_lock:
+                found = db.execute(f"SELECT * FROM usage u {window} ORDER BY at, id", params).fetchall()
         finally:
             db.close()
         return [UsageRow.from_tuple(values) for values in found]
@@ -236,11 +252,14 @@ class RemoteLedger(_GroupCommit):
 
     def __init__(self, send: Callable[[list[UsageRow]], None], read: Callable[[float | None, float | None], dict]):
         self.send, self.read = send, read
-        self.unsent: list[UsageRow] = []
+        self.away_until = 0.0  # after a batch failed, rows wait here (answers do not) until this time
         super().__init__()
 
     def _write(self, handle, rows: list[UsageRow]) -> None:
         rows, self.unsent = self.unsent + rows, []
+        if time.monotonic() < self.away_until:  # the ledger was just found away: keep, do not hold answers
+            self.unsent = rows
+            return
         for attempt in range(ATTEMPTS):
             try:
                 self.send(rows)
@@ -249,7 +268,7 @@ class RemoteLedger(_GroupCommit):
                 log.warning("usage ledger: sending %d rows failed (try %d)", len(rows), attempt + 1, exc_info=True)
                 time.sleep(RETRY_S)
         log.error("usage ledger: %d rows kept here until the cluster's ledger answers", len(rows))
-        self.unsent = rows
+        self.unsent, self.away_until = rows, time.monotonic() + AWAY_S
 
     def usage(self, since: float | None = None, until: float | None = None) -> dict:
         self.flush()
@@ -257,7 +276,8 @@ class RemoteLedger(_GroupCommit):
 
 
 RETRY_S = 0.5
-ATTEMPTS = 3
+ATTEMPTS = 2
+AWAY_S = 5.0  # how long a ledger found away is not asked again
 
 
 @dataclass(frozen=True)
@@ -312,12 +332,17 @@ def parse_time(value: str | None, param: str) -> float | None:
     """`since` / `until` as given: unix seconds, or an ISO 8601 date or time (UTC unless it says)."""
     if value is None or value == "":
         return None
+    if not (len(value) == 8 and value.isdigit()):  # 20260301 is a date (ISO's basic form), not seconds
+        try:
+            seconds = float(value)
+        except ValueError:
+            pass
+        else:
+            if not math.isfinite(seconds):
+                raise ValueError(f"{param} must be a finite time, got {value!r}")
+            return seconds
     try:
-        return float(value)
-    except ValueError:
-        pass
-    try:
-        moment = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+        moment = datetime.datetime.fromisoformat(value.replace("Z", "+00:00").replace("z", "+00:00"))
     except ValueError:
         raise ValueError(f"{param} must be unix seconds or an ISO 8601 date or time, got {value!r}") from None
     if moment.tzinfo is None:

@@ -23,10 +23,12 @@ router = APIRouter(dependencies=[Depends(require_admin)])
 @router.get("/v1/usage")
 async def usage(since: str | None = None, until: str | None = None, state: ServerState = Depends(state_of)):
     """`since` / `until`: unix seconds or ISO 8601 (UTC unless it says), `until` excluded."""
-    try:
-        window = parse_time(since, "since"), parse_time(until, "until")
-    except ValueError as exc:
-        raise APIError(400, str(exc), "since" if "since" in str(exc) else "until") from None
+    window = []
+    for value, param in ((since, "since"), (until, "until")):
+        try:
+            window.append(parse_time(value, param))
+        except ValueError as exc:
+            raise APIError(400, str(exc), param) from None
     return await asyncio.to_thread(state.ledger.usage, *window)
 
 

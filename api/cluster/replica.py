@@ -38,7 +38,7 @@ REPLICA_HEADER = "x-loraplex-replica"
 CACHE_HEADER = "x-loraplex-adapter-cache"
 REPORT_INTERVAL_S = 0.5
 RELEASE_RETRY_S = 0.25  # an evicted adapter still in use is unloaded when its requests end
-LEDGER_CALL_S = 30.0  # a call to the cluster's ledger that takes longer failed (its rows are sent again)
+LEDGER_CALL_S = 10.0  # a call to the cluster's ledger that takes longer failed (its rows are sent again)
 
 
 class CatalogClient:
@@ -131,7 +131,12 @@ class EngineReplica:
         async def call():
             return await method.remote(*args)
 
-        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(LEDGER_CALL_S)
+        future = asyncio.run_coroutine_threadsafe(call(), self.loop)
+        try:
+            return future.result(LEDGER_CALL_S)
+        except BaseException:
+            future.cancel()  # not left running on the loop
+            raise
 
     def _allowed(self, request: dict, adapter: str) -> bool:
         authorization = next((v.decode("latin-1") for k, v in request["headers"] if k.lower() == b"authorization"), "")
