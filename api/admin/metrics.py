@@ -169,12 +169,12 @@ class ServerMetrics:
             for name in adapter_labels(adapter):
                 self.tenant(tenant).served_on(name)["requests"] += 1
 
-    def count_served(self, adapter: str | AdapterMix | None, prompt_tokens: int, generated: int,
-                     tenant: str | None = None, request_id: str | None = None, reasoning: int = 0) -> None:
-        """One answered prompt: counted here and billed in the ledger (`reasoning`: of `generated`, the
-        tokens before the reasoning's end)."""
-        self.ledger.record(UsageRow(request_id or uuid.uuid4().hex, time.time(), tenant or "", adapter_labels(adapter),
-                                    1, prompt_tokens, generated, reasoning))
+    def count_served(self, request_id: str, adapter: str | AdapterMix | None, prompt_tokens: int, generated: int,
+                     tenant: str | None, reasoning: int = 0) -> None:
+        """One answered prompt: counted here and billed in the ledger under its engine request id
+        (`reasoning`: of `generated`, the tokens before the reasoning's end)."""
+        self.ledger.record(UsageRow(request_id, time.time(), tenant or "", adapter_labels(adapter), 1, prompt_tokens,
+                                    generated, reasoning))
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generated)
         counted = [self.totals] + [self.adapter_totals(name) for name in adapter_labels(adapter)]
@@ -359,14 +359,13 @@ class RequestTimer:
                 into.recent_itl.append((now - self.last) / new)
         self.last, self.num_tokens = now, total
 
-    def finish(self, prompt_tokens: int, finish_reasons: list[str | None], generated: int | None = None,
-               request_id: str | None = None, reasoning: int = 0) -> None:
-        """`generated`: tokens of all choices (default: the longest choice's), `reasoning` of them before
-        the reasoning ended; `request_id`: the engine's, the prompt's row in the usage ledger."""
-        generated = self.num_tokens if generated is None else generated
+    def finish(self, request_id: str, prompt_tokens: int, finish_reasons: list[str | None], generated: int,
+               reasoning: int = 0) -> None:
+        """`generated`: tokens of all choices, `reasoning` of them before the reasoning ended; `request_id`:
+        the engine's, the prompt's row in the usage ledger."""
         self._landed()
         self.metrics.e2e.observe(time.perf_counter() - self.arrival)
-        self.metrics.count_served(self.adapter, prompt_tokens, generated, self.tenant, request_id, reasoning)
+        self.metrics.count_served(request_id, self.adapter, prompt_tokens, generated, self.tenant, reasoning)
         for reason in finish_reasons:
             self.metrics.request_success.labels(reason or "abort").inc()
 

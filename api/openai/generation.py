@@ -95,7 +95,7 @@ class _Timers:
     def _finish(self, i: int) -> None:
         self.done[i] = True
         reasons, generated = list(self.reasons[i].values()) or [None], sum(self.generated[i].values())
-        self.timers[i].finish(len(self.prompts[i]), reasons, generated, self.request_ids[i], self.reasoning[i])
+        self.timers[i].finish(self.request_ids[i], len(self.prompts[i]), reasons, generated, self.reasoning[i])
         self.tracing.finished(self.timers[i], self.request_ids[i], len(self.prompts[i]), generated, reasons)
 
 
