@@ -3,10 +3,15 @@ replaces each module its family's declaration lets LoRA target (`platform/models
 around it, as vLLM's `*WithLoRA` layers do.
 
 - `LoRALinear`: y = base(x) + scale[s] (x A[s]^T) B[s]^T, each token with its own slot's `LoRATable` /
-  `StackedLoRA` (`adapters/slots.py`); shrink and expand through `kernels/sgmv.py` (`LoRADelta`).
+  `StackedLoRA` (`adapters/slots.py`); shrink and expand through `kernels/sgmv.py` (`LoRADelta`); then a slot's
+  B bias and DoRA factor (`ProjectionExtras`), where it has them.
 - `LoRAEmbedding`: a token of a slot with its own table takes that table's row, then adds its LoRA delta.
 - `LoRAHead`: the logits of the rows being sampled, grouped by slot, each group through its slot's own head
   (or the base head) plus its LoRA.
+- `LoRAMoE`: a sparse MoE block whose router, experts and shared expert add each token's adapter
+  (`adapters/moe_lora.py`).
+- `SavedNormLayer`: a norm (RMSNorm, fused with the residual add or not) whose rows of tokens of a slot with a
+  saved weight are recomputed under it (`adapters/saved_norms.py`).
 
 Which slot each token and each sampled row uses reaches every wrapper through one `LoRAContext` (the step's
 mapping, like punica's wrapper), which the model runner sets around a forward pass and a logits call.
@@ -21,7 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraplex.kernels.custom_ops import LoRADelta
+from loraplex.adapters.moe_lora import MoEDelta, MoESlots
+from loraplex.adapters.projection_extras import ProjectionExtras
+from loraplex.adapters.saved_norms import FINAL, SavedNorms, norm_dims, norm_modules
+from loraplex.adapters.trainable_tokens import token_rows
+from loraplex.kernels.custom_ops import LoRADelta, RMSNorm
 from loraplex.kernels.dispatch import KernelConfig, to_device
 from loraplex.kernels.lora_batch import LoRABatch
 from loraplex.kernels.sgmv import LoRATable, StackedLoRA
@@ -38,6 +47,7 @@ class LoRAContext:
         self.batch: LoRABatch | None = None
         self.rows: list[int] | None = None
         self.embedding: VocabAdapters | None = None  # set by `attach_lora`
+        self.eager_slots: set[int] = set()  # the slots' own set (`LoRASlots.eager_slots`), set by `attach_lora`
 
     @contextmanager
     def mapping(self, batch: LoRABatch | None = None, rows: list[int] | None = None):
@@ -48,8 +58,11 @@ class LoRAContext:
         finally:
             self.batch = self.rows = None
 
-    def changes_embedding(self, slots: list[int] | None) -> bool:
-        """Whether a token's adapter changes the embedding (a decode graph holds no embedding adapter)."""
+    def needs_eager(self, slots: list[int] | None) -> bool:
+        """Whether a token's adapter changes the embedding or has projection extras (a decode graph holds
+        neither)."""
+        if self.eager_slots and slots and not self.eager_slots.isdisjoint(slots):
+            return True
         return self.embedding is not None and self.embedding.used_by(slots)
 
 
@@ -72,10 +85,10 @@ class Wrapper(nn.Module):
 
 
 class LoRALinear(Wrapper):
-    def __init__(self, base: Linear, context: LoRAContext, kernels: KernelConfig, lora: LoRATable | StackedLoRA
-                 ) -> None:
+    def __init__(self, base: Linear, context: LoRAContext, kernels: KernelConfig, lora: LoRATable | StackedLoRA,
+                 extras: ProjectionExtras | None = None) -> None:
         super().__init__(base, context)
-        self.lora = lora
+        self.lora, self.extras = lora, extras or ProjectionExtras.empty(0)
         self.apply_base = base.apply_method  # the base's format, called directly: one module call a projection
         self.add_lora = LoRADelta(kernels)  # the layout of `lora` follows the same config
 
@@ -87,7 +100,42 @@ class LoRALinear(Wrapper):
         y = self.add_lora(x, self.lora, batch, y)
         for mix_pass in batch.passes:  # adapter mixes: each token's further (slot, weight) pairs
             y = self.add_lora(x, self.lora, mix_pass, y)
+        if self.extras.num_active:
+            y = self.extras.apply(y, batch, getattr(self.base, "bias", None))
         return y
+
+
+class LoRAMoE(Wrapper):
+    """A sparse MoE block whose router, experts and shared expert take each token's adapter (`MoEDelta`)."""
+
+    def __init__(self, base: nn.Module, context: LoRAContext, slots: MoESlots) -> None:
+        super().__init__(base, context)
+        self.slots = slots
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch = self.context.batch
+        if batch is None or not self.slots.num_active:
+            return self.base(x)
+        return self.base(x, MoEDelta(self.slots, batch, x.shape[0]))
+
+
+class SavedNormLayer(Wrapper):
+    """A norm whose output, for the tokens of a slot with the norm's own weight, is recomputed under that weight."""
+
+    def __init__(self, base: RMSNorm, context: LoRAContext, saved: SavedNorms) -> None:
+        super().__init__(base, context)
+        self.saved, self.norm = saved, base.forward  # the base's implementation, called without Module.__call__
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        out = self.norm(x) if residual is None else self.norm(x, residual)
+        batch = self.context.batch
+        if batch is None or not self.saved.num_active:
+            return out
+        if residual is None:  # the norm's input is x; fused with the residual add, it is the sum it returns
+            self.saved.apply(out, x, batch, self.base.eps)
+        else:
+            self.saved.apply(out[0], out[1], batch, self.base.eps)
+        return out
 
 
 @dataclass
@@ -99,24 +147,26 @@ class VocabAdapters:
     lora: list[tuple[torch.Tensor, torch.Tensor] | None]
     scales: list[float]
     weights: list[torch.Tensor | None]
+    tokens: list[tuple[torch.Tensor, torch.Tensor] | None]  # trained rows of some token ids (trainable_tokens.py)
     num_active: int = 0  # slots holding anything: with none, a step pays one comparison
 
     @staticmethod
     def empty(num_slots: int) -> "VocabAdapters":
-        return VocabAdapters([None] * num_slots, [0.0] * num_slots, [None] * num_slots)
+        return VocabAdapters([None] * num_slots, [0.0] * num_slots, [None] * num_slots, [None] * num_slots)
 
     def set(self, slot: int, lora: tuple[torch.Tensor, torch.Tensor] | None, scale: float,
-            weight: torch.Tensor | None) -> None:
+            weight: torch.Tensor | None, tokens: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.clear(slot)
-        self.lora[slot], self.scales[slot], self.weights[slot] = lora, scale, weight
+        self.lora[slot], self.scales[slot], self.weights[slot], self.tokens[slot] = lora, scale, weight, tokens
         self.num_active += self.active(slot)
 
     def clear(self, slot: int) -> None:
         self.num_active -= self.active(slot)
-        self.lora[slot], self.scales[slot], self.weights[slot] = None, 0.0, None
+        self.lora[slot], self.scales[slot], self.weights[slot], self.tokens[slot] = None, 0.0, None, None
 
     def active(self, slot: int) -> bool:
-        return slot >= 0 and (self.lora[slot] is not None or self.weights[slot] is not None)
+        return slot >= 0 and (self.lora[slot] is not None or self.weights[slot] is not None
+                              or self.tokens[slot] is not None)
 
     def used_by(self, slots: list[int] | None) -> bool:
         """Whether any of these slots (-1: none) changes the module."""
@@ -136,12 +186,15 @@ class LoRAEmbedding(Wrapper):
         if batch is None or not adapters.num_active:
             return rows
         for slot, idx in batch.segments():  # a decode graph's per-token batch has none: see ModelRunner
-            weight, lora = adapters.weights[slot], adapters.lora[slot]
-            if weight is None and lora is None:
+            weight, lora, tokens = adapters.weights[slot], adapters.lora[slot], adapters.tokens[slot]
+            if weight is None and lora is None and tokens is None:
                 continue
             ids = input_ids.index_select(0, idx)
             if weight is not None:
                 rows.index_copy_(0, idx, weight.index_select(0, ids).to(rows.dtype))
+            if tokens is not None:  # trained rows replace the base's
+                at, which = token_rows(tokens, ids)
+                rows.index_copy_(0, idx.index_select(0, at), tokens[1].index_select(0, which).to(rows.dtype))
             if lora is not None:
                 a_t, b_t = lora
                 delta = a_t.index_select(0, ids).to(rows.dtype) @ b_t.to(rows.dtype)
@@ -184,9 +237,12 @@ class LoRAHead(Wrapper):
 
 def _add_slot(x: torch.Tensor, y: torch.Tensor, index: torch.Tensor, adapters: VocabAdapters, slot: int) -> None:
     rows = x.index_select(0, index)
-    weight, lora = adapters.weights[slot], adapters.lora[slot]
+    weight, lora, tokens = adapters.weights[slot], adapters.lora[slot], adapters.tokens[slot]
     if weight is not None:
         y.index_copy_(0, index, F.linear(rows, weight.to(rows.dtype)).to(y.dtype))
+    if tokens is not None:  # the trained rows' logits replace the base's
+        ids, trained = tokens
+        y[index[:, None], ids.to(y.device)[None, :]] = F.linear(rows, trained.to(rows.dtype)).to(y.dtype)
     if lora is not None:
         a, b_t = lora
         delta = (rows @ a.to(rows.dtype).T) @ b_t.to(rows.dtype)
@@ -202,18 +258,31 @@ def attach_lora(model: nn.Module, slots, kernels: KernelConfig) -> LoRAContext:
     registry's `LoRASlots`); the projections of a sparse (MoE) layer's experts take none. Returns the context
     the model runner sets each step."""
     config, context = model.config, LoRAContext()
-    for index, (layer, tables) in enumerate(zip(model.layers, slots.layers)):
+    for index, (layer, tables, extras) in enumerate(zip(model.layers, slots.layers, slots.extras)):
         for fused in config.family.projections:
             block_name = PROJECTION_BLOCKS[fused]
             if block_name == "mlp" and is_sparse_layer(config, index):
-                continue  # adapters on experts are refused when read (experts.lora_refusal)
+                continue  # its experts' adapters: LoRAMoE
             block = getattr(layer, block_name)
-            setattr(block, fused, LoRALinear(getattr(block, fused), context, kernels, tables[fused]))
-    context.embedding = slots.embedding
+            setattr(block, fused, LoRALinear(getattr(block, fused), context, kernels, tables[fused], extras[fused]))
+    for index, layer in enumerate(model.layers):
+        if is_sparse_layer(config, index):
+            layer.mlp = LoRAMoE(layer.mlp, context, slots.moe_table(index))
+    wrap_norms(model, slots, context)
+    context.embedding, context.eager_slots = slots.embedding, slots.eager_slots
     model.embed_tokens = LoRAEmbedding(model.embed_tokens, context, slots.embedding)
     model.lm_head = LoRAHead(model.lm_head, context, slots.head)
     tell_base_tables(model, slots, kernels.dtype)
     return context
+
+
+def wrap_norms(model: nn.Module, slots, context: LoRAContext) -> None:
+    """Every norm of the decoder layers and the final norm wrapped for saved norms."""
+    slots.norm_dims = norm_dims(model)
+    for index, name, module in norm_modules(model):
+        owner = model if index == FINAL else model.layers[index]
+        parent, _, leaf = name.rpartition(".")
+        setattr(owner.get_submodule(parent), leaf, SavedNormLayer(module, context, slots.norm_table((index, leaf))))
 
 
 def tell_base_tables(model: nn.Module, slots, dtype: torch.dtype) -> None:
@@ -232,4 +301,7 @@ def tell_base_tables(model: nn.Module, slots, dtype: torch.dtype) -> None:
         """An untied head serves a float weight as its format rounds it: a copy of that weight is the same."""
         return head.served(weight) if module == "lm_head" and not tied else weight
 
-    slots.set_base(dtype, dense, served)
+    def projection(layer: int, fused: str) -> torch.Tensor:
+        return getattr(getattr(model.layers[layer], PROJECTION_BLOCKS[fused]), fused).base_layer.dense_weight()
+
+    slots.set_base(dtype, dense, served, projection if model.config.shard is None else None)

@@ -20,7 +20,11 @@ from pathlib import Path
 import regex
 import torch
 
-from loraplex.adapters.vocab_weights import VOCAB_KEY, VOCAB_MODULES, BaseTables, read_vocab_weights, vocab_shapes
+from loraplex.adapters.variants import ModulePatterns, ModuleWeights, ProjectionTerms, dora_factor, folded_b, fuse_terms
+from loraplex.adapters.moe_weights import MOE_KEY, MoELoRA, check_target_parameters, read_moe_weights
+from loraplex.adapters.saved_norms import NORM_KEY, read_saved_norms
+from loraplex.adapters.vocab_weights import (VOCAB_KEY, VOCAB_MODULES, BaseTables, norm_entries, read_vocab_weights,
+                                             vocab_shapes)
 from loraplex.platform.models.experts import lora_refusal
 from loraplex.platform.models.family import FUSED_PROJECTIONS, PREFUSED_PROJECTIONS
 from loraplex.platform.models.model_config import ModelConfig
@@ -29,10 +33,14 @@ from loraplex.platform.models.model_config import ModelConfig
 # the base model does not have: Phi-3's qkv_proj on a Llama, q_proj on a Phi-3)
 TARGETS = {part: (fused, i) for projections in (FUSED_PROJECTIONS, PREFUSED_PROJECTIONS)
            for fused, parts in projections.items() for i, part in enumerate(parts)}
-_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)"
-                  r"\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.(.+)$")
+# the part of a projection's key after its module -> what it is (variants.py says what each does)
+_PARTS = ((re.compile(r"^lora_A(?:\.[\w-]+)?\.weight$"), "A"), (re.compile(r"^lora_B(?:\.[\w-]+)?\.weight$"), "B"),
+          (re.compile(r"^lora_B(?:\.[\w-]+)?\.bias$"), "lora_bias"),
+          (re.compile(r"^lora_magnitude_vector(?:\.[\w-]+)?(?:\.weight)?$"), "magnitude"),
+          (re.compile(r"^(?:base_layer\.)?bias$"), "bias"))
 # LoRA variants whose forward is not y = x W^T + s (x A^T) B^T (or whose weights are not plain A / B)
-_VARIANTS = {"use_dora": "DoRA (use_dora=true)", "use_qalora": "QA-LoRA (use_qalora=true)",
+_VARIANTS = {"use_qalora": "QA-LoRA (use_qalora=true)",
              "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
              "use_bdlora": "block-diagonal LoRA (use_bdlora)", "arrow_config": "Arrow routing (arrow_config)",
              "monteclora_config": "MonteCLoRA (monteclora_config)", "kasa_config": "KaSA (kasa_config)"}
@@ -46,8 +54,8 @@ class AdapterError(ValueError):
 class LoRAWeights:
     name: str
     path: str
-    rank: int
-    scaling: float
+    rank: int  # the largest of its modules' ranks (rank_pattern)
+    scaling: float  # lora_alpha / r: the embedding's and head's (each projection's own is in `terms`)
     target_modules: frozenset[str]
     # (layer, fused projection) -> (A [num_slices * r, in], B transposed [r, out_total]) on the CPU, in the
     # engine's dtype, contiguous: the layout the multi-LoRA kernels read in place (kernels/sgmv.py
@@ -60,13 +68,33 @@ class LoRAWeights:
     # "embed_tokens" / "lm_head" -> the adapter's own full weight [vocab, hidden] (adapters/vocab_weights.py)
     replacements: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     modules_to_save: frozenset[str] = frozenset()
+    # (layer, fused projection) -> its scale, and B's bias and DoRA's factor where the adapter has them
+    terms: dict[tuple[int, str], ProjectionTerms] = field(default_factory=dict, repr=False)
+    kinds: tuple[str, ...] = ("lora",)  # what /v1/adapters lists: "lora", "dora", "lora_bias", "rank_pattern", ...
+    # (layer, norm module) -> the adapter's own weight for it, in the model's dtype (saved_norms.py; the final
+    # norm's layer is saved_norms.FINAL)
+    norms: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, repr=False)
+    # "embed_tokens" / "lm_head" -> (token ids sorted, their trained rows) (trainable_tokens.py)
+    tokens: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    # sparse layer -> its router / experts / shared expert LoRA (moe_weights.py)
+    moe: dict[int, MoELoRA] = field(default_factory=dict, repr=False)
 
     @property
     def nbytes(self) -> int:
         """Every tensor the adapter holds, full weights included (one tensor two modules share counts once)."""
-        pairs = [*self.projections.values(), self.embedding or (), self.head or ()]
+        pairs = [*self.projections.values(), self.embedding or (), self.head or (), *self.tokens.values(),
+                 *(m.tensors() for m in self.moe.values())]
         tensors = {id(t): t for t in [*(t for pair in pairs for t in pair), *self.replacements.values()]}
-        return sum(t.nbytes for t in tensors.values())
+        return sum(t.nbytes for t in tensors.values()) + sum(t.nbytes for t in self.terms.values()) + \
+            sum(t.nbytes for t in self.norms.values())
+
+    @property
+    def dora(self) -> bool:
+        return "dora" in self.kinds
+
+    def scale_of(self, key: tuple[int, str]) -> float:
+        terms = self.terms.get(key)
+        return self.scaling if terms is None else terms.scale
 
 
 def fused_parts(fused: str, shapes: dict[str, tuple[int, int]]) -> tuple[str, ...]:
@@ -111,19 +139,20 @@ def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def read_peft_adapter(name: str, path: str | Path, config: ModelConfig, max_lora_rank: int,
                       dtype: torch.dtype = torch.float32, confined: bool = False,
-                      base: BaseTables | None = None) -> LoRAWeights:
+                      base: BaseTables | None = None, norm_dims: dict[str, int] | None = None) -> LoRAWeights:
     """`confined`: the folder came from a client (an adapter root): `path` must be absolute and
     free of symbolic links, and it is opened one component at a time without following any, its
     files as regular, singly linked files (no hard link to elsewhere), all through one
     directory handle, so a link swapped in after the caller's check cannot redirect the read.
     `base`: the served model's embedding table and head, which copies of them in the folder are
-    checked against (equal: dropped; else the adapter's own full weight, in the model's dtype)."""
+    checked against (equal: dropped; else the adapter's own full weight, in the model's dtype). `norm_dims`: the
+    served model's norms and their widths, which saved norms are checked against (None: refused)."""
     folder = Path(path)
     fail = lambda reason: AdapterError(f"adapter {name!r} ({folder}): {reason}")  # noqa: E731
     try:
         with _Folder(folder, confined) as files:
             raw = _read_config(files, fail)
-            _refuse_moe_targets(config, raw, (), fail)  # named before target_parameters' general refusal
+            _refuse_moe_targets(config, raw, (), fail)  # named before the other checks of the config
             _check_config(raw, max_lora_rank, fail)
             tensors = _read_weights(files, fail)
             _refuse_moe_targets(config, raw, tensors, fail)
@@ -133,54 +162,123 @@ def read_peft_adapter(name: str, path: str | Path, config: ModelConfig, max_lora
         raise fail(f"cannot be read ({exc.strerror or type(exc).__name__})") from None
     _refuse_duplicates(tensors, fail)
     _refuse_non_finite(tensors, fail)
-    rank = int(raw["r"])
-    alpha = float(raw.get("lora_alpha", rank))
-    scaling = alpha / rank ** 0.5 if raw.get("use_rslora") else alpha / rank
-    targets = _target_modules(raw.get("target_modules"), fail)
+    patterns = ModulePatterns(raw, max_lora_rank, fail)
+    rank, scaling = patterns.rank, patterns.scale
+    check_target_parameters(raw, config, fail)
+    targets = _target_modules(raw.get("target_modules"), fail, bool(raw.get("target_parameters")))
+    _refuse_vocab_variants(raw, targets, patterns, fail)
     layers = _layers(raw, config, fail)
     vocab_keys = {key for key in tensors if VOCAB_KEY.match(key)}
+    norm_keys = {key for key in tensors if NORM_KEY.match(key)}
+    moe_keys = {key for key in tensors if config.moe is not None and MOE_KEY.match(key)}
     vocab = read_vocab_weights({k: tensors[k] for k in vocab_keys}, raw, targets, rank, config, dtype, base, fail)
-    weights = _collect({k: t for k, t in tensors.items() if k not in vocab_keys}, targets, rank, config, fail)
-    if not weights and vocab.embedding is None and vocab.head is None and not vocab.replacements:
+    norms = read_saved_norms({k: tensors[k] for k in norm_keys}, norm_entries(raw), norm_dims,
+                             config.num_layers, config.norm_offset, base.dtype if base is not None else dtype, fail)
+    moe = read_moe_weights({k: tensors[k] for k in moe_keys}, config, rank, scaling, dtype, fail)
+    weights = _collect({k: t for k, t in tensors.items() if k not in vocab_keys | norm_keys | moe_keys}, targets,
+                       patterns, config, fail)
+    _check_variants(raw, weights, fail)
+    if not weights and vocab.embedding is None and vocab.head is None and not vocab.replacements and not norms \
+            and not vocab.tokens and not moe:
         raise fail("no LoRA weights found")
     stray = sorted({layer for layer, _ in weights} - layers)
     if stray:
         raise fail(f"weights for layers {stray[:5]}, which layers_to_transform does not list")
     shapes = module_shapes(config)
-    projections = _fuse(weights, rank, shapes, dtype)
+    projections, terms = _fuse(weights, shapes, dtype)
+    if raw.get("use_dora"):
+        _dora_factors(projections, terms, shapes, base, fail)
     digest = hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode())
     for key in sorted(tensors):
         digest.update(key.encode())
         digest.update(tensors[key].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return LoRAWeights(name, str(folder), rank, scaling, frozenset(targets), projections, digest.hexdigest(),
-                       vocab.embedding, vocab.head, vocab.replacements, vocab.modules_to_save)
+    return LoRAWeights(name, str(folder), max([rank, *(w.rank for w in weights.values())]), scaling,
+                       frozenset(targets), projections, digest.hexdigest(), vocab.embedding, vocab.head,
+                       vocab.replacements, vocab.modules_to_save, terms, _kinds(raw, vocab, norms, moe), norms,
+                       vocab.tokens, moe)
 
 
-def _fuse(weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], rank: int,
-          shapes: dict[str, tuple[int, int]], dtype: torch.dtype) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+def _kinds(raw: dict, vocab, norms, moe) -> tuple[str, ...]:
+    kinds = ["dora" if raw.get("use_dora") else "lora"]
+    kinds += [kind for kind, on in (("lora_bias", raw.get("lora_bias")), ("rank_pattern", raw.get("rank_pattern")),
+                                    ("alpha_pattern", raw.get("alpha_pattern")),
+                                    ("modules_to_save", vocab.modules_to_save or norms),
+                                    ("trainable_tokens", vocab.tokens),
+                                    ("experts", any(m.gate_up or m.down for m in moe.values())),
+                                    ("router", any(m.router for m in moe.values())),
+                                    ("shared_expert", any(m.shared for m in moe.values()))) if on]
+    return tuple(kinds)
+
+
+def _refuse_vocab_variants(raw: dict, targets: set[str], patterns: ModulePatterns, fail) -> None:
+    """The embedding's and head's LoRA takes one rank and scale and no variant (peft's DoRA on an embedding
+    and a head's bias are not served)."""
+    vocab = sorted(targets & {"embed_tokens", "lm_head"})
+    for module in vocab:
+        name = "model.embed_tokens" if module == "embed_tokens" else "lm_head"
+        if patterns.rank_and_scale(name, fail) != (patterns.rank, patterns.scale):
+            raise fail(f"rank_pattern / alpha_pattern give {module} a rank or alpha of its own, which is not "
+                       "supported (only on the decoder layers' projections)")
+    if vocab and raw.get("use_dora"):
+        raise fail(f"DoRA on {vocab} is not supported (only on the decoder layers' projections)")
+    if vocab and raw.get("lora_bias"):
+        raise fail(f"lora_bias on {vocab} is not supported (only on the decoder layers' projections)")
+
+
+def _check_variants(raw: dict, weights: dict[tuple[int, str], ModuleWeights], fail) -> None:
+    """Each module holds what the config says it trained: DoRA's magnitude (and only under use_dora), B's bias
+    (and only under lora_bias)."""
+    if raw.get("use_dora") and raw.get("lora_bias"):
+        raise fail("DoRA with lora_bias is not supported (peft does not train it either)")
+    for (layer, module), w in sorted(weights.items()):
+        for present, wanted, what, flag in ((w.magnitude is not None, bool(raw.get("use_dora")),
+                                             "lora_magnitude_vector", "use_dora"),
+                                            (w.lora_bias is not None, bool(raw.get("lora_bias")),
+                                             "lora_B bias", "lora_bias")):
+            if present != wanted:
+                raise fail(f"layer {layer} {module}: {'a' if present else 'no'} {what}, but {flag} is "
+                           f"{'false' if present else 'true'}")
+
+
+def _dora_factors(projections, terms, shapes, base: BaseTables | None, fail) -> None:
+    """Each DoRA projection's factor, from the served base weights (`base.projection`)."""
+    if base is None or base.projection is None:
+        raise fail("DoRA needs the served base weights to compute its norms, which this engine does not give "
+                   "(tensor parallelism: DoRA is served with --tensor-parallel-size 1 only)")
+    for key, (a, b_t) in projections.items():
+        if terms[key].magnitude is not None:
+            fused = key[1]
+            terms[key].factor = dora_factor(terms[key], base.projection(*key), a, b_t, fused_offsets(fused, shapes))
+
+
+def _fuse(weights: dict[tuple[int, str], ModuleWeights], shapes: dict[str, tuple[int, int]], dtype: torch.dtype
+          ) -> tuple[dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], dict[tuple[int, str], ProjectionTerms]]:
     """Per-module A/B -> per fused projection A [n * r, in] and B transposed, Bt [r, out_total]
-    (zeros where the adapter leaves a slice alone), all views of one buffer in the order a decode
-    step reads them: each token streams its own adapter, and one contiguous stream per layer reads
-    faster than separate allocations (TLB and hardware prefetch; benchmarks/multi_lora.py)."""
-    layout = [(layer, fused, parts, fused_offsets(fused, shapes))  # the order a step reads them in
+    (zeros where the adapter leaves a slice alone, or where a part's rank is below the projection's largest),
+    all views of one buffer in the order a decode step reads them: each token streams its own adapter, and one
+    contiguous stream per layer reads faster than separate allocations (TLB and hardware prefetch;
+    benchmarks/multi_lora.py). Beside them, each projection's terms (`variants.py`)."""
+    layout = [(layer, fused, parts, fused_offsets(fused, shapes),  # the order a step reads them in
+               max(weights[(layer, p)].rank for p in parts if (layer, p) in weights))
               for layer in sorted({layer for layer, _ in weights})
               for fused, parts in ((fused, fused_parts(fused, shapes)) for fused in FUSED_PROJECTIONS)
               if any((layer, part) in weights for part in parts)]
     buffer = torch.zeros(sum(rank * (len(parts) * shapes[parts[0]][0] + offsets[-1])
-                             for _, _, parts, offsets in layout), dtype=dtype)
-    out, at = {}, 0
-    for layer, fused, parts, offsets in layout:
+                             for _, _, parts, offsets, rank in layout), dtype=dtype)
+    out, terms, at = {}, {}, 0
+    for layer, fused, parts, offsets, rank in layout:
         present = [weights.get((layer, part)) for part in parts]
         a_size, b_size = len(parts) * rank * shapes[parts[0]][0], rank * offsets[-1]
         a = buffer[at:at + a_size].view(len(parts) * rank, shapes[parts[0]][0])
         b = buffer[at + a_size:at + a_size + b_size].view(rank, offsets[-1])
         at += a_size + b_size
-        for i, pair in enumerate(present):
-            if pair is not None:
-                a[i * rank:(i + 1) * rank] = pair[0]
-                b[:, offsets[i]:offsets[i + 1]] = pair[1].T
+        terms[(layer, fused)] = fuse_terms(present, offsets)
+        for i, part in enumerate(present):
+            if part is not None:
+                a[i * rank:i * rank + part.rank] = part.a
+                b[:part.rank, offsets[i]:offsets[i + 1]] = folded_b(part, terms[(layer, fused)].scale).T
         out[(layer, fused)] = (a, b)
-    return out
+    return out, terms
 
 
 MAX_CONFIG_BYTES, MAX_WEIGHT_BYTES = 1 << 20, 4 << 30
@@ -261,14 +359,9 @@ def _check_config(raw: dict, max_lora_rank: int, fail) -> None:
             raise fail(f"{variant} is not supported")
     if raw.get("bias", "none") != "none":
         raise fail(f"bias={raw.get('bias')!r} is not supported (only 'none')")
-    if raw.get("lora_bias"):
-        raise fail("lora_bias=true (a bias on lora_B) is not supported")
-    for key in ("rank_pattern", "alpha_pattern"):
-        if raw.get(key):
-            raise fail(f"{key} (per-module ranks or alphas) is not supported")
     if raw.get("layers_pattern") not in (None, "layers", ["layers"]):
         raise fail(f"layers_pattern {raw['layers_pattern']!r} is not supported (only 'layers')")
-    for key in ("layer_replication", "target_parameters", "trainable_token_indices"):
+    for key in ("layer_replication",):
         if raw.get(key):
             raise fail(f"{key} is not supported")
     rank = raw.get("r")
@@ -293,11 +386,16 @@ def _layers(raw: dict, config: ModelConfig, fail) -> set[int]:
 
 
 # each module we serve -> the full names peft matches a target_modules regex against
-_MODULE_NAMES = {**{m: [f"model.layers.0.{block}.{m}" for block in ("self_attn", "mlp")] for m in TARGETS},
+_MODULE_NAMES = {**{m: [f"model.layers.0.{block}.{m}" for block in ("self_attn", "mlp", "mlp.shared_expert")]
+                    for m in TARGETS},
+                 "shared_expert_gate": ["model.layers.0.mlp.shared_expert_gate"],
                  "embed_tokens": ["model.embed_tokens"], "lm_head": ["lm_head"]}
 
 
-def _target_modules(value, fail) -> set[str]:
+def _target_modules(value, fail, parameters: bool = False) -> set[str]:
+    """Our module names of peft's `target_modules` (`parameters`: the adapter has target_parameters too, so
+    none is fine). A listed name may carry the path above it (`shared_expert.gate_proj`), as peft matches the end
+    of each module's name."""
     if isinstance(value, str) and value != "all-linear":  # peft: a regex matched against full module names
         if len(value) > 1024:
             raise fail("target_modules regex is longer than 1024 characters")
@@ -315,11 +413,11 @@ def _target_modules(value, fail) -> set[str]:
         return set(TARGETS)
     if value is not None and (not isinstance(value, list) or not all(isinstance(m, str) for m in value)):
         raise fail(f"target_modules must be a list of module names or a regex, got {type(value).__name__}")
-    modules = set(value or [])
+    modules = {m.rpartition(".")[2] if m.rpartition(".")[2] in _MODULE_NAMES else m for m in value or []}
     unknown = modules - set(_MODULE_NAMES)
     if unknown:
         raise fail(f"unsupported target modules {sorted(unknown)}; supported: {sorted(_MODULE_NAMES)}")
-    if not modules:
+    if not modules and not parameters:
         raise fail("target_modules is empty")
     return modules
 
@@ -343,7 +441,8 @@ def _read_weights(files: _Folder, fail) -> dict[str, torch.Tensor]:
 # spellings of one tensor: peft's `base_model.model.` prefix, an adapter-name segment after the factor
 # or in modules_to_save, a `.weight` suffix or none; what is left names the tensor
 _SPELLINGS = (re.compile(r"^base_model\.model\."), re.compile(r"\.weight$"),
-              re.compile(r"(?<=\.lora_[AB])\.[\w-]+$|(?<=\.lora_embedding_[AB])\.[\w-]+$"),
+              re.compile(r"(?<=\.lora_[AB])\.(?!bias$)[\w-]+$|(?<=\.lora_embedding_[AB])\.[\w-]+$"
+                         r"|(?<=\.lora_magnitude_vector)\.[\w-]+$"),
               re.compile(r"\.modules_to_save(?:\.[\w-]+)?$"))
 
 
@@ -385,15 +484,17 @@ def _load_bin(data: bytes):
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
-def _collect(tensors: dict[str, torch.Tensor], targets: set[str], rank: int, config: ModelConfig, fail):
+def _collect(tensors: dict[str, torch.Tensor], targets: set[str], patterns: ModulePatterns, config: ModelConfig,
+             fail) -> dict[tuple[int, str], ModuleWeights]:
     shapes = module_shapes(config)
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.match(key)
-        if match is None:
-            raise fail(f"unexpected weight {key!r} (only LoRA A/B of {sorted(_MODULE_NAMES)} and full weights "
-                       f"of {list(VOCAB_MODULES)} are supported)")
-        layer, module, which = int(match[1]), match[2], match[3]
+        part = match and next((kind for pattern, kind in _PARTS if pattern.match(match[3])), None)
+        if part is None or part == "bias":
+            raise fail(f"unexpected weight {key!r} (only LoRA A/B of {sorted(_MODULE_NAMES)}, their lora_B bias "
+                       f"and DoRA magnitude, and full weights of {list(VOCAB_MODULES)} are supported)")
+        layer, module = int(match[1]), match[2]
         if module not in targets:
             raise fail(f"weight {key!r} is for {module}, which target_modules does not list")
         if config.family.fused_of(module) is None:
@@ -401,15 +502,24 @@ def _collect(tensors: dict[str, torch.Tensor], targets: set[str], rank: int, con
                        "model?")
         if layer >= config.num_layers:
             raise fail(f"weight {key!r}: the base model has {config.num_layers} layers")
-        pairs.setdefault((layer, module), {})[which] = tensor
-    weights = {}
-    for (layer, module), ab in sorted(pairs.items()):
-        if set(ab) != {"A", "B"}:
-            raise fail(f"layer {layer} {module}: lora_A and lora_B must both be present")
-        in_f, out_f = shapes[module]
-        a, b = ab["A"], ab["B"]
-        if tuple(a.shape) != (rank, in_f) or tuple(b.shape) != (out_f, rank):
-            raise fail(f"layer {layer} {module}: shapes A{tuple(a.shape)} B{tuple(b.shape)} do not fit the base "
-                       f"model (expected A({rank}, {in_f}) B({out_f}, {rank})): wrong base model?")
-        weights[(layer, module)] = (a.float(), b.float())
-    return weights
+        found.setdefault((layer, module), {})[part] = tensor
+    return {key: _module(key, parts, patterns, shapes, fail) for key, parts in sorted(found.items())}
+
+
+def _module(key: tuple[int, str], parts: dict[str, torch.Tensor], patterns: ModulePatterns,
+            shapes: dict[str, tuple[int, int]], fail) -> ModuleWeights:
+    layer, module = key
+    if not {"A", "B"} <= set(parts):
+        raise fail(f"layer {layer} {module}: lora_A and lora_B must both be present")
+    block = "mlp" if module in ("gate_proj", "up_proj", "down_proj", "gate_up_proj") else "self_attn"
+    rank, scale = patterns.rank_and_scale(f"model.layers.{layer}.{block}.{module}", fail)
+    in_f, out_f = shapes[module]
+    a, b = parts["A"], parts["B"]
+    if tuple(a.shape) != (rank, in_f) or tuple(b.shape) != (out_f, rank):
+        raise fail(f"layer {layer} {module}: shapes A{tuple(a.shape)} B{tuple(b.shape)} do not fit the base "
+                   f"model (expected A({rank}, {in_f}) B({out_f}, {rank})): wrong base model or rank_pattern?")
+    for part in ("lora_bias", "magnitude"):
+        if part in parts and tuple(parts[part].shape) != (out_f,):
+            raise fail(f"layer {layer} {module}: {part} of shape {tuple(parts[part].shape)} does not fit the base "
+                       f"model (expected ({out_f},))")
+    return ModuleWeights(a.float(), b.float(), scale, parts.get("lora_bias"), parts.get("magnitude"))

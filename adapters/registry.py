@@ -46,6 +46,7 @@ class AdapterInfo:
     confined: bool = False  # from an adapter root: every read follows no link (peft_format)
     target_modules: tuple[str, ...] = ()
     modules_to_save: tuple[str, ...] = ()  # modules whose full weight the adapter brings (embed_tokens, lm_head)
+    kinds: tuple[str, ...] = ("lora",)  # "lora" or "dora", then what else it holds (lora_bias, rank_pattern, ...)
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ class AdapterRegistry:
                 raise AdapterError(f"adapter {name!r} is already loaded (from {self._adapters[name].path})")
         weights = self._read(name, path, confined)  # slow part, unlocked
         info = AdapterInfo(name, weights.path, weights.rank, weights.content_hash, confined,
-                           tuple(sorted(weights.target_modules)), tuple(sorted(weights.modules_to_save)))
+                           tuple(sorted(weights.target_modules)), tuple(sorted(weights.modules_to_save)), weights.kinds)
         if self.verify is not None:
             self.verify(info, weights)
         with self._lock:
@@ -190,7 +191,8 @@ class AdapterRegistry:
             return len(self._cpu), self._cpu_bytes
 
     def _read(self, name: str, path: str, confined: bool) -> LoRAWeights:
-        return read_peft_adapter(name, path, self.config, self.max_lora_rank, self.dtype, confined, self._slots.base)
+        return read_peft_adapter(name, path, self.config, self.max_lora_rank, self.dtype, confined, self._slots.base,
+                                 self._slots.norm_dims)
 
     def _cache(self, weights: LoRAWeights) -> None:
         self._drop(weights.name)

@@ -23,6 +23,8 @@ from typing import Callable
 
 import torch
 
+from loraplex.adapters.saved_norms import is_norm_entry
+from loraplex.adapters.trainable_tokens import TOKENS_PART, read_trainable_tokens, token_indices
 from loraplex.platform.models.model_config import ModelConfig
 
 VOCAB_MODULES = ("embed_tokens", "lm_head")
@@ -41,11 +43,14 @@ _PARTS = [
 class BaseTables:
     """The served model's embedding table and head, as dense [vocab, hidden] weights in its dtype, read the
     first time an adapter carries a copy of one; only their digests are kept. `served(module, weight)`: the
-    dense values the model would serve for `weight` in that module (a quantized head's, rounded as it was)."""
+    dense values the model would serve for `weight` in that module (a quantized head's, rounded as it was).
+    `projection(layer, fused)`: a decoder projection's served weight [out_total, in], for DoRA's norms (None
+    where this process holds only a shard of it)."""
 
     def __init__(self, dtype: torch.dtype, dense: Callable[[str], torch.Tensor],
-                 served: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:
-        self.dtype, self._dense = dtype, dense
+                 served: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+                 projection: Callable[[int, str], torch.Tensor] | None = None) -> None:
+        self.dtype, self._dense, self.projection = dtype, dense, projection
         self._served = served or (lambda module, weight: weight)
         self._digests: dict[str, str] = {}
         self._lock = threading.Lock()  # adapters are read in callers' threads
@@ -74,6 +79,8 @@ class VocabWeights:
     # "embed_tokens" / "lm_head" -> the adapter's own [vocab, hidden] weight (one tensor where both read it)
     replacements: dict[str, torch.Tensor]
     modules_to_save: frozenset[str]
+    # "embed_tokens" / "lm_head" -> (token ids sorted, their trained rows): trainable_tokens.py
+    tokens: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 def vocab_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -83,15 +90,22 @@ def vocab_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 def modules_to_save(raw: dict, fail) -> frozenset[str]:
-    """Our modules named by `modules_to_save`; anything else is refused by name."""
+    """The vocabulary modules named by `modules_to_save`; an entry that names neither them nor norms
+    (`saved_norms.py`) is refused by name."""
     value = raw.get("modules_to_save") or []
     if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
         raise fail(f"modules_to_save must be a list of module names, got {value!r}")
-    unknown = sorted(set(value) - set(SAVE_NAMES))
+    unknown = sorted(m for m in set(value) - set(SAVE_NAMES) if not is_norm_entry(m))
     if unknown:
         raise fail(f"modules_to_save {unknown} is not supported (full weights are served per adapter only for "
-                   f"{list(VOCAB_MODULES)})")
-    return frozenset(SAVE_NAMES[m] for m in value)
+                   f"{list(VOCAB_MODULES)} and norms)")
+    return frozenset(SAVE_NAMES[m] for m in value if m in SAVE_NAMES)
+
+
+def norm_entries(raw: dict) -> list[str]:
+    """The `modules_to_save` entries that name norms (checked by `modules_to_save`)."""
+    value = raw.get("modules_to_save") or []
+    return sorted(m for m in set(value) if m not in SAVE_NAMES and is_norm_entry(m))
 
 
 def read_vocab_weights(tensors: dict[str, torch.Tensor], raw: dict, targets: set[str], rank: int,
@@ -105,7 +119,16 @@ def read_vocab_weights(tensors: dict[str, torch.Tensor], raw: dict, targets: set
     both = saved_modules & targets
     if both:
         raise fail(f"{sorted(both)} is both a LoRA target and in modules_to_save")
-    loras, copies, saved = _sort_keys(tensors, targets, saved_modules, fail)
+    token_keys = {key: VOCAB_KEY.match(key) for key in tensors if TOKENS_PART.match(VOCAB_KEY.match(key)[2])}
+    indices = token_indices(raw, fail)
+    clash = sorted(set(indices) & (saved_modules | targets))
+    if clash:
+        raise fail(f"{clash} has trainable tokens and a LoRA or a full weight of its own: peft trains one of them")
+    served_dtype = base.dtype if base is not None else dtype
+    tokens = read_trainable_tokens({m[1].rsplit(".", 1)[-1]: tensors[k] for k, m in token_keys.items()}, indices,
+                                   config, served_dtype, fail)
+    loras, copies, saved = _sort_keys({k: t for k, t in tensors.items() if k not in token_keys}, targets,
+                                      saved_modules, fail)
     missing = sorted(saved_modules - set(saved))
     if missing:
         raise fail(f"modules_to_save lists {missing}, but the folder holds no weight for it")
@@ -115,7 +138,7 @@ def read_vocab_weights(tensors: dict[str, torch.Tensor], raw: dict, targets: set
                        f"({config.vocab_size}, {config.hidden_size}): a resized vocabulary or a wrong base model")
     embedding, head = (_lora(module, loras.get(module), rank, config, dtype, fail) for module in VOCAB_MODULES)
     full = _replacements(copies, saved, tie_saved, config, base, fail)
-    return VocabWeights(embedding, head, _cast(full, base.dtype if base is not None else dtype), saved_modules)
+    return VocabWeights(embedding, head, _cast(full, served_dtype), saved_modules, tokens)
 
 
 def _sort_keys(tensors, targets, saved_modules, fail):

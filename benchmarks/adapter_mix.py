@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import random
 import shutil
-import statistics
 import tempfile
 from pathlib import Path
 
 import torch
 
-from benchmarks.multi_lora import make_adapters, prompts_of, run_loraplex
+from benchmarks.multi_lora import interleaved, make_adapters, prompts_of, report
 from loraplex.platform import LLM
 
 
@@ -58,17 +57,10 @@ def main() -> None:
                    "2 of 8 adapters mixed per request": mixes(args.batch, names, seed=0)}
         print(f"model={base_dir} dtype={llm.engine.config.torch_dtype} batch={args.batch} "
               f"new_tokens={args.new_tokens} ranks=8,16 threads={torch.get_num_threads()} rounds={args.rounds}")
-        samples: dict[str, list[float]] = {name: [] for name in configs}
-        for _ in range(args.rounds):
-            for name, adapters in configs.items():
-                samples[name].append(run_loraplex(llm, prompts, adapters, args.new_tokens))
+        samples = interleaved(llm, prompts, configs, args.new_tokens, args.rounds)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    base = statistics.median(samples["base model alone"])
-    print(f"{'configuration':<36} {'tok/s':>8} {'x base':>7}  (rounds: x base)")
-    for name, values in samples.items():
-        rounds = " ".join(f"{v / b:.2f}" for v, b in zip(values, samples["base model alone"]))
-        print(f"{name:<36} {statistics.median(values):>8.1f} {statistics.median(values) / base:>7.2f}  ({rounds})")
+    report(samples)
 
 
 if __name__ == "__main__":

@@ -24,15 +24,17 @@ from loraplex.platform import LLM, SamplingParams
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def make_adapters(base_dir: str, out: Path, count: int, rank: int, targets: list[str] = TARGETS) -> list[Path]:
-    """One adapter through peft, the others by re-drawing its tensors (same keys and shapes)."""
+def make_adapters(base_dir: str, out: Path, count: int, rank: int, targets: list[str] = TARGETS,
+                  **lora_config) -> list[Path]:
+    """One adapter through peft (`lora_config`: more of LoraConfig, as use_dora), the others by re-drawing its
+    tensors (same keys and shapes; DoRA's magnitudes near their start, as trained ones are)."""
     from peft import LoraConfig, get_peft_model
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
-                                            init_lora_weights=False))
+                                            init_lora_weights=False, **lora_config))
     first = out / "lora-0"
     model.save_pretrained(first)
     tensors = load_file(first / "adapter_model.safetensors")
@@ -41,7 +43,8 @@ def make_adapters(base_dir: str, out: Path, count: int, rank: int, targets: list
         folder = out / f"lora-{i}"
         shutil.copytree(first, folder)
         g = torch.Generator().manual_seed(i)
-        fresh = {k: torch.randn(v.shape, generator=g) * v.std() for k, v in tensors.items()}
+        fresh = {k: v * (1 + 0.05 * torch.randn(v.shape, generator=g)) if "magnitude" in k else
+                 torch.randn(v.shape, generator=g) * v.std() for k, v in tensors.items()}
         save_file(fresh, folder / "adapter_model.safetensors")
         folders.append(folder)
     return folders
@@ -66,6 +69,25 @@ def run_loraplex(llm: LLM, prompts, adapters, new_tokens: int) -> float:
     start = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, adapter=adapters)
     return len(prompts) * new_tokens / (time.perf_counter() - start)
+
+
+def interleaved(llm: LLM, prompts, configs: dict[str, list], new_tokens: int, rounds: int) -> dict[str, list[float]]:
+    """Each configuration's tok/s per round, the configurations taking turns within each round: this machine's
+    speed drifts by tens of percent within minutes, which one pass would charge to one configuration."""
+    samples: dict[str, list[float]] = {name: [] for name in configs}
+    for _ in range(rounds):
+        for name, adapters in configs.items():
+            samples[name].append(run_loraplex(llm, prompts, adapters, new_tokens))
+    return samples
+
+
+def report(samples: dict[str, list[float]], width: int = 36) -> None:
+    """Median tok/s and its ratio to "base model alone" per configuration, and each round's ratio."""
+    base = statistics.median(samples["base model alone"])
+    print(f"{'configuration':<{width}} {'tok/s':>8} {'x base':>7}  (rounds: x base)")
+    for name, values in samples.items():
+        rounds = " ".join(f"{v / b:.2f}" for v, b in zip(values, samples["base model alone"]))
+        print(f"{name:<{width}} {statistics.median(values):>8.1f} {statistics.median(values) / base:>7.2f}  ({rounds})")
 
 
 def run_hf(model, tokenizer, prompts, new_tokens: int, **generate_kwargs) -> float:

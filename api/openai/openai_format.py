@@ -72,7 +72,7 @@ def adapter_list(adapters, status: dict | None, served: dict[str, dict[str, int]
     for a in adapters:
         source = ((origin(a) if origin else None) or "folder") if paths else None
         row = {"id": a.name, "path": a.path if paths else None, "source": source, "rank": a.rank,
-               "target_modules": list(a.target_modules)}
+               "target_modules": list(a.target_modules), "kind": list(a.kinds)}
         if status is not None:
             where = status.get(a.name)
             row.update(resident=bool(where and where.resident), in_memory=bool(where and where.in_memory),

@@ -64,11 +64,11 @@ async function refreshAdapters() {
   state.baseUsable = Boolean(baseCard);
   state.adapters = table.data;
   $("model-name").textContent = "on " + state.base;
-  const rows = [`<tr class="base"><td><b>${esc(state.base)}</b> (base)</td><td>-</td><td>-</td><td>-</td>
+  const rows = [`<tr class="base"><td><b>${esc(state.base)}</b> (base)</td><td>-</td><td>-</td><td>-</td><td>-</td>
     <td>-</td><td>-</td><td>-</td><td>${count(table.base.requests)}</td><td>${count(table.base.generation_tokens)}</td>
     <td class="admin-only"></td></tr>`];
   for (const a of table.data) {
-    rows.push(`<tr data-name="${esc(a.id)}"><td>${esc(a.id)}</td><td>${a.rank}</td>
+    rows.push(`<tr data-name="${esc(a.id)}"><td>${esc(a.id)}</td><td>${a.rank}</td><td>${esc((a.kind || ["lora"]).join(", "))}</td>
       <td class="targets">${esc(a.target_modules.join(", "))}</td><td class="folder" title="${esc(a.path || "")}">${a.source && a.source !== "folder" ? esc(a.source) : a.path ? esc(a.path) : '<span class="muted">(admin only)</span>'}</td>
       <td>${yes(a.resident)}</td><td>${yes(a.in_memory)}</td><td>${count(a.pinned)}</td><td>${count(a.requests)}</td>
       <td>${count(a.generation_tokens)}</td><td class="admin-only"><button class="unload" data-name="${esc(a.id)}">Unload</button></td></tr>`);

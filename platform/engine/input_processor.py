@@ -106,7 +106,7 @@ class InputProcessor:
         the caller compiles `grammar_spec` itself, awaiting it without holding a thread)."""
         adapter, mix = self._adapter_or_mix(adapter)
         if mix is not None:
-            weights = tuple(self._mixable(name, mix.field) for name in mix.names)
+            weights = tuple(self._mixable(name, f"{mix.field}[{i}].name") for i, name in enumerate(mix.names))
         else:
             weights = self.adapters.prefetch(adapter) if adapter is not None else None
         text = None
@@ -146,10 +146,19 @@ class InputProcessor:
 
     def _mixable(self, name: str, field: str):
         """An adapter of a mix, prefetched; one that changes the embedding or the head is refused (those
-        layers take one adapter per token)."""
+        layers take one adapter per token), and so is DoRA."""
         weights = self.adapters.prefetch(name)
-        if weights.embedding is not None or weights.head is not None or weights.replacements:
+        if weights.embedding is not None or weights.head is not None or weights.replacements or weights.tokens:
             raise ValueError(f"{field}: {name!r} adapts embed_tokens / lm_head, which a mix cannot combine")
+        if weights.moe:
+            raise ValueError(f"{field}: {name!r} adapts a mixture-of-experts layer (router, experts), which a mix "
+                             "cannot combine; name it alone")
+        if weights.norms:
+            raise ValueError(f"{field}: {name!r} brings norms of its own (modules_to_save), which a mix cannot "
+                             "combine; name it alone")
+        if weights.dora:  # DoRA rescales the whole output by its own norm: a weighted sum of it has no meaning
+            raise ValueError(f"{field}: {name!r} is a DoRA adapter, which a mix (or a weight other than 1) "
+                             "cannot combine; name it alone")
         return weights
 
     def _for_this_model(self, params: SamplingParams, ids: list[int]) -> SamplingParams:

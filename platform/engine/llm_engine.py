@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from loraplex.adapters.registry import AdapterRegistry
+from loraplex.adapters.saved_norms import norm_dims
 from loraplex.grammar.manager import GrammarManager
 from loraplex.platform.config import EngineConfig
 from loraplex.platform.core.engine_core import EngineCore, EngineStats
@@ -21,6 +22,7 @@ from loraplex.platform.device import MemorySnapshot, select_device
 from loraplex.platform.engine.input_processor import InputProcessor, Limits
 from loraplex.platform.engine.output_processor import OutputProcessor
 from loraplex.platform.executor.factory import executor_class
+from loraplex.platform.models.llama import DecoderModel
 from loraplex.platform.request import Request, RequestOutput, SamplingParams
 from loraplex.platform.resolve import ResolvedConfig, resolve
 
@@ -111,9 +113,13 @@ def _registry(resolved: ResolvedConfig, on_device: bool) -> AdapterRegistry:
     """The adapter registry: its slots on the engine's device where the executor's rank serves from them, else
     on the host (the ranks keep their own shards)."""
     config, kernels = resolved.engine, resolved.kernels
-    return AdapterRegistry(resolved.model, resolved.max_loras, config.max_lora_rank, config.max_cpu_loras,
-                           kernels.lora_dtype, config.lora_memory,
-                           resolved.device if on_device else torch.device("cpu"), kernels.stacked_lora and on_device)
+    registry = AdapterRegistry(resolved.model, resolved.max_loras, config.max_lora_rank, config.max_cpu_loras,
+                               kernels.lora_dtype, config.lora_memory,
+                               resolved.device if on_device else torch.device("cpu"), kernels.stacked_lora and on_device)
+    if not on_device:  # the ranks hold the model; its norms (saved norms are checked against) from one on meta
+        with torch.device("meta"):
+            registry.slots.norm_dims = norm_dims(DecoderModel(resolved.model, 1, kernels))
+    return registry
 
 
 def _eos_token_ids(tokenizer, model_eos: tuple[int, ...], folder: str) -> tuple[int, ...]:

@@ -1,5 +1,6 @@
 """A mixture-of-experts model's settings, read from its config.json as its family declares (`family.Experts`),
-and which adapters it refuses: LoRA on experts, routers and shared experts. The experts' computation is
+and which adapters it refuses: LoRA on per-expert modules of older transformers, or a dense MLP module of a
+sparse layer. The experts' computation is
 `moe.py`'s; this module holds no weights, so the adapter reader can ask it without building a model.
 """
 
@@ -66,39 +67,37 @@ def is_sparse_layer(config, layer: int) -> bool:
     return config.moe is not None and config.moe.is_sparse(layer)
 
 
-# ---- adapters: LoRA on experts, routers or shared experts is refused by name ---------------------------
+# ---- adapters: what LoRA on a MoE layer can reach and what it cannot ------------------------------------------
 
-MOE_MODULES = {"experts", "gate", "router", "shared_expert", "shared_expert_gate", "block_sparse_moe",
-               "w1", "w2", "w3"}
+# per-expert modules of older transformers (Mixtral's w1 / w2 / w3, experts.N.gate_proj): transformers 5 holds
+# each layer's experts as fused 3-D weights, which peft adapts through target_parameters
+_PER_EXPERT = re.compile(r"(^|\.)(w[123]|experts\.\d+)(\.|$)")
 MLP_MODULES = {"gate_proj", "up_proj", "down_proj"}
 _LORA_KEY = re.compile(r"^base_model\.model\.|(\.base_layer)?\.lora_[AB](\.[\w-]+)?\.weight$")  # key -> module
 
 
 def lora_refusal(config, raw: dict, keys: Iterable[str] = ()) -> str | None:
     """Why an adapter cannot be served on this MoE model (`ModelConfig`; None: it can, or the model is dense): its
-    `target_modules` / `target_parameters` (adapter_config.json, `raw`) or weight `keys` reach an
-    expert, a router or a shared expert, or a dense MLP module of a layer that has experts instead."""
+    `target_modules` or weight `keys` name per-expert modules of an older layout, or a dense MLP module of a layer
+    that has experts instead (its shared expert's are fine)."""
     moe: MoEConfig | None = config.moe
     if moe is None:
         return None
-    listed = [str(name) for key in ("target_modules", "target_parameters")
-              for name in (raw.get(key) if isinstance(raw.get(key), list) else ())]
-    hit = sorted({_LORA_KEY.sub("", name) for name in [*listed, *keys] if _reaches_moe(moe, name)})
+    listed = [str(name) for name in (raw.get("target_modules") if isinstance(raw.get("target_modules"), list) else ())]
+    hit = sorted({_LORA_KEY.sub("", name) for name in [*listed, *keys] if _unservable(moe, name)})
     if not hit:
         return None
     more = f" and {len(hit) - 6} more" if len(hit) > 6 else ""
-    return (f"it targets mixture-of-experts weights of {config.architecture} ({', '.join(hit[:6])}{more}): LoRA on "
-            f"experts, routers and shared experts is not supported; target the attention projections")
+    return (f"it targets {config.architecture} modules that are not served ({', '.join(hit[:6])}{more}): "
+            f"per-expert modules of older transformers (target the fused experts.gate_up_proj / experts.down_proj "
+            f"with target_parameters), or a dense MLP where the layer has experts: wrong base model?")
 
 
-def _reaches_moe(moe: MoEConfig, name: str) -> bool:
-    parts = name.split(".")
-    if MOE_MODULES & set(parts):
+def _unservable(moe: MoEConfig, name: str) -> bool:
+    if _PER_EXPERT.search(name):
         return True
-    if not MLP_MODULES & set(parts):
+    parts = name.split(".")
+    if not MLP_MODULES & set(parts) or "shared_expert" in parts:
         return False
     layer = next((int(b) for a, b in zip(parts, parts[1:]) if a == "layers" and b.isdigit()), None)
-    if layer is not None:
-        return moe.is_sparse(layer)
-    # a bare target name: peft puts it on the shared experts, and on nothing where every layer is sparse
-    return moe.shared_expert_size > 0 or not moe.dense_layers
+    return layer is not None and moe.is_sparse(layer)

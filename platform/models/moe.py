@@ -7,9 +7,10 @@ dtype except in Mixtral, which multiplies by the float32 weights. The experts ru
 expert used, with no host sync (so a decode step can be graph-captured on CUDA); where grouped_mm
 does not take the device and dtype, one matmul per expert used.
 
-Experts and routers stay float: `--quantization` is refused for these models, and so is an
-adapter that targets them (`experts.lora_refusal`); adapters on the attention projections apply as on
-any decoder.
+Experts and routers stay float: `--quantization` is refused for these models. Adapters on the attention
+projections apply as on any decoder; an adapter's router, experts and shared expert come in as `lora`, an
+optional delta (`adapters/moe_lora.py`'s `MoEDelta`) that the block asks at each of those points: the router's
+logits, each (token, expert) pair's gate_up and down outputs, the shared expert's and its gate's.
 """
 
 from __future__ import annotations
@@ -62,24 +63,34 @@ class SparseMoEBlock(nn.Module):
                                       plan and row(span(first, end)))
             self.shared_gate = nn.Parameter(torch.empty(1, hidden), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = self.route(x)
-        out = self.experts(x, weights, experts)
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        weights, experts = self.route(x, lora)
+        out = self.experts(x, weights, experts, lora)
         if self.moe.shared_expert_size:
-            shared = self.shared_down(self.act(self.shared_gate_up(x)))
-            out = out + self.sigmoid(self.linear(x, self.shared_gate)) * shared
+            out = out + self.shared(x, lora)
         return self.reduce(out)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def shared(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        """The shared expert's output times its sigmoid gate."""
+        gate_up, gate = self.shared_gate_up(x), self.linear(x, self.shared_gate)
+        if lora is not None:
+            gate_up, gate = lora.shared("gate_up", x, gate_up), lora.shared("gate", x, gate)
+        h = self.act(gate_up)
+        down = self.shared_down(h)
+        return self.sigmoid(gate) * (down if lora is None else lora.shared("down", h, down))
+
+    def route(self, x: torch.Tensor, lora=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k routing weights and experts [T, k], in transformers' order of operations."""
         logits = self.linear(x, self.router)
+        if lora is not None:
+            logits = lora.router(x, logits)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.moe.top_k, dim=-1)
         if self.moe.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights if self.moe.float_weights else weights.to(logits.dtype)), experts
 
-    def all_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def all_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, lora=None) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]), the pairs grouped by expert."""
         tokens, top_k = experts.shape
         flat = experts.reshape(-1)
@@ -87,13 +98,13 @@ class SparseMoEBlock(nn.Module):
         counts = torch.zeros(self.w13.shape[0], dtype=torch.int32, device=x.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # no host sync, unlike bincount
         rows, ids = x[order // top_k], flat[order]
-        h = self.act(self._grouped(rows, self.w13, ids, counts))
-        y = self._grouped(h, self.w2, ids, counts) * weights.reshape(-1)[order, None]
+        h, y = self._pairs(rows, order // top_k, ids, counts, lora)
+        y = y * weights.reshape(-1)[order, None]
         out = torch.empty_like(y)
         out[order] = y
         return out.view(tokens, top_k, -1).sum(dim=1).to(x.dtype)
 
-    def held_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def held_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, lora=None) -> torch.Tensor:
         """The (token, choice) pairs of the experts this rank holds, each token's partial sum (zero where none of
         its experts is here). Pairs are picked on the host: tensor parallelism runs without CUDA graphs."""
         flat, first = experts.reshape(-1), self.held[0]
@@ -102,9 +113,20 @@ class SparseMoEBlock(nn.Module):
         pairs = pairs[order]
         counts = torch.bincount(ids, minlength=self.w13.shape[0]).to(torch.int32)
         tokens = pairs // experts.shape[1]
-        h = self.act(self._grouped(x[tokens], self.w13, ids, counts))
-        y = self._grouped(h, self.w2, ids, counts) * weights.reshape(-1)[pairs, None]
+        h, y = self._pairs(x[tokens], tokens, ids, counts, lora)
+        y = y * weights.reshape(-1)[pairs, None]
         return torch.zeros(x.shape[0], y.shape[1], dtype=y.dtype, device=x.device).index_add_(0, tokens, y).to(x.dtype)
+
+    def _pairs(self, rows: torch.Tensor, tokens: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor, lora
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts on the (token, expert) pairs sorted by expert: (activations, outputs), each pair's
+        adapter added where `lora` has one."""
+        gate_up = self._grouped(rows, self.w13, ids, counts)
+        if lora is not None:
+            gate_up = lora.experts("gate_up", rows, tokens, ids, gate_up)
+        h = self.act(gate_up)
+        down = self._grouped(h, self.w2, ids, counts)
+        return h, down if lora is None else lora.experts("down", h, tokens, ids, down)
 
     def _grouped(self, rows: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows [S, in] sorted by expert (ids [S]: each row's; counts [E]: rows per expert) times each

@@ -179,7 +179,7 @@ class ModelRunner:
         graphs = self.graphs
         if graphs is not None and step.decode_only \
                 and graphs.fits(len(step.last_rows), step.lora_slots is not None, len(step.mix_passes or ())) \
-                and not self.lora.changes_embedding(step.lora_slots):  # no graph holds a table per slot
+                and not self.lora.needs_eager(step.lora_slots):  # no graph holds a table or extras per slot
             return self.logits(graphs.run(step), step.lora_slots), []  # one token per request: rows = tokens
         hidden = self.forward(step)
         prompt_hidden = [hidden[start:end] for start, end in step.prompt_rows]

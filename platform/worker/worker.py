@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from loraplex.adapters.lora_layers import attach_lora
+from loraplex.adapters.moe_weights import MoELoRA
 from loraplex.adapters.peft_format import LoRAWeights
 from loraplex.adapters.slots import LoRASlots
 from loraplex.kernels import cpu_kernels
@@ -141,19 +142,39 @@ def shard_adapter(weights: LoRAWeights, plan: ShardPlan | None) -> LoRAWeights:
     """An adapter's projections as this rank's layers hold them: for a column-parallel projection (q/k/v,
     gate/up) the rank's output columns of B^T, A whole (the shrink reads the whole input); for a row-parallel one
     (o, down) the rank's input columns of A, B^T whole (each rank's expand of its partial shrink is a partial sum
-    the layer's all-reduce adds up). Without a plan, the whole adapter."""
+    the layer's all-reduce adds up; B's bias there is added by rank 0 alone). Without a plan, the whole adapter."""
     if plan is None:
         return weights
     columns = {"qkv_proj": qkv_rows(plan), "gate_up_proj": gate_up_rows(plan.intermediate, plan.intermediate_size)}
     rows = {"o_proj": o_cols(plan), "down_proj": span(*plan.intermediate)}
-    projections = {}
+    projections, terms = {}, {}
     for (layer, fused), (a, b_t) in weights.projections.items():
         if fused in columns:
             b_t = b_t.index_select(1, columns[fused]).contiguous()
         else:
             a = a.index_select(1, rows[fused]).contiguous()
         projections[(layer, fused)] = (a, b_t)
-    return dataclasses.replace(weights, projections=projections)
+    for key, term in weights.terms.items():  # B's bias: a column-parallel rank's rows; a row-parallel one's once
+        if term.factor is not None:
+            raise ValueError("DoRA is not sharded (refused when read under tensor parallelism)")
+        bias = term.bias
+        if bias is not None:
+            bias = bias.index_select(0, columns[key[1]]) if key[1] in columns else bias if plan.rank == 0 else None
+        terms[key] = dataclasses.replace(term, bias=bias)
+    moe = {layer: shard_moe(lora, plan) for layer, lora in weights.moe.items()}
+    return dataclasses.replace(weights, projections=projections, terms=terms, moe=moe)
+
+
+def shard_moe(lora: MoELoRA, plan: ShardPlan) -> MoELoRA:
+    """A sparse layer's LoRA as this rank holds the layer: its experts' LoRAs (the router's whole, as the router
+    is), and its columns of the shared expert (gate and up: their output rows of B; down: its input columns of A)."""
+    first, end = plan.experts
+    cols = span(*plan.shared_expert)
+    experts = lambda part: part and dataclasses.replace(part, a=part.a[first:end], b=part.b[first:end])  # noqa: E731
+    shared = {name: dataclasses.replace(part, b=part.b.index_select(0, cols).contiguous()) if name in
+              ("gate_proj", "up_proj") else dataclasses.replace(part, a=part.a.index_select(1, cols).contiguous())
+              if name == "down_proj" else part for name, part in lora.shared.items()}
+    return MoELoRA(lora.router, experts(lora.gate_up), experts(lora.down), shared)
 
 
 def worker_main(config: EngineConfig, rank: int, size: int, device: torch.device, init_method: str, conn,

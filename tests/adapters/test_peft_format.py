@@ -75,14 +75,14 @@ def test_rslora_scaling(config, adapter):
 
 
 @pytest.mark.parametrize("changes,reason", [
-    ({"use_dora": True}, "DoRA"),
+    ({"use_dora": True}, "no lora_magnitude_vector, but use_dora is true"),
     ({"modules_to_save": ["lm_head"]}, "modules_to_save lists \\['lm_head'\\], but the folder holds no weight"),
     ({"modules_to_save": ["score"]}, "modules_to_save \\['score'\\] is not supported"),
     ({"target_modules": ["q_proj", "norm"]}, "unsupported target modules \\['norm'\\]"),
     ({"target_modules": ["q_proj", "fc1"]}, "unsupported target modules \\['fc1'\\]"),
     ({"bias": "all"}, "bias='all'"),
     ({"r": 64}, "rank 64 exceeds max_lora_rank=16"),
-    ({"rank_pattern": {"q_proj": 4}}, "rank_pattern"),
+    ({"rank_pattern": {"q_proj": 4}}, "do not fit the base model .* or rank_pattern"),
     ({"peft_type": "IA3"}, "peft_type 'IA3'"),
 ])
 def test_refusals_name_adapter_and_reason(config, adapter, changes, reason):

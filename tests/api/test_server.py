@@ -223,6 +223,39 @@ def test_hot_load_use_unload(client, live):
     assert_clean(live)
 
 
+def test_dora_and_bias_adapters_hot_load_list_their_kind_and_answer_as_peft(live, tiny_model_dir):
+    """Adapters beyond plain LoRA through the server: the admin load, /v1/adapters' kind, peft's greedy tokens,
+    and DoRA in a mix a 400 naming the field."""
+    from transformers import AutoTokenizer
+
+    from conftest import make_peft_adapter, peft_greedy
+    from tests.adapters.test_adapter_kinds import jitter
+
+    folders = {"k-dora": jitter(make_peft_adapter(tiny_model_dir, live.root / "k-dora", rank=4, seed=21,
+                                                  use_dora=True), "magnitude", 3),
+               "k-bias": make_peft_adapter(tiny_model_dir, live.root / "k-bias", rank=4, seed=22, lora_bias=True,
+                                           rank_pattern={"q_proj": 2})}
+    for name in folders:
+        assert http(live, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": name}, key=ADMIN_KEY)[0] == 200
+    rows = {row["id"]: row for row in http(live, "/v1/adapters", key=ADMIN_KEY)[1]["data"]}
+    assert rows["k-dora"]["kind"] == ["dora"] and rows["k-bias"]["kind"] == ["lora", "lora_bias", "rank_pattern"]
+    assert rows["a0"]["kind"] == ["lora"]
+    prompt = [5, 9, 13, 17, 21, 25]
+    want = peft_greedy(tiny_model_dir, list(folders.values()), [prompt, prompt], 5)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for name, expected in zip(folders, want):
+        status, body = http(live, "/v1/completions", {"model": name, "prompt": prompt, "max_tokens": 5,
+                                                      "temperature": 0, "ignore_eos": True})
+        assert status == 200, body
+        assert body["choices"][0]["text"] == tokenizer.decode(expected)
+    result = http(live, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2,
+                                            "adapters": [{"name": "k-dora", "weight": 0.5}]})
+    assert_error(result, 400, "adapters[0].name: 'k-dora' is a DoRA adapter")
+    for name in folders:
+        assert http(live, "/v1/unload_lora_adapter", {"lora_name": name}, key=ADMIN_KEY)[0] == 200
+    assert_clean(live)
+
+
 def test_adapter_paths_outside_the_root_missing_or_corrupt_are_refused(live, tiny_adapters, tmp_path):
     def load(path: str):
         return http(live, "/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": path}, key=ADMIN_KEY)

@@ -80,3 +80,27 @@ def test_deterministic_mode_on_triton_runs_the_invariant_kernels(tiny_model_dir,
         results[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, adapter=["a0", None])]
     assert isinstance(llm.engine.core.executor.worker.model.layers[0].mlp.down_proj.method, InvariantLinear)
     assert results["triton"] == results["torch"]
+
+
+def test_adapter_kinds_on_stacked_slots_with_verified_drafts_match_peft(tmp_path):
+    """DoRA's factors and B's biases copied into stacked slots (the CUDA layout) next to the Triton kernels, with
+    ngram drafts verified under each adapter: peft's greedy tokens."""
+    import json
+
+    from tests.adapters.test_adapter_kinds import kinds_for
+    from tests.conftest import make_tiny_model, peft_greedy
+
+    base = make_tiny_model(tmp_path / "base", "qwen2", seed=5)
+    folders = kinds_for(base, tmp_path)
+    names = ["dora", "bias", "pattern", None]
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], list(range(3, 24)), [9, 10, 9, 10, 9, 10], list(range(30, 40))]
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "min_acceptance": 0})
+    with forced_kernels("triton"):
+        llm = LLM(str(base), dtype="float32", num_kv_blocks=64, max_loras=3, speculative_config=spec,
+                  lora_modules={n: str(folders[n]) for n in names if n})
+    assert llm.engine.adapters.slots.stacked
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, adapter=names)
+    assert [list(o.outputs[0].token_ids) for o in outs] == peft_greedy(base, [folders.get(n) for n in names],
+                                                                       prompts, 8)
+    assert llm.engine.core.drafter.counters.num_draft_tokens > 0

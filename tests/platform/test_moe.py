@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from conftest import make_peft_adapter, make_tiny_model, peft_greedy
 from loraplex.platform import LLM, SamplingParams
@@ -50,10 +51,17 @@ def recorded_routes(engine: Engine, monkeypatch) -> list[torch.Tensor]:
     """Every sparse block's chosen experts [T, k], call by call."""
     routes = []
     for layer in engine.core.executor.worker.model.layers:
-        if isinstance(layer.mlp, SparseMoEBlock):
-            route = layer.mlp.route
-            monkeypatch.setattr(layer.mlp, "route", lambda x, _r=route: routes.append(_r(x)[1]) or _r(x))
+        block = sparse_block(layer)
+        if block is not None:
+            route = block.route
+            monkeypatch.setattr(block, "route", lambda x, lora=None, _r=route: routes.append(_r(x)[1]) or _r(x, lora))
     return routes
+
+
+def sparse_block(layer) -> SparseMoEBlock | None:
+    """The layer's MoE block (inside the LoRA wrapper the engine puts around it), or None."""
+    block = getattr(layer.mlp, "base_layer", layer.mlp)
+    return block if isinstance(block, SparseMoEBlock) else None
 
 
 @pytest.mark.parametrize("family", FAMILY_PARAMS)
@@ -72,7 +80,7 @@ def test_logits_match_transformers(models, family, monkeypatch):
         torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
     chosen = {tuple(sorted(pair)) for pair in routes[0].tolist()}
     assert len(chosen) >= 4  # tokens really go to different experts
-    sparse = [isinstance(layer.mlp, SparseMoEBlock) for layer in engine.core.executor.worker.model.layers]
+    sparse = [sparse_block(layer) is not None for layer in engine.core.executor.worker.model.layers]
     assert sparse == {"mixtral": [True, True], "qwen2_moe": [True, False], "qwen3_moe": [False, True]}[family]
 
 
@@ -96,29 +104,65 @@ def test_attention_adapter_matches_peft(models, family, tmp_path):
     assert got[:3] != got[3:]  # the adapter changes the tokens
 
 
+def moe_adapters(folder, root, family: str) -> dict:
+    """LoRA on the experts (peft's target_parameters on the fused 3-D weights), on the router, on both with the
+    shared expert (Qwen2-MoE), and a plain one on the attention."""
+    shared = ["gate_proj", "up_proj", "down_proj", "shared_expert_gate"] if family == "qwen2_moe" else []
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    return {"experts": make_peft_adapter(folder, root / "experts", rank=4, seed=1, targets=["q_proj"],
+                                         target_parameters=experts),
+            "router": make_peft_adapter(folder, root / "router", rank=4, seed=2, targets=["v_proj"],
+                                        target_parameters=["mlp.gate.weight"]),
+            "all": make_peft_adapter(folder, root / "all", rank=4, seed=3, targets=["q_proj", *shared],
+                                     target_parameters=["mlp.gate.weight", *experts]),
+            "plain": make_peft_adapter(folder, root / "plain", rank=8, seed=4, targets=["q_proj", "v_proj"])}
+
+
 @pytest.mark.parametrize("family", FAMILY_PARAMS)
-def test_adapter_on_experts_or_router_is_refused_by_name(models, family, tmp_path):
+def test_lora_on_routers_experts_and_shared_experts_matches_peft_in_one_batch(models, family, tmp_path):
     folder = models(family)
-    experts = make_peft_adapter(folder, tmp_path / "experts", rank=4, targets=["q_proj"],
-                                target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    router = make_peft_adapter(folder, tmp_path / "router", rank=4, targets=["q_proj"], target_parameters=["gate.weight"])
+    adapters = moe_adapters(folder, tmp_path, family)
+    names = ["experts", "router", "all", "plain", None, "all"]
+    prompts = PROMPTS + PROMPTS
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, lora_modules={k: str(v) for k, v in adapters.items()})
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                                                        adapter=names)]
+    assert got == peft_greedy(folder, [adapters.get(n) for n in names], prompts, NEW)
+    kinds = llm.engine.adapters.prefetch("all").kinds
+    assert kinds == ("lora", "experts", "router", "shared_expert")[:4 if family == "qwen2_moe" else 3]
+    with pytest.raises(ValueError, match="'all' adapts a mixture-of-experts layer .* which a mix cannot combine"):
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, adapter=[{"all": 0.5, "plain": 0.5}])
+
+
+def test_tensor_parallel_splits_the_adapters_experts_with_the_experts(models, tmp_path):
+    folder = models("qwen2_moe")
+    adapters = moe_adapters(folder, tmp_path, "qwen2_moe")
+    names = ["all", "experts", None]
+    with LLM(str(folder), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2, grammar_compile_workers=0,
+             lora_modules={n: str(adapters[n]) for n in names if n}) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
+                                                            adapter=names)]
+    assert got == peft_greedy(folder, [adapters.get(n) for n in names], PROMPTS, NEW)
+
+
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
+def test_per_expert_modules_of_older_transformers_are_refused_by_name(models, family, tmp_path):
+    folder = models(family)
+    adapter = make_peft_adapter(folder, tmp_path / "old", rank=4, targets=["q_proj"])
+    path = adapter / "adapter_model.safetensors"
+    tensors = load_file(path)
+    tensors["base_model.model.model.layers.0.mlp.experts.3.down_proj.lora_A.weight"] = torch.zeros(4, 32)
+    save_file(tensors, path, metadata={"format": "pt"})
     llm = LLM(str(folder), dtype="float32", num_kv_blocks=16)
-    with pytest.raises(ValueError, match=r"mixture-of-experts .*mlp\.experts\.down_proj, mlp\.experts\.gate_up_proj"):
-        llm.load_adapter("experts", str(experts))
-    with pytest.raises(ValueError, match=r"mixture-of-experts .*gate\.weight"):
-        llm.load_adapter("router", str(router))
-    if family == "qwen2_moe":  # gate_proj is the shared expert's in layer 0 (layer 1's dense MLP would serve)
-        shared = make_peft_adapter(folder, tmp_path / "shared", rank=4, targets=["gate_proj"])
-        with pytest.raises(ValueError, match=r"mixture-of-experts .*gate_proj"):
-            llm.load_adapter("shared", str(shared))
-        keys = ["base_model.model.model.layers.0.mlp.shared_expert.gate_proj.lora_A.weight"]
-        assert "model.layers.0.mlp.shared_expert.gate_proj" in lora_refusal(llm.engine.core.executor.worker.model.config, {}, keys)
+    with pytest.raises(ValueError, match=r"not served \(model\.layers\.0\.mlp\.experts\.3\.down_proj\): per-expert"):
+        llm.load_adapter("old", str(adapter))
     assert llm.engine.adapters.memory()[0] == 0
 
 
 def test_lora_refusal_reads_layers():
-    """A dense MLP module is fine in a dense layer and refused in a sparse one (a wrong base's adapter),
-    as are per-expert keys of older checkpoints; dense models refuse nothing here."""
+    """A dense MLP module is fine in a dense layer and refused in a sparse one (a wrong base's adapter), as are
+    per-expert modules of older checkpoints; a shared expert's and the fused experts' are served; dense models
+    refuse nothing here."""
     from loraplex.platform.models.experts import MoEConfig
     from loraplex.platform.models.families import QWEN3_MOE
 
@@ -130,6 +174,8 @@ def test_lora_refusal_reads_layers():
     assert lora_refusal(config, {"target_modules": ["gate_proj", "q_proj"]}, [key.format(0, "gate_proj")]) is None
     assert "model.layers.1.mlp.up_proj" in lora_refusal(config, {}, [key.format(1, "up_proj")])
     assert "model.layers.1.mlp.experts.3.down_proj" in lora_refusal(config, {}, [key.format(1, "experts.3.down_proj")])
+    assert lora_refusal(config, {"target_modules": ["w1", "q_proj"]}, []) is not None
+    assert lora_refusal(config, {}, [key.format(1, "shared_expert.up_proj"), key.format(1, "experts")]) is None
     assert lora_refusal(type("Dense", (), {"moe": None})(), {"target_modules": ["gate"]}, []) is None
 
 

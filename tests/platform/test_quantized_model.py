@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import make_peft_adapter, make_tiny_model, peft_greedy, tuned, without_bf16_kernels
@@ -26,7 +27,6 @@ def dequantized_folder(engine: Engine, src, dst):
     model the quantized one stands for)."""
     from loraplex.platform.models.family import FUSED_PROJECTIONS
 
-    from safetensors import safe_open
 
     with safe_open(str(src / "model.safetensors"), framework="pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
@@ -298,3 +298,25 @@ def test_default_model_q4_bf16_head_tiles_stand_for_the_table_and_the_8bit_head(
         torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2 ** -7)
         if tokens < 3:
             assert torch.equal(got, want)  # the 8-bit head itself
+
+
+def test_dora_and_bias_adapters_on_a_quantized_base_match_peft_on_the_dequantized_model(tmp_path, tiny_model_dir,
+                                                                                         monkeypatch):
+    """DoRA's norms are taken over the weights the base serves (here dequantized), as peft takes them over the
+    dequantized weight of a quantized layer."""
+    without_bf16_kernels(monkeypatch)
+    tuned(monkeypatch, dense_dtype="float32", int8_activation_tokens=0)
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=64, quantization="q4", dtype="float32", max_loras=2,
+              lora_dtype="float32")
+    reference = dequantized_folder(llm.engine, tiny_model_dir, tmp_path / "ref")
+    dora = make_peft_adapter(reference, tmp_path / "dora", rank=8, seed=1, use_dora=True)
+    with safe_open(str(dora / "adapter_model.safetensors"), framework="pt") as f:  # trained magnitudes
+        tensors = {k: f.get_tensor(k) * (1.2 if "magnitude" in k else 1.0) for k in f.keys()}
+    save_file(tensors, str(dora / "adapter_model.safetensors"), metadata={"format": "pt"})
+    bias = make_peft_adapter(reference, tmp_path / "bias", rank=8, seed=2, lora_bias=True)
+    llm.load_adapter("dora", str(dora))
+    llm.load_adapter("bias", str(bias))
+    prompts = [list(range(3 + 5 * i, 12 + 6 * i)) for i in range(3)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), adapter=["dora", "bias", None])
+    assert [list(o.outputs[0].token_ids) for o in outs] == peft_greedy(reference, [dora, bias, None], prompts, 6)

@@ -1,0 +1,85 @@
+"""Per slot, what one projection's adapter adds beyond its LoRA delta (`variants.py` reads them): B's bias,
+added to each of the slot's tokens, and DoRA's factor, which rescales each of the slot's tokens' outputs
+(less the base layer's own bias, as peft's DoRA leaves that bias alone).
+
+Both are stacked per slot, [S + 1, out] in the model's dtype on the model's device, made when the first slot needs
+one (zero biases and unit factors elsewhere, which change nothing: x + 0 and x * 1 are exact), so a step applies
+them to all of its tokens with a few whole-batch ops whatever the number of adapters. Only where the base layer
+has a bias do the factors go to their own tokens alone: (y - b) * 1 + b is not always y.
+Applied after every pass of the LoRA kernels; a step holding such a slot runs eagerly (a decode graph's batch
+is captured without them), like one with an embedding adapter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.kernels.lora_batch import LoRABatch
+
+
+class ProjectionExtras:
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self.bias: torch.Tensor | None = None  # [S + 1, out], the part's scale folded in
+        self.factor: torch.Tensor | None = None  # [S + 1, out]
+        self.has_bias, self.has_factor = [False] * num_slots, [False] * num_slots
+        self.factor_slots: torch.Tensor | None = None  # [S + 1] bool, where a slot has a factor
+        self.num_active = 0  # slots holding either: with none, a projection pays one comparison
+
+    @staticmethod
+    def empty(num_slots: int) -> "ProjectionExtras":
+        return ProjectionExtras(num_slots)
+
+    def set(self, slot: int, bias: torch.Tensor | None, factor: torch.Tensor | None) -> None:
+        """`bias` and `factor` [out], already in the model's dtype and on its device."""
+        self.clear(slot)
+        if bias is not None:
+            self.bias = self._stack(self.bias, bias, 0.0)
+            self.bias[slot] = bias
+        if factor is not None:
+            self.factor = self._stack(self.factor, factor, 1.0)
+            self.factor[slot] = factor
+            self.factor_slots = self.factor_slots if self.factor_slots is not None else \
+                torch.zeros(self.num_slots + 1, dtype=torch.bool, device=factor.device)
+            self.factor_slots[slot] = True
+        self.has_bias[slot], self.has_factor[slot] = bias is not None, factor is not None
+        self.num_active += self.active(slot)
+
+    def _stack(self, stack: torch.Tensor | None, row: torch.Tensor, fill: float) -> torch.Tensor:
+        """A stacked layout's null slot (index S, tokens without an adapter) has its row too."""
+        return stack if stack is not None else torch.full((self.num_slots + 1, row.shape[0]), fill,
+                                                          dtype=row.dtype, device=row.device)
+
+    def clear(self, slot: int) -> None:
+        self.num_active -= self.active(slot)
+        if self.has_bias[slot]:
+            self.bias[slot] = 0.0
+        if self.has_factor[slot]:
+            self.factor[slot] = 1.0
+            self.factor_slots[slot] = False
+        self.has_bias[slot] = self.has_factor[slot] = False
+
+    def active(self, slot: int) -> bool:
+        return slot >= 0 and (self.has_bias[slot] or self.has_factor[slot])
+
+    def apply(self, y: torch.Tensor, batch: LoRABatch, base_bias: torch.Tensor | None) -> torch.Tensor:
+        """`y` (base output plus every pass's LoRA delta) with each pass's biases (times a mix's weights), then
+        DoRA's factors (never in a mix, so on the first pass's tokens alone)."""
+        if self.bias is not None:
+            for one in (batch, *batch.passes):
+                add = self.bias.index_select(0, one.order_slots)
+                if one.order_weights is not None:
+                    add *= one.order_weights[:, None].to(add.dtype)
+                y.index_add_(0, one.token_order, add)
+        if self.factor is not None:
+            tokens, slots = batch.token_order, batch.order_slots
+            if base_bias is not None:  # the factor's own tokens alone
+                own = self.factor_slots.index_select(0, slots)
+                tokens, slots = tokens[own], slots[own]
+            rows = y.index_select(0, tokens)
+            if base_bias is not None:
+                rows = (rows - base_bias).mul_(self.factor.index_select(0, slots)).add_(base_bias)
+            else:
+                rows.mul_(self.factor.index_select(0, slots))
+            y.index_copy_(0, tokens, rows)
+        return y

@@ -1,0 +1,252 @@
+"""Adapters as trainers write them beyond plain LoRA (issue 63): DoRA, rank_pattern / alpha_pattern, lora_bias,
+norms in modules_to_save and trainable tokens, each giving peft's own greedy tokens, alone and in one batch with the other kinds, plain adapters and the base;
+the combinations no one can define refused by name."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import make_peft_adapter, make_tiny_model, peft_greedy
+from test_embedding_adapters import EagerGraphs
+from loraplex.adapters.peft_format import AdapterError, read_peft_adapter
+from loraplex.platform import LLM, SamplingParams
+from loraplex.platform.models.registry import read_model_config
+
+NEW = 6
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+PROMPTS = [list(range(3 + 7 * i, 3 + 7 * i + 5 + 2 * i)) for i in range(9)]
+KINDS = ("dora", "dora_part", "bias", "pattern", "norms", "tokens", "plain")
+TRAINED = sorted({t for p in PROMPTS for t in p[::3]}) + [400, 401]  # ids the "tokens" adapter retrains
+
+
+def jitter(folder, part: str, seed: int):
+    """peft starts DoRA's magnitude at the norm it divides by (a factor of 1, which serves like plain LoRA), and a
+    saved module at the base's weight: trained ones differ, as these do."""
+    path = folder / "adapter_model.safetensors"
+    tensors, generator = load_file(path), torch.Generator().manual_seed(seed)
+    hits = [key for key in tensors if part in key and "lora_" not in key.replace("lora_magnitude", "")]
+    assert hits
+    for key in hits:  # trainable tokens start as the base's rows too
+        tensors[key] = tensors[key] * (1 + 0.3 * torch.randn(tensors[key].shape, generator=generator)) + \
+            0.2 * torch.randn(tensors[key].shape, generator=generator) * ("trainable_tokens" in key)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return folder
+
+
+def kinds_for(base, root, fused: bool = False) -> dict:
+    """One adapter of each kind (`fused`: a family whose checkpoint holds qkv_proj and gate_up_proj fused)."""
+    q, v, down = ("qkv_proj", "qkv_proj", "down_proj") if fused else ("q_proj", "v_proj", "down_proj")
+    return {
+        "dora": jitter(make_peft_adapter(base, root / "dora", rank=8, seed=1, use_dora=True, targets=None if not fused
+                                         else ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]), "magnitude", 1),
+        # DoRA on some parts of a fused projection (q and v of q/k/v), with a rank of its own on one of them
+        "dora_part": jitter(make_peft_adapter(base, root / "dora_part", rank=4, seed=2, use_dora=True,
+                                              targets=sorted({q, v, down}), rank_pattern={v: 2}), "magnitude", 2),
+        "bias": make_peft_adapter(base, root / "bias", rank=8, seed=3, lora_bias=True,
+                                  targets=None if not fused else [q, "o_proj", down]),
+        "pattern": make_peft_adapter(base, root / "pattern", rank=8, seed=4, targets=None if not fused else
+                                     [q, "o_proj", "gate_up_proj", down],
+                                     rank_pattern={q: 4, "layers.1.mlp.down_proj": 2},
+                                     alpha_pattern={"o_proj": 3, down: 40}),
+        # every norm ("norm" ends each norm's name: peft saves them all), beside LoRA on one projection
+        "norms": jitter(make_peft_adapter(base, root / "norms", rank=4, seed=6, targets=[q],
+                                          modules_to_save=["norm"]), "norm", 4),
+        "tokens": jitter(make_peft_adapter(base, root / "tokens", rank=4, seed=7, targets=[v],
+                                           trainable_token_indices=TRAINED), "trainable_tokens", 5),
+        "plain": make_peft_adapter(base, root / "plain", rank=8, seed=5),
+    }
+
+
+def tokens(llm, prompts, adapters):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, adapter=adapters)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def llm_for(base, folders: dict, **kwargs):
+    return LLM(str(base), dtype="float32", num_kv_blocks=96, lora_modules={k: str(v) for k, v in folders.items()},
+               **kwargs)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kinds-llama")
+    base = make_tiny_model(root / "base", "llama", seed=7)
+    return base, kinds_for(base, root)
+
+
+# qwen2: the base's own q/k/v bias, which DoRA's factor leaves alone; phi3: q/k/v and gate/up fused in the checkpoint
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3"])
+def test_each_kind_alone_and_all_in_one_batch_give_peft_tokens(llama, tmp_path, arch):
+    if arch == "llama":
+        base, folders = llama
+    else:
+        base = make_tiny_model(tmp_path / "base", arch, seed=3)
+        folders = kinds_for(base, tmp_path, fused=arch == "phi3")
+    names = [*KINDS, None, "dora"]
+    want = peft_greedy(base, [folders.get(n) for n in names], PROMPTS, NEW)
+    llm = llm_for(base, folders)
+    assert tokens(llm, PROMPTS, names) == want
+    for name, prompt, expected in zip(names[:2], PROMPTS, want):  # alone, each in a batch of its own
+        assert tokens(llm, [prompt], [name]) == [expected]
+
+
+# qwen3: per-head q / k norms; gemma2: four norms a layer, each weight read as 1 + w; olmo2: q / k norms over all heads
+@pytest.mark.parametrize("arch,overrides", [("qwen3", dict(head_dim=32)),
+                                            ("gemma2", dict(head_dim=16, query_pre_attn_scalar=16)),
+                                            ("olmo2", {})])
+def test_saved_norms_of_every_layout_give_peft_tokens(tmp_path, arch, overrides):
+    base = make_tiny_model(tmp_path / "base", arch, seed=3, **overrides)
+    folders = {"all": jitter(make_peft_adapter(base, tmp_path / "all", rank=4, seed=1, targets=["q_proj"],
+                                               modules_to_save=["norm"]), "norm", 1),
+               "one": jitter(make_peft_adapter(base, tmp_path / "one", rank=4, seed=2, targets=["v_proj"],
+                                               modules_to_save=["post_attention_layernorm"]), "norm", 2)}
+    names = ["all", "one", None]
+    llm = llm_for(base, folders)
+    assert tokens(llm, PROMPTS[:3], names) == peft_greedy(base, [folders.get(n) for n in names], PROMPTS[:3], NEW)
+    assert {name for _, name in llm.engine.adapters.prefetch("one").norms} == {"post_attention_layernorm"}
+
+
+# a head tied to the table takes the table's trained rows; Gemma 3 scales its rows inside the embedding module
+@pytest.mark.parametrize("arch,overrides", [("llama", dict(tie_word_embeddings=True)),
+                                            ("gemma3", dict(head_dim=16, tie_word_embeddings=True))])
+def test_trainable_tokens_on_a_tied_table_give_peft_tokens(tmp_path, arch, overrides):
+    base = make_tiny_model(tmp_path / "base", arch, seed=3, **overrides)
+    folders = {"tokens": jitter(make_peft_adapter(base, tmp_path / "tokens", rank=4, seed=1, targets=["q_proj"],
+                                                  trainable_token_indices={"embed_tokens": TRAINED}),
+                                "trainable_tokens", 1)}
+    names = ["tokens", None, "tokens"]
+    llm = llm_for(base, folders)
+    assert tokens(llm, PROMPTS[:3], names) == peft_greedy(base, [folders.get(n) for n in names], PROMPTS[:3], NEW)
+    held = llm.engine.adapters.prefetch("tokens").tokens
+    assert held["lm_head"] is held["embed_tokens"] and held["embed_tokens"][0].tolist() == sorted(TRAINED)
+
+
+def test_the_factors_and_patterns_are_read_as_peft_holds_them(llama):
+    base, folders = llama
+    config = read_model_config(base)
+    llm = llm_for(base, {"dora": folders["dora"]})
+    weights = llm.engine.adapters.prefetch("dora")
+    assert weights.kinds == ("dora",) and weights.dora
+    factor = weights.terms[(0, "qkv_proj")].factor
+    assert factor.shape == (config.num_heads * config.head_dim + 2 * config.num_kv_heads * config.head_dim,)
+    assert not torch.allclose(factor, torch.ones_like(factor))  # trained magnitudes: not the plain adapter
+    pattern = read_peft_adapter("p", folders["pattern"], config, 16)
+    assert pattern.kinds == ("lora", "rank_pattern", "alpha_pattern") and pattern.rank == 8
+    a, b_t = pattern.projections[(1, "down_proj")]
+    assert a.shape[0] == 2 and b_t.shape[0] == 2  # its own rank, not padded
+    assert pattern.scale_of((1, "down_proj")) == 40 / 2 and pattern.scale_of((0, "o_proj")) == 3 / 8
+    bias = read_peft_adapter("b", folders["bias"], config, 16)
+    raw = load_file(folders["bias"] / "adapter_model.safetensors")
+    assert torch.equal(bias.terms[(0, "down_proj")].bias,
+                       raw["base_model.model.model.layers.0.mlp.down_proj.lora_B.bias"] * bias.scaling)
+    assert bias.nbytes > read_peft_adapter("p", folders["plain"], config, 16).nbytes  # its biases count
+
+
+def test_biases_take_a_mix_weight_and_dora_serves_alone(llama):
+    base, folders = llama
+    llm = llm_for(base, folders)
+    alone = tokens(llm, PROMPTS[:2], ["bias", "plain"])
+    mixes = [{"bias": 1.0, "plain": 0.0}, {"bias": 0.0, "plain": 1.0}]  # a weight of 0 takes the bias too
+    assert tokens(llm, PROMPTS[:2], mixes) == alone
+    with pytest.raises(ValueError, match="'dora' is a DoRA adapter, which a mix .* cannot combine"):
+        tokens(llm, PROMPTS[:1], [{"dora": 0.5}])
+    assert tokens(llm, PROMPTS[:1], [{"dora": 1.0}]) == tokens(llm, PROMPTS[:1], ["dora"])  # weight 1: itself
+    with pytest.raises(ValueError, match="'norms' brings norms of its own .* which a mix cannot combine"):
+        tokens(llm, PROMPTS[:1], [{"norms": 0.5, "plain": 0.5}])
+    with pytest.raises(ValueError, match="'tokens' adapts embed_tokens / lm_head, which a mix cannot combine"):
+        tokens(llm, PROMPTS[:1], [{"tokens": 0.5, "plain": 0.5}])
+
+
+def test_decode_graphs_leave_biases_and_dora_to_eager_steps(llama):
+    base, folders = llama
+    llm = llm_for(base, folders)
+    runner = llm.engine.core.executor.worker.runner
+    graphs = runner.graphs = EagerGraphs(runner)
+    tokens(llm, PROMPTS[:3], ["pattern", "plain", None])
+    assert graphs.replays == NEW - 1
+    graphs.replays = 0
+    for name in ("dora", "bias", "norms", "tokens"):
+        tokens(llm, PROMPTS[:2], [name, "plain"])
+    assert graphs.replays == 0
+
+
+def test_tensor_parallel_serves_biases_patterns_norms_and_tokens_and_refuses_dora(llama):
+    base, folders = llama
+    names = ["bias", "pattern", "norms", "tokens", None]
+    want = peft_greedy(base, [folders.get(n) for n in names], PROMPTS[:5], NEW)
+    with LLM(str(base), tensor_parallel_size=2, dtype="float32", num_kv_blocks=96, grammar_compile_workers=0,
+             lora_modules={n: str(folders[n]) for n in names if n}) as llm:
+        assert tokens(llm, PROMPTS[:5], names) == want
+        with pytest.raises(ValueError, match="DoRA is served with --tensor-parallel-size 1 only"):
+            llm.load_adapter("dora", str(folders["dora"]))
+
+
+def test_deterministic_mode_serves_the_kinds_as_peft(llama):
+    base, folders = llama
+    names = ["dora", "bias", "pattern", "norms", "tokens", None]
+    llm = llm_for(base, folders, deterministic=True)
+    assert tokens(llm, PROMPTS[:6], names) == peft_greedy(base, [folders.get(n) for n in names], PROMPTS[:6], NEW)
+
+
+@pytest.fixture(scope="module")
+def empty(llama):
+    return llm_for(llama[0], {})
+
+
+def edit(folder, tmp_path, tensors=None, **changes):
+    copy = shutil.copytree(folder, tmp_path / "bad")
+    cfg = json.loads((copy / "adapter_config.json").read_text())
+    cfg.update(changes)
+    (copy / "adapter_config.json").write_text(json.dumps(cfg))
+    if tensors is not None:
+        path = copy / "adapter_model.safetensors"
+        save_file(tensors(load_file(path)), path, metadata={"format": "pt"})
+    return copy
+
+
+def drop(part):
+    return lambda tensors: {k: t for k, t in tensors.items() if part not in k}
+
+
+@pytest.mark.parametrize("kind,changes,tensors,reason", [
+    ("dora", {"lora_bias": True}, None, "DoRA with lora_bias is not supported"),
+    ("dora", {"use_dora": False}, None, "a lora_magnitude_vector, but use_dora is false"),
+    ("dora", {}, drop("layers.1.self_attn.k_proj.lora_magnitude"), "layer 1 k_proj: no lora_magnitude_vector"),
+    ("bias", {"lora_bias": False}, None, "a lora_B bias, but lora_bias is false"),
+    ("pattern", {"rank_pattern": {"q_proj": 0}}, None, "rank_pattern\\['q_proj'\\] must be an integer rank"),
+    ("pattern", {"rank_pattern": {"q_proj": 32}}, None, "rank_pattern\\['q_proj'\\] must be an integer rank in"),
+    ("pattern", {"alpha_pattern": {"q_proj": "big"}}, None, "alpha_pattern\\['q_proj'\\] must be a finite number"),
+    ("pattern", {"rank_pattern": {"(q": 4}}, None, "pattern '\\(q' is not a valid regex"),
+    ("pattern", {"rank_pattern": ["q_proj"]}, None, "rank_pattern must map module name patterns"),
+    ("pattern", {"rank_pattern": {"q_proj": 4, "lm_head": 2}, "target_modules": ["q_proj", "lm_head"]}, None,
+     "give lm_head a rank or alpha of its own"),
+    ("dora", {"target_modules": ["q_proj", "embed_tokens"]}, None, "DoRA on \\['embed_tokens'\\] is not supported"),
+    ("norms", {"modules_to_save": ["input_layernorm"]}, None,
+     "unexpected weight '.*norm.weight' \\(modules_to_save lists \\['input_layernorm'\\]\\)"),
+    ("norms", {"modules_to_save": ["norm", "mlp"]}, None, "modules_to_save \\['mlp'\\] is not supported"),
+    ("norms", {}, lambda t: {k: v for k, v in t.items() if "norm" not in k}, "modules_to_save lists \\['norm'\\], but"),
+    ("norms", {}, lambda t: {**t, "base_model.model.model.norm.weight": torch.ones(3)},
+     "norm weight of shape \\(3,\\) does not fit the served model's \\(64,\\)"),
+    ("norms", {}, lambda t: {**t, "base_model.model.model.layers.9.input_layernorm.weight": torch.ones(64)},
+     "is for a norm the base model does not have"),
+    ("tokens", {"trainable_token_indices": TRAINED[:-1] + [448]}, None,
+     "trainable tokens \\[448\\] fall outside the base model's vocabulary of 448 rows"),
+    ("tokens", {"trainable_token_indices": TRAINED[1:]}, None, "trainable token rows of shape"),
+    ("tokens", {"trainable_token_indices": [5, 5]}, None, "lists a token id twice"),
+    ("tokens", {"trainable_token_indices": {"q_proj": [5]}}, None, "trainable_token_indices on 'q_proj' is not"),
+    ("tokens", {"modules_to_save": ["embed_tokens"]}, None, "has trainable tokens and a LoRA or a full weight"),
+    ("tokens", {}, drop("trainable_tokens"), "but the folder holds trainable token rows for \\[\\]"),
+])
+def test_refusals_name_what_cannot_be_served(llama, empty, tmp_path, kind, changes, tensors, reason):
+    with pytest.raises(AdapterError, match=f"adapter 'bad' .*{reason}"):
+        empty.load_adapter("bad", edit(llama[1][kind], tmp_path, tensors, **changes))
+    assert "bad" not in {a.name for a in empty.engine.adapters.list()}
+
+
+def test_dora_without_the_base_weights_is_refused_by_name(llama):
+    base, folders = llama
+    with pytest.raises(AdapterError, match="DoRA needs the served base weights"):
+        read_peft_adapter("d", folders["dora"], read_model_config(base), 16)
