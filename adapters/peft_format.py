@@ -23,6 +23,7 @@ import torch
 from loraplex.adapters.variants import ModulePatterns, ModuleWeights, ProjectionTerms, dora_factor, folded_b, fuse_terms
 from loraplex.adapters.moe_weights import MOE_KEY, MoELoRA, check_target_parameters, read_moe_weights
 from loraplex.adapters.saved_norms import NORM_KEY, read_saved_norms
+from loraplex.adapters.tokenizer_overlay import read_tokenizer
 from loraplex.adapters.vocab_weights import (VOCAB_KEY, VOCAB_MODULES, BaseTables, norm_entries, read_vocab_weights,
                                              vocab_shapes)
 from loraplex.platform.models.experts import lora_refusal
@@ -78,6 +79,7 @@ class LoRAWeights:
     tokens: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
     # sparse layer -> its router / experts / shared expert LoRA (moe_weights.py)
     moe: dict[int, MoELoRA] = field(default_factory=dict, repr=False)
+    tokenizer: object = field(default=None, repr=False)  # its own tokenizer where it has one (tokenizer_overlay.py)
 
     @property
     def nbytes(self) -> int:
@@ -139,14 +141,16 @@ def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def read_peft_adapter(name: str, path: str | Path, config: ModelConfig, max_lora_rank: int,
                       dtype: torch.dtype = torch.float32, confined: bool = False,
-                      base: BaseTables | None = None, norm_dims: dict[str, int] | None = None) -> LoRAWeights:
+                      base: BaseTables | None = None, norm_dims: dict[str, int] | None = None,
+                      base_tokenizer=None) -> LoRAWeights:
     """`confined`: the folder came from a client (an adapter root): `path` must be absolute and
     free of symbolic links, and it is opened one component at a time without following any, its
     files as regular, singly linked files (no hard link to elsewhere), all through one
     directory handle, so a link swapped in after the caller's check cannot redirect the read.
     `base`: the served model's embedding table and head, which copies of them in the folder are
     checked against (equal: dropped; else the adapter's own full weight, in the model's dtype). `norm_dims`: the
-    served model's norms and their widths, which saved norms are checked against (None: refused)."""
+    served model's norms and their widths, which saved norms are checked against (None: refused).
+    `base_tokenizer`: the served model's, which a tokenizer in the folder is checked against (None: not read)."""
     folder = Path(path)
     fail = lambda reason: AdapterError(f"adapter {name!r} ({folder}): {reason}")  # noqa: E731
     try:
@@ -156,6 +160,7 @@ def read_peft_adapter(name: str, path: str | Path, config: ModelConfig, max_lora
             _check_config(raw, max_lora_rank, fail)
             tensors = _read_weights(files, fail)
             _refuse_moe_targets(config, raw, tensors, fail)
+            tokenizer = read_tokenizer(files, base_tokenizer, config.vocab_size, fail)
     except (FileNotFoundError, NotADirectoryError):
         raise fail("not a folder") from None
     except OSError as exc:  # a link loop, a name too long, a link where none may be
@@ -194,11 +199,11 @@ def read_peft_adapter(name: str, path: str | Path, config: ModelConfig, max_lora
         digest.update(tensors[key].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return LoRAWeights(name, str(folder), max([rank, *(w.rank for w in weights.values())]), scaling,
                        frozenset(targets), projections, digest.hexdigest(), vocab.embedding, vocab.head,
-                       vocab.replacements, vocab.modules_to_save, terms, _kinds(raw, vocab, norms, moe), norms,
-                       vocab.tokens, moe)
+                       vocab.replacements, vocab.modules_to_save, terms, _kinds(raw, vocab, norms, moe, tokenizer), norms,
+                       vocab.tokens, moe, tokenizer)
 
 
-def _kinds(raw: dict, vocab, norms, moe) -> tuple[str, ...]:
+def _kinds(raw: dict, vocab, norms, moe, tokenizer) -> tuple[str, ...]:
     kinds = ["dora" if raw.get("use_dora") else "lora"]
     kinds += [kind for kind, on in (("lora_bias", raw.get("lora_bias")), ("rank_pattern", raw.get("rank_pattern")),
                                     ("alpha_pattern", raw.get("alpha_pattern")),
@@ -206,7 +211,8 @@ def _kinds(raw: dict, vocab, norms, moe) -> tuple[str, ...]:
                                     ("trainable_tokens", vocab.tokens),
                                     ("experts", any(m.gate_up or m.down for m in moe.values())),
                                     ("router", any(m.router for m in moe.values())),
-                                    ("shared_expert", any(m.shared for m in moe.values()))) if on]
+                                    ("shared_expert", any(m.shared for m in moe.values())),
+                                    ("tokenizer", tokenizer is not None)) if on]
     return tuple(kinds)
 
 
@@ -243,8 +249,7 @@ def _check_variants(raw: dict, weights: dict[tuple[int, str], ModuleWeights], fa
 def _dora_factors(projections, terms, shapes, base: BaseTables | None, fail) -> None:
     """Each DoRA projection's factor, from the served base weights (`base.projection`)."""
     if base is None or base.projection is None:
-        raise fail("DoRA needs the served base weights to compute its norms, which this engine does not give "
-                   "(tensor parallelism: DoRA is served with --tensor-parallel-size 1 only)")
+        raise fail("DoRA needs the served base weights to compute its norms (read without a model)")
     for key, (a, b_t) in projections.items():
         if terms[key].magnitude is not None:
             fused = key[1]

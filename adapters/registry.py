@@ -80,6 +80,7 @@ class AdapterRegistry:
         self._cpu_bytes = 0
         self._pins: Counter[str] = Counter()
         self._slots = LoRASlots(config, max_loras, dtype, device, max_lora_rank if stacked else None)
+        self.base_tokenizer = None  # the served model's, set by the engine: an adapter's own is read against it
         self._slot_of: dict[str, tuple[int, str]] = {}  # name -> (slot, content hash)
         self._slot_lru: OrderedDict[int, str | None] = OrderedDict((i, None) for i in range(max_loras))
         self.num_slot_loads = 0
@@ -192,7 +193,7 @@ class AdapterRegistry:
 
     def _read(self, name: str, path: str, confined: bool) -> LoRAWeights:
         return read_peft_adapter(name, path, self.config, self.max_lora_rank, self.dtype, confined, self._slots.base,
-                                 self._slots.norm_dims)
+                                 self._slots.norm_dims, self.base_tokenizer)
 
     def _cache(self, weights: LoRAWeights) -> None:
         self._drop(weights.name)

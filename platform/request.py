@@ -174,7 +174,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  prompt: str | None = None, index: int = 0, extra_keys: tuple = (),
                  adapter: str | None = None, adapter_weights=None, compiled_grammar=None, mix=None,
-                 tenant=None) -> None:
+                 tenant=None, tokenizer=None) -> None:
         self.request_id = request_id  # the group's id, shared by its n sequences
         self.index = index
         self.prompt = prompt
@@ -186,6 +186,7 @@ class Request:
         self.tenant = tenant  # a `TenantShare` (its name and weight in the batch's fair share); None: nobody's
         # prefetched by the input processor, handed to the registry's pin (a mix: one per adapter, in order)
         self.adapter_weights = adapter_weights
+        self.tokenizer = tokenizer  # the adapter's own, where it brings one: its outputs decode with it; None: the base's
         self.compiled_grammar = compiled_grammar  # compiled spec, shared by the n sequences
         self.grammar = None  # this sequence's matcher
         self.output_token_ids: list[int] = []

@@ -24,7 +24,8 @@ async def chat(body: ChatCompletionRequest, request: Request, state: ServerState
         with bad_input():
             messages, tools = body.chat_messages(), body.prompt_tools()
         with bad_input("messages"):
-            ids = await client.tokenize_chat(messages, body.add_generation_prompt, body.chat_template_kwargs, tools)
+            ids = await client.tokenize_chat(messages, body.add_generation_prompt, body.chat_template_kwargs, tools,
+                                             adapter if isinstance(adapter, str) else None)
         max_tokens = given(body.max_completion_tokens, given(body.max_tokens, client.default_max_tokens(ids)))
         with bad_input():
             params = body.sampling_params(max_tokens, body.num_logprobs(), body.prompt_logprobs,

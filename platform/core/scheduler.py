@@ -252,7 +252,8 @@ class Scheduler:
         for index in range(1, parent.params.n):
             child = Request(parent.request_id, parent.prompt_token_ids, parent.params, parent.prompt, index=index,
                             extra_keys=parent.extra_keys, adapter=parent.adapter,
-                            compiled_grammar=parent.compiled_grammar, mix=parent.mix, tenant=parent.tenant)
+                            compiled_grammar=parent.compiled_grammar, mix=parent.mix, tenant=parent.tenant,
+                            tokenizer=parent.tokenizer)
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
             if parent.compiled_grammar is not None:  # forks happen before any token: a fresh matcher

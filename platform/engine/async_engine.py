@@ -125,16 +125,17 @@ class AsyncEngine:
     def max_adapters_per_request(self) -> int:
         return self.inputs.limits.max_adapters_per_request
 
-    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await asyncio.to_thread(self.inputs.token_ids, text, add_special_tokens)
+    async def tokenize(self, text: str, add_special_tokens: bool = True, adapter: str | None = None) -> list[int]:
+        return await asyncio.to_thread(self.inputs.token_ids, text, add_special_tokens, adapter)
 
     async def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
+                            chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
+                            adapter: str | None = None) -> list[int]:
         return await asyncio.to_thread(self.inputs.chat_token_ids, messages, add_generation_prompt,
-                                       chat_template_kwargs, tools)
+                                       chat_template_kwargs, tools, adapter)
 
-    async def detokenize(self, ids: list[int], param: str = "tokens") -> str:
-        return await asyncio.to_thread(self.inputs.detokenize, ids, param)
+    async def detokenize(self, ids: list[int], param: str = "tokens", adapter: str | None = None) -> str:
+        return await asyncio.to_thread(self.inputs.detokenize, ids, param, adapter)
 
     def default_max_tokens(self, prompt_ids: list[int]) -> int:
         return self.inputs.default_max_tokens(prompt_ids)

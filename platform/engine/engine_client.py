@@ -51,13 +51,16 @@ class EngineClient(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
-    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    async def tokenize(self, text: str, add_special_tokens: bool = True, adapter: str | None = None) -> list[int]:
+        """`adapter`: a request on it uses its own tokenizer where it brings one."""
 
     async def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
-        """A conversation through the model's chat template (tools rendered, or described)."""
+                            chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
+                            adapter: str | None = None) -> list[int]:
+        """A conversation through the model's chat template (tools rendered, or described); `adapter`'s tokenizer
+        and template where it brings its own."""
 
-    async def detokenize(self, ids: list[int], param: str = "tokens") -> str:
+    async def detokenize(self, ids: list[int], param: str = "tokens", adapter: str | None = None) -> str:
         """ValueError naming `param` for ids outside the vocabulary."""
 
     def default_max_tokens(self, prompt_ids: list[int]) -> int: ...

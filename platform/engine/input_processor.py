@@ -46,6 +46,15 @@ class Limits:
         return min(self.max_model_len, self.num_kv_blocks * self.block_size)
 
 
+# what takes one adapter per token, or has no meaning as a weighted sum (DoRA rescales by its own norm)
+_UNMIXABLE = ((lambda w: w.tokenizer is not None, "brings a tokenizer of its own"),
+              (lambda w: w.embedding is not None or w.head is not None or w.replacements or w.tokens,
+               "adapts embed_tokens / lm_head"),
+              (lambda w: w.moe, "adapts a mixture-of-experts layer (router, experts)"),
+              (lambda w: w.norms, "brings norms of its own (modules_to_save)"),
+              (lambda w: w.dora, "is a DoRA adapter (a weight other than 1 too)"))
+
+
 class InputProcessor:
     def __init__(self, tokenizer, limits: Limits, adapters: AdapterRegistry, grammars: GrammarManager) -> None:
         self.tokenizer = tokenizer
@@ -55,35 +64,45 @@ class InputProcessor:
 
     # ---- text <-> token ids -------------------------------------------------------------------
 
+    def tokenizer_for(self, adapter: str | None):
+        """The tokenizer of a request on `adapter` (a name; None: the base model): the adapter's own where it
+        brings one (adapters/tokenizer_overlay.py), else the base model's."""
+        if adapter is None:
+            return self.tokenizer
+        return self.adapters.prefetch(adapter).tokenizer or self.tokenizer
+
     def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True,
-                       template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
+                       template_kwargs: dict | None = None, tools: list[dict] | None = None,
+                       adapter: str | None = None) -> list[int]:
         """`template_kwargs`: extra variables for the chat template (vLLM's `chat_template_kwargs`,
         e.g. `enable_thinking`); they cannot override what the template is given already.
         `tools` (OpenAI's shape) go to a template that renders them; for one that does not, they
-        are described in the system message and tool turns written out (grammar/tooling/tools.py)."""
+        are described in the system message and tool turns written out (grammar/tooling/tools.py).
+        `adapter`: the adapter whose tokenizer (and template) the prompt is for."""
+        tokenizer = self.tokenizer_for(adapter)
         extra = dict(template_kwargs or {})
         clash = sorted(extra.keys() & {"messages", "tokenize", "add_generation_prompt", "conversation", "tools",
                                         "chat_template", "documents", "return_dict", "continue_final_message"})
         if clash:
             raise ValueError(f"chat_template_kwargs may not set {clash}")
         uses_tools = tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
-        if uses_tools and template_takes_tools(self.tokenizer.chat_template):
+        if uses_tools and template_takes_tools(tokenizer.chat_template):
             extra["tools"] = tools
         elif uses_tools:
             messages = plain_messages(messages, tools)
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt, **extra)
+            text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt, **extra)
         except Exception as exc:  # a template's own raise_exception(): the conversation's fault
             raise ValueError(f"the chat template refused these messages: {exc}") from None
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        return tokenizer(text, add_special_tokens=False).input_ids
 
-    def token_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+    def token_ids(self, text: str, add_special_tokens: bool = True, adapter: str | None = None) -> list[int]:
+        return self.tokenizer_for(adapter)(text, add_special_tokens=add_special_tokens).input_ids
 
-    def detokenize(self, ids: list[int], param: str) -> str:
+    def detokenize(self, ids: list[int], param: str, adapter: str | None = None) -> str:
         self.check_token_ids(ids, param)
-        return self.tokenizer.decode(ids)
+        return self.tokenizer_for(adapter).decode(ids)
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.limits.vocab_size
@@ -110,8 +129,9 @@ class InputProcessor:
         else:
             weights = self.adapters.prefetch(adapter) if adapter is not None else None
         text = None
+        tokenizer = getattr(weights, "tokenizer", None) or self.tokenizer  # a mix holds no adapter's own
         if isinstance(prompt, str):
-            text, ids = prompt, self.token_ids(prompt)
+            text, ids = prompt, tokenizer(prompt).input_ids
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
         elif isinstance(prompt, list):
@@ -121,11 +141,12 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         self._check(ids, params)
-        params = self._for_this_model(params, ids)
+        params = self._for_this_model(params, ids, tokenizer)
         spec = self._grammar_spec(params)
         compiled = self.grammars.compile(spec) if spec is not None and compile else None
         return Request(request_id, ids, params, prompt=text, adapter=adapter, adapter_weights=weights,
-                       compiled_grammar=compiled, mix=mix, tenant=tenant)
+                       compiled_grammar=compiled, mix=mix, tenant=tenant,
+                       tokenizer=None if tokenizer is self.tokenizer else tokenizer)
 
     def grammar_spec(self, request: Request) -> StructuredOutputs | None:
         """The spec the request's grammar compiles (after its reasoning, if any); None without one."""
@@ -145,33 +166,24 @@ class InputProcessor:
         return None, mix
 
     def _mixable(self, name: str, field: str):
-        """An adapter of a mix, prefetched; one that changes the embedding or the head is refused (those
-        layers take one adapter per token), and so is DoRA."""
+        """An adapter of a mix, prefetched; one whose effect is not a delta that weights add up is refused."""
         weights = self.adapters.prefetch(name)
-        if weights.embedding is not None or weights.head is not None or weights.replacements or weights.tokens:
-            raise ValueError(f"{field}: {name!r} adapts embed_tokens / lm_head, which a mix cannot combine")
-        if weights.moe:
-            raise ValueError(f"{field}: {name!r} adapts a mixture-of-experts layer (router, experts), which a mix "
-                             "cannot combine; name it alone")
-        if weights.norms:
-            raise ValueError(f"{field}: {name!r} brings norms of its own (modules_to_save), which a mix cannot "
-                             "combine; name it alone")
-        if weights.dora:  # DoRA rescales the whole output by its own norm: a weighted sum of it has no meaning
-            raise ValueError(f"{field}: {name!r} is a DoRA adapter, which a mix (or a weight other than 1) "
-                             "cannot combine; name it alone")
+        why = next((reason for test, reason in _UNMIXABLE if test(weights)), None)
+        if why is not None:
+            raise ValueError(f"{field}: {name!r} {why}, which a mix cannot combine; name it alone")
         return weights
 
-    def _for_this_model(self, params: SamplingParams, ids: list[int]) -> SamplingParams:
+    def _for_this_model(self, params: SamplingParams, ids: list[int], tokenizer) -> SamplingParams:
         """`params` with the tool-call format read from the chat template (`auto`, mistral's
         form) and the reasoning's start read from the prompt's end."""
         changes = {}
         spec = params.structured
         if spec is not None and spec.kind == "tools":
-            format = resolve(spec.tools.format, self.tokenizer.chat_template)
+            format = resolve(spec.tools.format, tokenizer.chat_template)
             if format != spec.tools.format:
                 changes["structured"] = dataclasses.replace(spec, tools=dataclasses.replace(spec.tools, format=format))
         if params.reasoning is not None:
-            tail = self.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+            tail = tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
             changes["reasoning"] = dataclasses.replace(params.reasoning, start=prompt_start(tail))
         return dataclasses.replace(params, **changes) if changes else params
 

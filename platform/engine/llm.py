@@ -59,9 +59,10 @@ class LLM:
         (grammar/tooling/tools.py). To constrain the output to calls, give `params` a
         `StructuredOutputs(tools=ToolCalls(...))`; `parse_tool_calls` reads them back."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.engine.inputs.chat_token_ids(
-            [_template_message(m) for m in conversation], add_generation_prompt, chat_template_kwargs, tools)}
-            for conversation in conversations]
+        adapters = adapter if isinstance(adapter, list) else [adapter] * len(conversations)
+        prompts = [{"prompt_token_ids": self.engine.inputs.chat_token_ids(  # an adapter's own tokenizer where it has one
+            [_template_message(m) for m in conversation], add_generation_prompt, chat_template_kwargs, tools,
+            name if isinstance(name, str) else None)} for conversation, name in zip(conversations, adapters)]
         return self.generate(prompts, params, adapter)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,

@@ -22,7 +22,7 @@ from loraplex.platform.device import MemorySnapshot, select_device
 from loraplex.platform.engine.input_processor import InputProcessor, Limits
 from loraplex.platform.engine.output_processor import OutputProcessor
 from loraplex.platform.executor.factory import executor_class
-from loraplex.platform.models.llama import DecoderModel
+from loraplex.platform.models.llama import DecoderModel, checkpoint_weights
 from loraplex.platform.request import Request, RequestOutput, SamplingParams
 from loraplex.platform.resolve import ResolvedConfig, resolve
 
@@ -46,6 +46,7 @@ class Engine:
         memory_start = MemorySnapshot.measure(device) if device.type == "cuda" else None
         executor = executor_class(resolved)
         self.adapters = _registry(resolved, executor.uses_engine_slots)
+        self.adapters.base_tokenizer = self.tokenizer
         self.eos_token_ids = _eos_token_ids(self.tokenizer, model.eos_token_ids, config.model)
         self.grammars = GrammarManager(self.tokenizer, model.vocab_size, list(self.eos_token_ids),
                                        config.grammar_backend, config.grammar_compile_timeout_s,
@@ -116,10 +117,19 @@ def _registry(resolved: ResolvedConfig, on_device: bool) -> AdapterRegistry:
     registry = AdapterRegistry(resolved.model, resolved.max_loras, config.max_lora_rank, config.max_cpu_loras,
                                kernels.lora_dtype, config.lora_memory,
                                resolved.device if on_device else torch.device("cpu"), kernels.stacked_lora and on_device)
-    if not on_device:  # the ranks hold the model; its norms (saved norms are checked against) from one on meta
-        with torch.device("meta"):
-            registry.slots.norm_dims = norm_dims(DecoderModel(resolved.model, 1, kernels))
+    if not on_device:
+        _base_from_checkpoint(registry, resolved)
     return registry
+
+
+def _base_from_checkpoint(registry: AdapterRegistry, resolved: ResolvedConfig) -> None:
+    """Under tensor parallelism the ranks hold the model and the engine none: what an adapter read here is checked
+    against (its norms, its copies of the table and head, DoRA's norms of whole rows) comes from a model built on
+    the meta device and from the checkpoint (served as it is: the ranks take float weights only)."""
+    with torch.device("meta"):
+        registry.slots.norm_dims = norm_dims(DecoderModel(resolved.model, 1, resolved.kernels))
+    dense, projection = checkpoint_weights(resolved.engine.model, resolved.model, resolved.kernels.dtype)
+    registry.slots.set_base(resolved.kernels.dtype, dense, None, projection)
 
 
 def _eos_token_ids(tokenizer, model_eos: tuple[int, ...], folder: str) -> tuple[int, ...]:

@@ -112,8 +112,9 @@ class OutputProcessor:
     def _seq(self, request: Request) -> _Seq:
         p, calls = request.params, _tool_call_format(request)
         markers = [*(tool_format(calls).markers if calls else ()), *((OPEN, CLOSE) if p.reasoning is not None else ())]
-        keep = special_ids(self.tokenizer, markers) if markers and p.skip_special_tokens else frozenset()
-        detokenizer = Detokenizer(self.tokenizer, request.prompt_token_ids, p.stop, p.skip_special_tokens,
+        tokenizer = request.tokenizer or self.tokenizer  # an adapter's own where it brings one
+        keep = special_ids(tokenizer, markers) if markers and p.skip_special_tokens else frozenset()
+        detokenizer = Detokenizer(tokenizer, request.prompt_token_ids, p.stop, p.skip_special_tokens,
                                   p.include_stop_str_in_output, keep)
         return _Seq(detokenizer, ReasoningSplitter(p.reasoning) if p.reasoning is not None else None)
 
@@ -136,7 +137,8 @@ class OutputProcessor:
         if hit is not None:
             finish, stop_reason = "stop", hit.stop
         seq.finished = finish is not None
-        logprobs = self._decoded(delta.new_logprobs) if delta.new_logprobs is not None else None
+        logprobs = self._decoded(delta.new_logprobs, group.request.tokenizer) if delta.new_logprobs is not None \
+            else None
         detok = seq.detokenizer
         end = detok.stream_end(seq.finished)
         reasoning, text = seq.split(detok.text[seq.num_sent_chars:end])
@@ -171,16 +173,17 @@ class OutputProcessor:
         unenforced = req.compiled_grammar.unenforced if req.compiled_grammar is not None else ()
         prompt_logprobs = None
         if req.prompt_logprobs is not None and not group.sent_prompt_logprobs:  # complete by the first output
-            prompt_logprobs, group.sent_prompt_logprobs = self._decoded(req.prompt_logprobs), True
+            prompt_logprobs, group.sent_prompt_logprobs = self._decoded(req.prompt_logprobs, req.tokenizer), True
         return RequestOutput(request_id, req.prompt, req.prompt_token_ids, sorted(outs, key=lambda o: o.index),
                              finished, group.num_cached_tokens, unenforced, prompt_logprobs, _tool_call_format(req),
                              req.queue_time_s, req.grammar_wait_s)
 
-    def _decoded(self, entries: list[dict[int, Logprob] | None]) -> list[dict[int, Logprob] | None]:
+    def _decoded(self, entries: list[dict[int, Logprob] | None], tokenizer=None) -> list[dict[int, Logprob] | None]:
         """Each entry's tokens decoded (prompt entries may be None: the first prompt token)."""
+        tokenizer = tokenizer or self.tokenizer
         for position in entries:
             for tid, lp in (position or {}).items():
-                lp.decoded_token = self.tokenizer.decode([tid])
+                lp.decoded_token = tokenizer.decode([tid])
         return entries
 
 

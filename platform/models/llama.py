@@ -314,7 +314,8 @@ class _Loader:
             raise ValueError(f"weights not loaded: {sorted(missing)[:5]}")
 
 
-def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+def _read_safetensors(folder: Path, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors (`names`: only these)."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -326,8 +327,30 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     for name in files:
         with safe_open(str(folder / name), framework="pt") as f:
             for key in f.keys():
-                tensors[key] = f.get_tensor(key)
+                if names is None or key in names:
+                    tensors[key] = f.get_tensor(key)
     return tensors
+
+
+def checkpoint_weights(folder: str | Path, config: ModelConfig, dtype: torch.dtype):
+    """(dense(module), projection(layer, fused)): the checkpoint's embedding table or head [vocab, hidden] and a
+    layer's fused projection [out_total, in], in `dtype`, read when asked (what a process holding no model, or a
+    shard of it, checks an adapter against)."""
+    folder = Path(folder)
+
+    def read(names: list[str]) -> torch.Tensor:
+        found = _read_safetensors(folder, set(names))
+        return torch.cat([found[name] for name in names]).to(dtype)
+
+    def dense(module: str) -> torch.Tensor:
+        tied = module == "embed_tokens" or config.tie_word_embeddings
+        return read(["model.embed_tokens.weight" if tied else "lm_head.weight"])
+
+    def projection(layer: int, fused: str) -> torch.Tensor:
+        block = PROJECTION_BLOCKS[fused]
+        return read([f"model.layers.{layer}.{block}.{part}.weight" for part in config.family.projections[fused]])
+
+    return dense, projection
 
 
 def load_model(folder: str | Path, config: ModelConfig, kernels: KernelConfig, max_len: int,

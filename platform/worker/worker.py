@@ -24,6 +24,7 @@ import torch.distributed as dist
 from loraplex.adapters.lora_layers import attach_lora
 from loraplex.adapters.moe_weights import MoELoRA
 from loraplex.adapters.peft_format import LoRAWeights
+from loraplex.adapters.variants import ProjectionTerms
 from loraplex.adapters.slots import LoRASlots
 from loraplex.kernels import cpu_kernels
 from loraplex.platform.config import EngineConfig
@@ -130,7 +131,7 @@ def pack_adapter(weights: LoRAWeights) -> bytes:
     """An adapter for the pipe. Its tensors are views into one buffer, and pickle would copy the whole buffer for
     each of them: torch.save writes each storage once."""
     buffer = io.BytesIO()
-    torch.save(weights, buffer)
+    torch.save(dataclasses.replace(weights, tokenizer=None), buffer)  # the ranks never tokenize
     return buffer.getvalue()
 
 
@@ -154,15 +155,20 @@ def shard_adapter(weights: LoRAWeights, plan: ShardPlan | None) -> LoRAWeights:
         else:
             a = a.index_select(1, rows[fused]).contiguous()
         projections[(layer, fused)] = (a, b_t)
-    for key, term in weights.terms.items():  # B's bias: a column-parallel rank's rows; a row-parallel one's once
-        if term.factor is not None:
-            raise ValueError("DoRA is not sharded (refused when read under tensor parallelism)")
-        bias = term.bias
-        if bias is not None:
-            bias = bias.index_select(0, columns[key[1]]) if key[1] in columns else bias if plan.rank == 0 else None
-        terms[key] = dataclasses.replace(term, bias=bias)
+    for key, term in weights.terms.items():
+        terms[key] = shard_terms(term, columns.get(key[1]), plan.rank)
     moe = {layer: shard_moe(lora, plan) for layer, lora in weights.moe.items()}
     return dataclasses.replace(weights, projections=projections, terms=terms, moe=moe)
+
+
+def shard_terms(term: ProjectionTerms, columns: torch.Tensor | None, rank: int) -> ProjectionTerms:
+    """B's bias and DoRA's factor of a projection as a rank applies them: a column-parallel rank's rows of both
+    (`columns`); a row-parallel rank's output is a partial sum, so the factor (linear in it) whole on every rank
+    and the bias on rank 0 alone."""
+    if columns is not None:
+        pick = lambda t: None if t is None else t.index_select(0, columns)  # noqa: E731
+        return dataclasses.replace(term, bias=pick(term.bias), factor=pick(term.factor))
+    return dataclasses.replace(term, bias=term.bias if rank == 0 else None)
 
 
 def shard_moe(lora: MoELoRA, plan: ShardPlan) -> MoELoRA:

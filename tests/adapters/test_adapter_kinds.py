@@ -124,6 +124,41 @@ def test_trainable_tokens_on_a_tied_table_give_peft_tokens(tmp_path, arch, overr
     assert held["lm_head"] is held["embed_tokens"] and held["embed_tokens"][0].tolist() == sorted(TRAINED)
 
 
+def test_an_adapters_own_tokenizer_serves_its_prompts_and_outputs(tmp_path):
+    """A fine-tune that added tokens (rows a padded vocabulary already has, trained as trainable tokens) and saved
+    its tokenizer: its requests are tokenized, templated and decoded with it; the base's and other adapters' are
+    not; one saved unchanged is no overlay; a token past the model's rows is refused by name."""
+    from transformers import AutoTokenizer
+
+    base = make_tiny_model(tmp_path / "base", "llama", seed=3, tie_word_embeddings=True)
+    size = len(AutoTokenizer.from_pretrained(base))
+    folder = jitter(make_peft_adapter(base, tmp_path / "ov", rank=4, seed=1, targets=["q_proj"],
+                                      trainable_token_indices=[size, size + 1]), "trainable_tokens", 1)
+    own = AutoTokenizer.from_pretrained(base)
+    own.add_tokens(["<|pirate|>", "<|parrot|>"])
+    own.chat_template = "{% for m in messages %}<|pirate|>{{ m['content'] }}{% endfor %}"
+    own.save_pretrained(folder)
+    same = make_peft_adapter(base, tmp_path / "same", rank=4, seed=2, targets=["q_proj"])
+    AutoTokenizer.from_pretrained(base).save_pretrained(same)
+    llm = llm_for(base, {"ov": folder, "same": same})
+    assert "tokenizer" in llm.engine.adapters.prefetch("ov").kinds
+    assert llm.engine.adapters.prefetch("same").tokenizer is None
+    text = "hello <|pirate|> world"
+    outs = llm.generate([text] * 3, GREEDY, adapter=["ov", None, "same"])
+    assert outs[0].prompt_token_ids == own(text).input_ids and size in outs[0].prompt_token_ids
+    assert outs[1].prompt_token_ids == outs[2].prompt_token_ids != outs[0].prompt_token_ids
+    assert [list(outs[0].outputs[0].token_ids)] == peft_greedy(base, [folder], [outs[0].prompt_token_ids], NEW)
+    assert llm.engine.inputs.detokenize([size + 1], "tokens", "ov") == "<|parrot|>"
+    assert llm.engine.inputs.detokenize([size + 1], "tokens") == ""
+    assert llm.engine.inputs.chat_token_ids([{"role": "user", "content": "hi"}], adapter="ov")[0] == size
+    with pytest.raises(ValueError, match="'ov' brings a tokenizer of its own, which a mix cannot combine"):
+        llm.generate([text], GREEDY, adapter=[{"ov": 0.5, "same": 0.5}])
+    own.add_tokens([f"<|extra{i}|>" for i in range(60)])  # past the model's 448 rows
+    own.save_pretrained(folder)
+    with pytest.raises(AdapterError, match="its tokenizer adds tokens past the base model's 448 rows"):
+        llm.load_adapter("big", folder)
+
+
 def test_the_factors_and_patterns_are_read_as_peft_holds_them(llama):
     base, folders = llama
     config = read_model_config(base)
@@ -151,7 +186,7 @@ def test_biases_take_a_mix_weight_and_dora_serves_alone(llama):
     alone = tokens(llm, PROMPTS[:2], ["bias", "plain"])
     mixes = [{"bias": 1.0, "plain": 0.0}, {"bias": 0.0, "plain": 1.0}]  # a weight of 0 takes the bias too
     assert tokens(llm, PROMPTS[:2], mixes) == alone
-    with pytest.raises(ValueError, match="'dora' is a DoRA adapter, which a mix .* cannot combine"):
+    with pytest.raises(ValueError, match="'dora' is a DoRA adapter .*, which a mix cannot combine; name it alone"):
         tokens(llm, PROMPTS[:1], [{"dora": 0.5}])
     assert tokens(llm, PROMPTS[:1], [{"dora": 1.0}]) == tokens(llm, PROMPTS[:1], ["dora"])  # weight 1: itself
     with pytest.raises(ValueError, match="'norms' brings norms of its own .* which a mix cannot combine"):
@@ -173,15 +208,20 @@ def test_decode_graphs_leave_biases_and_dora_to_eager_steps(llama):
     assert graphs.replays == 0
 
 
-def test_tensor_parallel_serves_biases_patterns_norms_and_tokens_and_refuses_dora(llama):
-    base, folders = llama
-    names = ["bias", "pattern", "norms", "tokens", None]
-    want = peft_greedy(base, [folders.get(n) for n in names], PROMPTS[:5], NEW)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tensor_parallel_serves_every_kind(llama, tmp_path, arch):
+    """DoRA's factor is read from the checkpoint's whole rows (the engine holds no model under TP): a rank's rows
+    of it on q/k/v and gate/up, all of it on the row-parallel o / down, whose partial sums it scales."""
+    if arch == "llama":
+        base, folders = llama
+    else:  # the base's own q/k/v bias
+        base = make_tiny_model(tmp_path / "base", arch, seed=3)
+        folders = kinds_for(base, tmp_path)
+    names = [*KINDS, None]
+    want = peft_greedy(base, [folders.get(n) for n in names], PROMPTS[:len(names)], NEW)
     with LLM(str(base), tensor_parallel_size=2, dtype="float32", num_kv_blocks=96, grammar_compile_workers=0,
              lora_modules={n: str(folders[n]) for n in names if n}) as llm:
-        assert tokens(llm, PROMPTS[:5], names) == want
-        with pytest.raises(ValueError, match="DoRA is served with --tensor-parallel-size 1 only"):
-            llm.load_adapter("dora", str(folders["dora"]))
+        assert tokens(llm, PROMPTS[:len(names)], names) == want
 
 
 def test_deterministic_mode_serves_the_kinds_as_peft(llama):
@@ -248,5 +288,14 @@ def test_refusals_name_what_cannot_be_served(llama, empty, tmp_path, kind, chang
 
 def test_dora_without_the_base_weights_is_refused_by_name(llama):
     base, folders = llama
-    with pytest.raises(AdapterError, match="DoRA needs the served base weights"):
+    with pytest.raises(AdapterError, match="DoRA needs the served base weights .*read without a model"):
         read_peft_adapter("d", folders["dora"], read_model_config(base), 16)
+
+
+@pytest.mark.e2e
+def test_every_kind_on_the_default_model_gives_peft_tokens_in_one_batch(default_model_dir, tmp_path):
+    folders = kinds_for(default_model_dir, tmp_path)
+    names = [*KINDS, None]
+    llm = llm_for(default_model_dir, folders)
+    assert tokens(llm, PROMPTS[:len(names)], names) == peft_greedy(default_model_dir, [folders.get(n) for n in names],
+                                                                   PROMPTS[:len(names)], NEW)
