@@ -8,6 +8,10 @@ What peft writes on transformers 5's MoE models:
   column k * E + e), so expert e's delta is `scale * B[:, :, e] @ A[e]`. Two parameters of one module nest: the
   first's keys hold `experts.base_layer.`, the second's `experts.`; which is which is read from their shapes.
 - the shared expert's projections and its gate (Linear modules) through `target_modules`, as any LoRA.
+And what it wrote on older transformers, whose experts were one module each (`experts.3.w1` / `w3` / `w2` in
+Mixtral, `experts.3.gate_proj` / `up_proj` / `down_proj` in Qwen's): one LoRA per expert and projection, read into
+the same per-expert layout (gate and up side by side as one LoRA of twice the rank, B block-diagonal; an expert
+the adapter leaves alone holds zeros).
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ import torch
 from loraplex.platform.models.model_config import ModelConfig
 
 MOE_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\."
-                     r"(gate|experts(?:\.base_layer)*|shared_expert\.(?:gate_proj|up_proj|down_proj)|shared_expert_gate)"
-                     r"\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+                     r"(gate|experts(?:\.base_layer)*|experts\.\d+\.\w+|shared_expert\.(?:gate_proj|up_proj|down_proj)"
+                     r"|shared_expert_gate)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+PER_EXPERT = re.compile(r"^experts\.(\d+)\.(\w+)$")
 EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
 SHARED = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj", "shared_expert_gate")
 
@@ -86,12 +91,17 @@ def read_moe_weights(tensors: dict[str, torch.Tensor], config: ModelConfig, rank
             raise fail(f"weight {key!r} is for experts of layer {layer}, which has none: wrong base model?")
         found.setdefault((layer, module), {})[which] = tensor
     layers: dict[int, MoELoRA] = {}
+    per_expert: dict[int, dict[tuple[int, str], LoRA]] = {}
     for (layer, module), ab in sorted(found.items()):
         if set(ab) != {"A", "B"}:
             raise fail(f"layer {layer} {module}: lora_A and lora_B must both be present")
         moe = layers.setdefault(layer, MoELoRA())
         name = f"layer {layer} {module}"
-        if module == "gate":
+        one = PER_EXPERT.match(module)
+        if one:
+            per_expert.setdefault(layer, {})[(int(one[1]), one[2])] = _expert_module(ab, config, one, rank, scale,
+                                                                                     dtype, name, fail)
+        elif module == "gate":
             moe.router = _plain(ab, rank, config.hidden_size, config.moe.num_experts, scale, dtype, name, fail)
         elif module.startswith("experts"):
             kind, lora = _experts(ab, config, rank, scale, dtype, name, fail)
@@ -102,7 +112,46 @@ def read_moe_weights(tensors: dict[str, torch.Tensor], config: ModelConfig, rank
             part = module.rpartition(".")[2].removeprefix("shared_expert_")
             in_f, out_f = _shared_shape(config, part)
             moe.shared[part] = _plain(ab, rank, in_f, out_f, scale, dtype, name, fail)
+    for layer, modules in per_expert.items():
+        if layers[layer].gate_up is not None or layers[layer].down is not None:
+            raise fail(f"layer {layer}: LoRA on its experts both per expert and on their fused weights")
+        layers[layer].gate_up, layers[layer].down = _stacked(modules, config, rank, scale, dtype)
     return layers
+
+
+def _expert_module(ab, config: ModelConfig, match, rank: int, scale: float, dtype, name: str, fail) -> LoRA:
+    """One expert's gate, up or down module (older transformers' per-expert layout)."""
+    expert, part = int(match[1]), match[2]
+    gate, up, down = config.moe.expert_names
+    if expert >= config.moe.num_experts or part not in (gate, up, down):
+        raise fail(f"{name}: not an expert module of {config.architecture} (experts 0-{config.moe.num_experts - 1}, "
+                   f"{gate} / {up} / {down})")
+    hidden, inter = config.hidden_size, config.moe.intermediate_size
+    in_f, out_f = (inter, hidden) if part == down else (hidden, inter)
+    return _plain(ab, rank, in_f, out_f, scale, dtype, name, fail)
+
+
+def _stacked(modules: dict[tuple[int, str], LoRA], config: ModelConfig, rank: int, scale: float, dtype
+             ) -> tuple[ExpertLoRA | None, ExpertLoRA | None]:
+    """Per-expert LoRAs -> the fused layout: gate_up of rank 2r (gate's A over up's, B block-diagonal), down of
+    rank r; zeros for an expert (or a projection) the adapter leaves alone."""
+    experts, hidden, inter = config.moe.num_experts, config.hidden_size, config.moe.intermediate_size
+    gate, up, down = config.moe.expert_names
+    gate_up, down_lora = None, None
+    if any(part in (gate, up) for _, part in modules):
+        gate_up = ExpertLoRA(torch.zeros(experts, 2 * rank, hidden, dtype=dtype),
+                             torch.zeros(experts, 2 * inter, 2 * rank, dtype=dtype), scale)
+    if any(part == down for _, part in modules):
+        down_lora = ExpertLoRA(torch.zeros(experts, rank, inter, dtype=dtype),
+                               torch.zeros(experts, hidden, rank, dtype=dtype), scale)
+    for (expert, part), lora in modules.items():
+        if part == down:
+            down_lora.a[expert], down_lora.b[expert] = lora.a, lora.b
+        else:
+            k = 0 if part == gate else 1
+            gate_up.a[expert, k * rank:(k + 1) * rank] = lora.a
+            gate_up.b[expert, k * inter:(k + 1) * inter, k * rank:(k + 1) * rank] = lora.b
+    return gate_up, down_lora
 
 
 def _plain(ab, rank: int, in_f: int, out_f: int, scale: float, dtype, name: str, fail) -> LoRA:

@@ -391,9 +391,12 @@ def _layers(raw: dict, config: ModelConfig, fail) -> set[int]:
 
 
 # each module we serve -> the full names peft matches a target_modules regex against
-_MODULE_NAMES = {**{m: [f"model.layers.0.{block}.{m}" for block in ("self_attn", "mlp", "mlp.shared_expert")]
-                    for m in TARGETS},
+_MODULE_NAMES = {**{m: [f"model.layers.0.{block}.{m}" for block in ("self_attn", "mlp", "mlp.shared_expert",
+                                                                   "mlp.experts.0")] for m in TARGETS},
                  "shared_expert_gate": ["model.layers.0.mlp.shared_expert_gate"],
+                 # a MoE layer's router and (older transformers) its per-expert modules
+                 "gate": ["model.layers.0.mlp.gate", "model.layers.0.block_sparse_moe.gate"],
+                 **{w: [f"model.layers.0.block_sparse_moe.experts.0.{w}"] for w in ("w1", "w2", "w3")},
                  "embed_tokens": ["model.embed_tokens"], "lm_head": ["lm_head"]}
 
 

@@ -72,12 +72,14 @@ def run_loraplex(llm: LLM, prompts, adapters, new_tokens: int) -> float:
 
 
 def interleaved(llm: LLM, prompts, configs: dict[str, list], new_tokens: int, rounds: int) -> dict[str, list[float]]:
-    """Each configuration's tok/s per round, the configurations taking turns within each round: this machine's
-    speed drifts by tens of percent within minutes, which one pass would charge to one configuration."""
+    """Each configuration's tok/s per round, the configurations taking turns within each round (in a rotating
+    order): this machine's speed drifts by tens of percent within minutes, which one pass would charge to one
+    configuration."""
     samples: dict[str, list[float]] = {name: [] for name in configs}
-    for _ in range(rounds):
-        for name, adapters in configs.items():
-            samples[name].append(run_loraplex(llm, prompts, adapters, new_tokens))
+    order = list(configs)
+    for k in range(rounds):  # each round starts one configuration later: none is always run first or last
+        for name in order[k % len(order):] + order[:k % len(order)]:
+            samples[name].append(run_loraplex(llm, prompts, configs[name], new_tokens))
     return samples
 
 

@@ -176,6 +176,22 @@ def make_peft_adapter(base_dir: Path, out_dir: Path, rank: int = 8, seed: int = 
     return out_dir
 
 
+def jitter(folder, part: str, seed: int):
+    """peft starts DoRA's magnitude at the norm it divides by (a factor of 1, which serves like plain LoRA), and a
+    saved module at the base's weight: trained ones differ, as these do."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "adapter_model.safetensors"
+    tensors, generator = load_file(path), torch.Generator().manual_seed(seed)
+    hits = [key for key in tensors if part in key and "lora_" not in key.replace("lora_magnitude", "")]
+    assert hits
+    for key in hits:  # trainable tokens start as the base's rows too
+        tensors[key] = tensors[key] * (1 + 0.3 * torch.randn(tensors[key].shape, generator=generator)) + \
+            0.2 * torch.randn(tensors[key].shape, generator=generator) * ("trainable_tokens" in key)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return folder
+
+
 def peft_greedy(base_dir, adapter_dirs, prompts, new_tokens: int) -> list[list[int]]:
     """peft's PeftModel with each prompt's adapter, one prompt at a time; None: base model."""
     from peft import PeftModel

@@ -1,6 +1,5 @@
 """A mixture-of-experts model's settings, read from its config.json as its family declares (`family.Experts`),
-and which adapters it refuses: LoRA on per-expert modules of older transformers, or a dense MLP module of a
-sparse layer. The experts' computation is
+and which adapters it refuses: LoRA on a dense MLP module of a sparse layer. The experts' computation is
 `moe.py`'s; this module holds no weights, so the adapter reader can ask it without building a model.
 """
 
@@ -69,17 +68,14 @@ def is_sparse_layer(config, layer: int) -> bool:
 
 # ---- adapters: what LoRA on a MoE layer can reach and what it cannot ------------------------------------------
 
-# per-expert modules of older transformers (Mixtral's w1 / w2 / w3, experts.N.gate_proj): transformers 5 holds
-# each layer's experts as fused 3-D weights, which peft adapts through target_parameters
-_PER_EXPERT = re.compile(r"(^|\.)(w[123]|experts\.\d+)(\.|$)")
 MLP_MODULES = {"gate_proj", "up_proj", "down_proj"}
 _LORA_KEY = re.compile(r"^base_model\.model\.|(\.base_layer)?\.lora_[AB](\.[\w-]+)?\.weight$")  # key -> module
 
 
 def lora_refusal(config, raw: dict, keys: Iterable[str] = ()) -> str | None:
     """Why an adapter cannot be served on this MoE model (`ModelConfig`; None: it can, or the model is dense): its
-    `target_modules` or weight `keys` name per-expert modules of an older layout, or a dense MLP module of a layer
-    that has experts instead (its shared expert's are fine)."""
+    `target_modules` or weight `keys` name a dense MLP module of a layer that has experts instead (a wrong base
+    model's adapter; its shared expert's and its experts' own, per expert or fused, are fine)."""
     moe: MoEConfig | None = config.moe
     if moe is None:
         return None
@@ -88,16 +84,13 @@ def lora_refusal(config, raw: dict, keys: Iterable[str] = ()) -> str | None:
     if not hit:
         return None
     more = f" and {len(hit) - 6} more" if len(hit) > 6 else ""
-    return (f"it targets {config.architecture} modules that are not served ({', '.join(hit[:6])}{more}): "
-            f"per-expert modules of older transformers (target the fused experts.gate_up_proj / experts.down_proj "
-            f"with target_parameters), or a dense MLP where the layer has experts: wrong base model?")
+    return (f"it targets a dense MLP where {config.architecture} has experts ({', '.join(hit[:6])}{more}): "
+            f"wrong base model?")
 
 
 def _unservable(moe: MoEConfig, name: str) -> bool:
-    if _PER_EXPERT.search(name):
-        return True
     parts = name.split(".")
-    if not MLP_MODULES & set(parts) or "shared_expert" in parts:
+    if not MLP_MODULES & set(parts) or "shared_expert" in parts or "experts" in parts:
         return False
     layer = next((int(b) for a, b in zip(parts, parts[1:]) if a == "layers" and b.isdigit()), None)
     return layer is not None and moe.is_sparse(layer)

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import make_peft_adapter, make_tiny_model, peft_greedy
-from test_embedding_adapters import EagerGraphs
+from conftest import jitter, make_peft_adapter, make_tiny_model, peft_greedy
+from tests.adapters.test_embedding_adapters import EagerGraphs
 from loraplex.adapters.peft_format import AdapterError, read_peft_adapter
 from loraplex.platform import LLM, SamplingParams
 from loraplex.platform.models.registry import read_model_config
@@ -20,20 +20,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 PROMPTS = [list(range(3 + 7 * i, 3 + 7 * i + 5 + 2 * i)) for i in range(9)]
 KINDS = ("dora", "dora_part", "bias", "pattern", "norms", "tokens", "plain")
 TRAINED = sorted({t for p in PROMPTS for t in p[::3]}) + [400, 401]  # ids the "tokens" adapter retrains
-
-
-def jitter(folder, part: str, seed: int):
-    """peft starts DoRA's magnitude at the norm it divides by (a factor of 1, which serves like plain LoRA), and a
-    saved module at the base's weight: trained ones differ, as these do."""
-    path = folder / "adapter_model.safetensors"
-    tensors, generator = load_file(path), torch.Generator().manual_seed(seed)
-    hits = [key for key in tensors if part in key and "lora_" not in key.replace("lora_magnitude", "")]
-    assert hits
-    for key in hits:  # trainable tokens start as the base's rows too
-        tensors[key] = tensors[key] * (1 + 0.3 * torch.randn(tensors[key].shape, generator=generator)) + \
-            0.2 * torch.randn(tensors[key].shape, generator=generator) * ("trainable_tokens" in key)
-    save_file(tensors, path, metadata={"format": "pt"})
-    return folder
 
 
 def kinds_for(base, root, fused: bool = False) -> dict:

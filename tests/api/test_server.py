@@ -223,31 +223,55 @@ def test_hot_load_use_unload(client, live):
     assert_clean(live)
 
 
-def test_dora_and_bias_adapters_hot_load_list_their_kind_and_answer_as_peft(live, tiny_model_dir):
-    """Adapters beyond plain LoRA through the server: the admin load, /v1/adapters' kind, peft's greedy tokens,
-    and DoRA in a mix a 400 naming the field."""
+def streamed_text(tokenizer, prompt: list[int], ids: list[int]) -> str:
+    """The text a request's detokenizer makes of `ids` (random tokens may cut UTF-8 sequences, held back)."""
+    from loraplex.platform.engine.detokenizer import Detokenizer
+
+    detokenizer = Detokenizer(tokenizer, prompt)
+    for token in ids:
+        detokenizer.append(token)
+    return detokenizer.text
+
+
+def test_adapter_kinds_hot_load_list_their_kind_and_answer_as_peft(live, tiny_model_dir):
+    """Adapters beyond plain LoRA through the server (DoRA, lora_bias with a rank pattern, saved norms, trainable
+    tokens with the adapter's own tokenizer): the admin load, /v1/adapters' kind, peft's greedy tokens and text,
+    prompts tokenized by the adapter's tokenizer, and DoRA in a mix a 400 naming the field."""
     from transformers import AutoTokenizer
 
-    from conftest import make_peft_adapter, peft_greedy
-    from tests.adapters.test_adapter_kinds import jitter
-
+    from conftest import jitter, make_peft_adapter, peft_greedy
+    
     folders = {"k-dora": jitter(make_peft_adapter(tiny_model_dir, live.root / "k-dora", rank=4, seed=21,
                                                   use_dora=True), "magnitude", 3),
                "k-bias": make_peft_adapter(tiny_model_dir, live.root / "k-bias", rank=4, seed=22, lora_bias=True,
-                                           rank_pattern={"q_proj": 2})}
+                                           rank_pattern={"q_proj": 2}),
+               "k-norm": jitter(make_peft_adapter(tiny_model_dir, live.root / "k-norm", rank=4, seed=23,
+                                                  targets=["q_proj"], modules_to_save=["norm"]), "norm", 4),
+               "k-tok": jitter(make_peft_adapter(tiny_model_dir, live.root / "k-tok", rank=4, seed=24,
+                                                 targets=["q_proj"], trainable_token_indices=[400, 401, 9]),
+                               "trainable_tokens", 5)}
+    own = AutoTokenizer.from_pretrained(tiny_model_dir)
+    own.add_tokens(["<|pirate|>", "<|parrot|>"])  # ids 400 and 401: rows the 448-row model has
+    own.save_pretrained(folders["k-tok"])
     for name in folders:
         assert http(live, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": name}, key=ADMIN_KEY)[0] == 200
     rows = {row["id"]: row for row in http(live, "/v1/adapters", key=ADMIN_KEY)[1]["data"]}
     assert rows["k-dora"]["kind"] == ["dora"] and rows["k-bias"]["kind"] == ["lora", "lora_bias", "rank_pattern"]
+    assert rows["k-norm"]["kind"] == ["lora", "modules_to_save"]
+    assert rows["k-tok"]["kind"] == ["lora", "trainable_tokens", "tokenizer"]
     assert rows["a0"]["kind"] == ["lora"]
     prompt = [5, 9, 13, 17, 21, 25]
-    want = peft_greedy(tiny_model_dir, list(folders.values()), [prompt, prompt], 5)
+    want = peft_greedy(tiny_model_dir, list(folders.values()), [prompt] * len(folders), 5)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     for name, expected in zip(folders, want):
         status, body = http(live, "/v1/completions", {"model": name, "prompt": prompt, "max_tokens": 5,
                                                       "temperature": 0, "ignore_eos": True})
         assert status == 200, body
-        assert body["choices"][0]["text"] == tokenizer.decode(expected)
+        assert body["choices"][0]["text"] == streamed_text(own if name == "k-tok" else tokenizer, prompt, expected)
+    text = "hello <|pirate|> world"  # the adapter's own tokenizer reads it as one token, the base's as many
+    for name, tok in (("k-tok", own), ("tiny", tokenizer)):
+        status, body = http(live, "/v1/completions", {"model": name, "prompt": text, "max_tokens": 1})
+        assert status == 200 and body["usage"]["prompt_tokens"] == len(tok(text).input_ids), body
     result = http(live, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2,
                                             "adapters": [{"name": "k-dora", "weight": 0.5}]})
     assert_error(result, 400, "adapters[0].name: 'k-dora' is a DoRA adapter")

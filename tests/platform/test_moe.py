@@ -1,13 +1,14 @@
 """Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) against transformers and peft on tiny
 random checkpoints: routers with random weights, so tokens pick different experts."""
 
+import json
 import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import make_peft_adapter, make_tiny_model, peft_greedy
+from conftest import jitter, make_peft_adapter, make_tiny_model, peft_greedy
 from loraplex.platform import LLM, SamplingParams
 from loraplex.platform.config import EngineConfig
 from loraplex.platform.engine.llm_engine import Engine
@@ -115,15 +116,20 @@ def moe_adapters(folder, root, family: str) -> dict:
                                         target_parameters=["mlp.gate.weight"]),
             "all": make_peft_adapter(folder, root / "all", rank=4, seed=3, targets=["q_proj", *shared],
                                      target_parameters=["mlp.gate.weight", *experts]),
-            "plain": make_peft_adapter(folder, root / "plain", rank=8, seed=4, targets=["q_proj", "v_proj"])}
+            "plain": make_peft_adapter(folder, root / "plain", rank=8, seed=4, targets=["q_proj", "v_proj"]),
+            # the other kinds beside them: DoRA and saved norms on the attention side
+            "dora": jitter(make_peft_adapter(folder, root / "dora", rank=4, seed=5, targets=["q_proj", "o_proj"],
+                                             use_dora=True), "magnitude", 1),
+            "norms": jitter(make_peft_adapter(folder, root / "norms", rank=4, seed=6, targets=["v_proj"],
+                                              modules_to_save=["norm"]), "norm", 2)}
 
 
 @pytest.mark.parametrize("family", FAMILY_PARAMS)
 def test_lora_on_routers_experts_and_shared_experts_matches_peft_in_one_batch(models, family, tmp_path):
     folder = models(family)
     adapters = moe_adapters(folder, tmp_path, family)
-    names = ["experts", "router", "all", "plain", None, "all"]
-    prompts = PROMPTS + PROMPTS
+    names = ["experts", "router", "all", "plain", None, "all", "dora", "norms"]
+    prompts = PROMPTS + PROMPTS + PROMPTS[:2]
     llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, lora_modules={k: str(v) for k, v in adapters.items()})
     got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
                                                         adapter=names)]
@@ -145,24 +151,54 @@ def test_tensor_parallel_splits_the_adapters_experts_with_the_experts(models, tm
     assert got == peft_greedy(folder, [adapters.get(n) for n in names], PROMPTS, NEW)
 
 
+def per_expert_copy(src, dst, family: str, config) -> object:
+    """`src` (LoRA on the fused experts, through target_parameters) as older transformers' peft wrote the same
+    adapter: one LoRA per expert and projection (Mixtral's w1 / w3 / w2 under block_sparse_moe)."""
+    shutil.copytree(src, dst)
+    tensors, out = load_file(dst / "adapter_model.safetensors"), {}
+    experts, hidden, inter = config.moe.num_experts, config.hidden_size, config.moe.intermediate_size
+    gate, up, down = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    block = "block_sparse_moe" if family == "mixtral" else "mlp"
+    for key, tensor in tensors.items():
+        if ".experts." not in key:
+            out[key.replace(".mlp.gate.", f".{block}.gate.")] = tensor
+            continue
+        if ".lora_B." in key:
+            continue
+        b = tensors[key.replace(".lora_A.", ".lora_B.")]
+        a, b = tensor.reshape(experts, -1, tensor.shape[1]), b.reshape(b.shape[0], -1, experts)
+        prefix = key.split(".mlp.experts")[0] + f".{block}.experts"
+        for e in range(experts):
+            parts = {down: (a[e], b[:, :, e])} if a.shape[2] == inter and b.shape[0] == hidden else \
+                {gate: (a[e], b[:inter, :, e]), up: (a[e], b[inter:, :, e])}
+            for name, (a_e, b_e) in parts.items():
+                out[f"{prefix}.{e}.{name}.lora_A.weight"] = a_e.clone()
+                out[f"{prefix}.{e}.{name}.lora_B.weight"] = b_e.clone()
+    save_file(out, dst / "adapter_model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((dst / "adapter_config.json").read_text())
+    cfg["target_modules"] = [*cfg["target_modules"], gate, up, down, "gate"]
+    cfg["target_parameters"] = None
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    return dst
+
+
 @pytest.mark.parametrize("family", FAMILY_PARAMS)
-def test_per_expert_modules_of_older_transformers_are_refused_by_name(models, family, tmp_path):
+def test_per_expert_adapters_of_older_transformers_serve_as_the_fused_form(models, family, tmp_path):
     folder = models(family)
-    adapter = make_peft_adapter(folder, tmp_path / "old", rank=4, targets=["q_proj"])
-    path = adapter / "adapter_model.safetensors"
-    tensors = load_file(path)
-    tensors["base_model.model.model.layers.0.mlp.experts.3.down_proj.lora_A.weight"] = torch.zeros(4, 32)
-    save_file(tensors, path, metadata={"format": "pt"})
-    llm = LLM(str(folder), dtype="float32", num_kv_blocks=16)
-    with pytest.raises(ValueError, match=r"not served \(model\.layers\.0\.mlp\.experts\.3\.down_proj\): per-expert"):
-        llm.load_adapter("old", str(adapter))
-    assert llm.engine.adapters.memory()[0] == 0
+    fused = moe_adapters(folder, tmp_path, family)["all"]
+    legacy = per_expert_copy(fused, tmp_path / "legacy", family, read_model_config(folder))
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, lora_modules={"fused": str(fused),
+                                                                          "legacy": str(legacy)})
+    names = ["legacy", "fused", "legacy"]
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
+                                                        adapter=names)]
+    assert got == peft_greedy(folder, [fused] * 3, PROMPTS, NEW)
+    assert "experts" in llm.engine.adapters.prefetch("legacy").kinds
 
 
 def test_lora_refusal_reads_layers():
-    """A dense MLP module is fine in a dense layer and refused in a sparse one (a wrong base's adapter), as are
-    per-expert modules of older checkpoints; a shared expert's and the fused experts' are served; dense models
-    refuse nothing here."""
+    """A dense MLP module is fine in a dense layer and refused in a sparse one (a wrong base's adapter); a shared
+    expert's and the experts' own (per expert or fused) are served; dense models refuse nothing here."""
     from loraplex.platform.models.experts import MoEConfig
     from loraplex.platform.models.families import QWEN3_MOE
 
@@ -173,8 +209,7 @@ def test_lora_refusal_reads_layers():
     key = "base_model.model.model.layers.{}.mlp.{}.lora_A.weight"
     assert lora_refusal(config, {"target_modules": ["gate_proj", "q_proj"]}, [key.format(0, "gate_proj")]) is None
     assert "model.layers.1.mlp.up_proj" in lora_refusal(config, {}, [key.format(1, "up_proj")])
-    assert "model.layers.1.mlp.experts.3.down_proj" in lora_refusal(config, {}, [key.format(1, "experts.3.down_proj")])
-    assert lora_refusal(config, {"target_modules": ["w1", "q_proj"]}, []) is not None
+    assert lora_refusal(config, {"target_modules": ["w1", "q_proj"]}, [key.format(1, "experts.3.down_proj")]) is None
     assert lora_refusal(config, {}, [key.format(1, "shared_expert.up_proj"), key.format(1, "experts")]) is None
     assert lora_refusal(type("Dense", (), {"moe": None})(), {"target_modules": ["gate"]}, []) is None
 
