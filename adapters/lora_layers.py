@@ -101,7 +101,7 @@ class LoRALinear(Wrapper):
         for mix_pass in batch.passes:  # adapter mixes: each token's further (slot, weight) pairs
             y = self.add_lora(x, self.lora, mix_pass, y)
         if self.extras.num_active:
-            y = self.extras.apply(y, batch, getattr(self.base, "bias", None))
+            y = self.extras.apply(y, batch, getattr(self.base, "bias", None), x)
         return y
 
 

@@ -24,7 +24,8 @@ from loraplex.adapters.variants import ModulePatterns, ModuleWeights, Projection
 from loraplex.adapters.moe_weights import MOE_KEY, MoELoRA, check_target_parameters, read_moe_weights
 from loraplex.adapters.saved_norms import NORM_KEY, read_saved_norms
 from loraplex.adapters.tokenizer_overlay import read_tokenizer
-from loraplex.adapters.vocab_weights import (VOCAB_KEY, VOCAB_MODULES, BaseTables, norm_entries, read_vocab_weights,
+from loraplex.adapters.saved_projections import fuse_replacements, is_projection_entry, saved_module
+from loraplex.adapters.vocab_weights import (VOCAB_KEY, VOCAB_MODULES, BaseTables, layer_entries, read_vocab_weights,
                                              vocab_shapes)
 from loraplex.platform.models.experts import lora_refusal
 from loraplex.platform.models.family import FUSED_PROJECTIONS, PREFUSED_PROJECTIONS
@@ -34,12 +35,15 @@ from loraplex.platform.models.model_config import ModelConfig
 # the base model does not have: Phi-3's qkv_proj on a Llama, q_proj on a Phi-3)
 TARGETS = {part: (fused, i) for projections in (FUSED_PROJECTIONS, PREFUSED_PROJECTIONS)
            for fused, parts in projections.items() for i, part in enumerate(parts)}
+FUSED_OF = {part: fused for part, (fused, _) in TARGETS.items()}
+MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.(.+)$")
 # the part of a projection's key after its module -> what it is (variants.py says what each does)
 _PARTS = ((re.compile(r"^lora_A(?:\.[\w-]+)?\.weight$"), "A"), (re.compile(r"^lora_B(?:\.[\w-]+)?\.weight$"), "B"),
           (re.compile(r"^lora_B(?:\.[\w-]+)?\.bias$"), "lora_bias"),
           (re.compile(r"^lora_magnitude_vector(?:\.[\w-]+)?(?:\.weight)?$"), "magnitude"),
-          (re.compile(r"^(?:base_layer\.)?bias$"), "bias"))
+          (re.compile(r"^(?:base_layer\.|modules_to_save(?:\.[\w-]+)?\.)?bias$"), "bias"),
+          (re.compile(r"^(?:modules_to_save(?:\.[\w-]+)?\.)?weight$"), "weight"))
 # LoRA variants whose forward is not y = x W^T + s (x A^T) B^T (or whose weights are not plain A / B)
 _VARIANTS = {"use_qalora": "QA-LoRA (use_qalora=true)",
              "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
@@ -177,20 +181,21 @@ def read_peft_adapter(name: str, path: str | Path, config: ModelConfig, max_lora
     norm_keys = {key for key in tensors if NORM_KEY.match(key)}
     moe_keys = {key for key in tensors if config.moe is not None and MOE_KEY.match(key)}
     vocab = read_vocab_weights({k: tensors[k] for k in vocab_keys}, raw, targets, rank, config, dtype, base, fail)
-    norms = read_saved_norms({k: tensors[k] for k in norm_keys}, norm_entries(raw), norm_dims,
+    norms = read_saved_norms({k: tensors[k] for k in norm_keys}, layer_entries(raw), norm_dims,
                              config.num_layers, config.norm_offset, base.dtype if base is not None else dtype, fail)
     moe = read_moe_weights({k: tensors[k] for k in moe_keys}, config, rank, scaling, dtype, fail)
-    weights = _collect({k: t for k, t in tensors.items() if k not in vocab_keys | norm_keys | moe_keys}, targets,
-                       patterns, config, fail)
+    weights, saved = _collect({k: t for k, t in tensors.items() if k not in vocab_keys | norm_keys | moe_keys},
+                              targets, patterns, config, raw, fail)
     _check_variants(raw, weights, fail)
     if not weights and vocab.embedding is None and vocab.head is None and not vocab.replacements and not norms \
-            and not vocab.tokens and not moe:
+            and not vocab.tokens and not moe and not saved:
         raise fail("no LoRA weights found")
     stray = sorted({layer for layer, _ in weights} - layers)
     if stray:
         raise fail(f"weights for layers {stray[:5]}, which layers_to_transform does not list")
     shapes = module_shapes(config)
     projections, terms = _fuse(weights, shapes, dtype)
+    _replace(terms, saved, shapes, scaling, base.dtype if base is not None else dtype, fail)
     if raw.get("use_dora"):
         _dora_factors(projections, terms, shapes, base, fail)
     digest = hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode())
@@ -199,15 +204,17 @@ def read_peft_adapter(name: str, path: str | Path, config: ModelConfig, max_lora
         digest.update(tensors[key].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return LoRAWeights(name, str(folder), max([rank, *(w.rank for w in weights.values())]), scaling,
                        frozenset(targets), projections, digest.hexdigest(), vocab.embedding, vocab.head,
-                       vocab.replacements, vocab.modules_to_save, terms, _kinds(raw, vocab, norms, moe, tokenizer), norms,
+                       vocab.replacements, vocab.modules_to_save, terms, _kinds(raw, vocab, norms, moe, tokenizer, saved), norms,
                        vocab.tokens, moe, tokenizer)
 
 
-def _kinds(raw: dict, vocab, norms, moe, tokenizer) -> tuple[str, ...]:
+def _kinds(raw: dict, vocab, norms, moe, tokenizer, saved) -> tuple[str, ...]:
     kinds = ["dora" if raw.get("use_dora") else "lora"]
     kinds += [kind for kind, on in (("lora_bias", raw.get("lora_bias")), ("rank_pattern", raw.get("rank_pattern")),
                                     ("alpha_pattern", raw.get("alpha_pattern")),
-                                    ("modules_to_save", vocab.modules_to_save or norms),
+                                    ("modules_to_save", vocab.modules_to_save or norms or
+                                     any("weight" in own for own in saved.values())),
+                                    ("trained_bias", any(set(own) == {"bias"} for own in saved.values())),
                                     ("trainable_tokens", vocab.tokens),
                                     ("experts", any(m.gate_up or m.down for m in moe.values())),
                                     ("router", any(m.router for m in moe.values())),
@@ -362,8 +369,8 @@ def _check_config(raw: dict, max_lora_rank: int, fail) -> None:
     for key, variant in _VARIANTS.items():
         if raw.get(key):
             raise fail(f"{variant} is not supported")
-    if raw.get("bias", "none") != "none":
-        raise fail(f"bias={raw.get('bias')!r} is not supported (only 'none')")
+    if raw.get("bias", "none") not in ("none", "all", "lora_only"):
+        raise fail(f"bias={raw.get('bias')!r} is not supported ('none', 'all' or 'lora_only')")
     if raw.get("layers_pattern") not in (None, "layers", ["layers"]):
         raise fail(f"layers_pattern {raw['layers_pattern']!r} is not supported (only 'layers')")
     for key in ("layer_replication",):
@@ -493,25 +500,79 @@ def _load_bin(data: bytes):
 
 
 def _collect(tensors: dict[str, torch.Tensor], targets: set[str], patterns: ModulePatterns, config: ModelConfig,
-             fail) -> dict[tuple[int, str], ModuleWeights]:
+             raw: dict, fail) -> tuple[dict[tuple[int, str], ModuleWeights], dict[tuple[int, str], dict]]:
+    """(LoRA modules, modules whose own weight or trained bias the folder holds: saved_projections.py)."""
     shapes = module_shapes(config)
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.match(key)
         part = match and next((kind for pattern, kind in _PARTS if pattern.match(match[3])), None)
-        if part is None or part == "bias":
+        if part is None:
             raise fail(f"unexpected weight {key!r} (only LoRA A/B of {sorted(_MODULE_NAMES)}, their lora_B bias "
-                       f"and DoRA magnitude, and full weights of {list(VOCAB_MODULES)} are supported)")
+                       f"and DoRA magnitude, saved modules and trained biases, and full weights of "
+                       f"{list(VOCAB_MODULES)} are supported)")
         layer, module = int(match[1]), match[2]
-        if module not in targets:
-            raise fail(f"weight {key!r} is for {module}, which target_modules does not list")
         if config.family.fused_of(module) is None:
             raise fail(f"weight {key!r} is for {module}, which a {config.architecture} does not have: wrong base "
                        "model?")
         if layer >= config.num_layers:
             raise fail(f"weight {key!r}: the base model has {config.num_layers} layers")
         found.setdefault((layer, module), {})[part] = tensor
-    return {key: _module(key, parts, patterns, shapes, fail) for key, parts in sorted(found.items())}
+    lora, saved = {}, {}
+    for key, parts in sorted(found.items()):
+        own = {k: parts.pop(k) for k in ("weight", "bias") if k in parts}
+        if parts:
+            if key[1] not in targets:
+                raise fail(f"LoRA weights for layer {key[0]} {key[1]}, which target_modules does not list")
+            lora[key] = _module(key, parts, patterns, shapes, fail)
+        if own:
+            saved[key] = _own(key, own, key in lora, layer_entries(raw), raw.get("bias", "none"), shapes, fail)
+    _refuse_unsaved(saved, layer_entries(raw), fail)
+    return lora, saved
+
+
+def _refuse_unsaved(saved: dict[tuple[int, str], dict], entries: list[str], fail) -> None:
+    """A modules_to_save entry naming projections that the folder holds no weight for."""
+    names = [f"model.layers.{layer}.{'mlp' if module in MLP_PARTS else 'self_attn'}.{module}"
+             for (layer, module), own in saved.items() if "weight" in own]
+    missing = sorted(entry for entry in entries if is_projection_entry(entry)
+                     and not any(saved_module(name, [entry]) for name in names))
+    if missing:
+        raise fail(f"modules_to_save lists {missing}, but the folder holds no weight for it")
+
+
+def _own(key: tuple[int, str], own: dict[str, torch.Tensor], is_lora: bool, entries: list[str], bias_mode: str,
+         shapes, fail) -> dict[str, torch.Tensor]:
+    """A module's own weight (a saved module) or its trained bias, checked against the config and the shapes."""
+    layer, module = key
+    block = "mlp" if module in MLP_PARTS else "self_attn"
+    saved = saved_module(f"model.layers.{layer}.{block}.{module}", entries)
+    if "weight" in own and (is_lora or not saved):
+        raise fail(f"layer {layer} {module}: a full weight, but it is " + ("a LoRA target too" if is_lora else
+                                                                            "not in modules_to_save"))
+    if "weight" not in own and (bias_mode == "none" or (bias_mode == "lora_only" and not is_lora)):
+        raise fail(f"layer {layer} {module}: a trained bias, but bias={bias_mode!r}")
+    in_f, out_f = shapes[module]
+    for name, want in (("weight", (out_f, in_f)), ("bias", (out_f,))):
+        if name in own and tuple(own[name].shape) != want:
+            raise fail(f"layer {layer} {module}: its own {name} of shape {tuple(own[name].shape)} does not fit the "
+                       f"base model {want}: wrong base model?")
+    return own
+
+
+def _replace(terms: dict[tuple[int, str], ProjectionTerms], saved: dict[tuple[int, str], dict], shapes,
+             scaling: float, dtype: torch.dtype, fail) -> None:
+    """Each fused projection's rows under the adapter's own values, into its terms (`dtype`: the model's)."""
+    for layer, fused in sorted({(layer, FUSED_OF[module]) for layer, module in saved}):
+        parts = [saved.get((layer, part)) for part in fused_parts(fused, shapes)]
+        try:
+            replacement = fuse_replacements(parts, fused_offsets(fused, shapes), dtype)
+        except ValueError as exc:
+            raise fail(f"layer {layer} {fused}: {exc}") from None
+        term = terms.setdefault((layer, fused), ProjectionTerms(scaling))
+        if term.magnitude is not None:
+            raise fail(f"layer {layer} {fused}: DoRA beside saved modules or trained biases is not supported")
+        term.replacement = replacement
 
 
 def _module(key: tuple[int, str], parts: dict[str, torch.Tensor], patterns: ModulePatterns,
@@ -519,7 +580,7 @@ def _module(key: tuple[int, str], parts: dict[str, torch.Tensor], patterns: Modu
     layer, module = key
     if not {"A", "B"} <= set(parts):
         raise fail(f"layer {layer} {module}: lora_A and lora_B must both be present")
-    block = "mlp" if module in ("gate_proj", "up_proj", "down_proj", "gate_up_proj") else "self_attn"
+    block = "mlp" if module in MLP_PARTS else "self_attn"
     rank, scale = patterns.rank_and_scale(f"model.layers.{layer}.{block}.{module}", fail)
     in_f, out_f = shapes[module]
     a, b = parts["A"], parts["B"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from loraplex.adapters.saved_projections import Replacement, apply_replacement
 from loraplex.kernels.lora_batch import LoRABatch
 
 
@@ -23,6 +24,7 @@ class ProjectionExtras:
         self.bias: torch.Tensor | None = None  # [S + 1, out], the part's scale folded in
         self.factor: torch.Tensor | None = None  # [S + 1, out]
         self.has_bias, self.has_factor = [False] * num_slots, [False] * num_slots
+        self.replace: list[Replacement | None] = [None] * num_slots  # rows under the adapter's own values
         self.factor_slots: torch.Tensor | None = None  # [S + 1] bool, where a slot has a factor
         self.num_active = 0  # slots holding either: with none, a projection pays one comparison
 
@@ -30,9 +32,11 @@ class ProjectionExtras:
     def empty(num_slots: int) -> "ProjectionExtras":
         return ProjectionExtras(num_slots)
 
-    def set(self, slot: int, bias: torch.Tensor | None, factor: torch.Tensor | None) -> None:
-        """`bias` and `factor` [out], already in the model's dtype and on its device."""
+    def set(self, slot: int, bias: torch.Tensor | None, factor: torch.Tensor | None,
+            replacement: Replacement | None = None) -> None:
+        """`bias` and `factor` [out] (and `replacement`'s tensors), already in the model's dtype and on its device."""
         self.clear(slot)
+        self.replace[slot] = replacement
         if bias is not None:
             self.bias = self._stack(self.bias, bias, 0.0)
             self.bias[slot] = bias
@@ -58,13 +62,16 @@ class ProjectionExtras:
             self.factor[slot] = 1.0
             self.factor_slots[slot] = False
         self.has_bias[slot] = self.has_factor[slot] = False
+        self.replace[slot] = None
 
     def active(self, slot: int) -> bool:
-        return slot >= 0 and (self.has_bias[slot] or self.has_factor[slot])
+        return slot >= 0 and (self.has_bias[slot] or self.has_factor[slot] or self.replace[slot] is not None)
 
-    def apply(self, y: torch.Tensor, batch: LoRABatch, base_bias: torch.Tensor | None) -> torch.Tensor:
-        """`y` (base output plus every pass's LoRA delta) with each pass's biases (times a mix's weights), then
-        DoRA's factors (never in a mix, so on the first pass's tokens alone)."""
+    def apply(self, y: torch.Tensor, batch: LoRABatch, base_bias: torch.Tensor | None, x: torch.Tensor
+              ) -> torch.Tensor:
+        """`y` (base output plus every pass's LoRA delta; `x` the input) with each pass's biases (times a mix's
+        weights), then DoRA's factors and the rows under an adapter's own values (never in a mix, so on the first
+        pass's tokens alone)."""
         if self.bias is not None:
             for one in (batch, *batch.passes):
                 add = self.bias.index_select(0, one.order_slots)
@@ -82,4 +89,8 @@ class ProjectionExtras:
             else:
                 rows.mul_(self.factor.index_select(0, slots))
             y.index_copy_(0, tokens, rows)
+        if any(r is not None for r in self.replace):
+            for slot, idx in batch.segments():
+                if self.replace[slot] is not None:
+                    apply_replacement(y, x, idx, self.replace[slot], base_bias)
         return y

@@ -14,6 +14,7 @@ import re
 
 import torch
 
+from loraplex.adapters.saved_projections import saved_module
 from loraplex.kernels.custom_ops import RMSNorm
 from loraplex.kernels.lora_batch import LoRABatch
 
@@ -42,17 +43,19 @@ def is_norm_entry(entry: str) -> bool:
 
 def read_saved_norms(tensors: dict[str, torch.Tensor], entries: list[str], dims: dict[str, int] | None,
                      num_layers: int, offset: float, dtype: torch.dtype, fail) -> dict[tuple[int, str], torch.Tensor]:
-    """(layer, norm) -> the adapter's weight for it, from the folder's norm keys (`dims`: each norm module of the
-    served model and its width; None: no model to check against; `offset`: what the model adds to a norm's
-    weight when it loads it, Gemma's 1)."""
-    if not tensors and not entries:
+    """(layer, norm) -> the adapter's weight for it, from the folder's norm keys (`entries`: modules_to_save's
+    entries inside the layers, a norm saved with a block too; `dims`: each norm module of the served model and its
+    width; None: no model to check against; `offset`: what the model adds to a norm's weight when it loads it,
+    Gemma's 1)."""
+    entries_of_norms = [entry for entry in entries if is_norm_entry(entry)]
+    if not tensors and not entries_of_norms:
         return {}
     norms = {}
     for key, tensor in tensors.items():
         layer, name = NORM_KEY.match(key).groups()
         layer = FINAL if layer is None else int(layer)
         full = "model.norm" if layer == FINAL else f"model.layers.{layer}.{name}"
-        if not any(full.endswith(entry) for entry in entries):
+        if not saved_module(full, entries):
             raise fail(f"unexpected weight {key!r} (modules_to_save lists {sorted(entries)})")
         if dims is None:
             raise fail("modules_to_save on norms needs the served model to check them against")
@@ -62,7 +65,7 @@ def read_saved_norms(tensors: dict[str, torch.Tensor], entries: list[str], dims:
             raise fail(f"{name} weight of shape {tuple(tensor.shape)} does not fit the served model's "
                        f"({dims[name]},) (under tensor parallelism a q / k norm over all heads is split)")
         norms[(layer, name)] = (tensor.float() + offset).to(dtype)
-    missing = [entry for entry in entries if not any(
+    missing = [entry for entry in entries_of_norms if not any(
         ("model.norm" if layer == FINAL else f"model.layers.{layer}.{name}").endswith(entry) for layer, name in norms)]
     if missing:
         raise fail(f"modules_to_save lists {missing}, but the folder holds no weight for it")

@@ -30,6 +30,7 @@ from loraplex.adapters.moe_lora import MoESlots
 from loraplex.adapters.moe_weights import MoELoRA
 from loraplex.adapters.projection_extras import ProjectionExtras
 from loraplex.adapters.saved_norms import SavedNorms
+from loraplex.adapters.saved_projections import Replacement
 from loraplex.adapters.vocab_weights import BaseTables
 from loraplex.kernels.sgmv import LoRATable, StackedLoRA
 from loraplex.platform.models.family import FUSED_PROJECTIONS
@@ -110,13 +111,15 @@ class LoRASlots:
         for index, layer in enumerate(self.extras):
             for fused, extras in layer.items():
                 terms = lora.terms.get((index, fused))
-                extras.set(slot, *((None, None) if terms is None else (put(terms.bias), put(terms.factor))))
+                extras.set(slot, *((None, None, None) if terms is None else
+                                   (put(terms.bias), put(terms.factor), _replacement_on(terms.replacement, put))))
         for key, table in self.norms.items():
             table.set(slot, put(lora.norms.get(key)))
         for layer, table in self.moe.items():
             table.set(slot, _moe_on(lora.moe.get(layer), self.device))
         self.eager_slots.discard(slot)
-        if lora.norms or lora.moe or any(t.bias is not None or t.factor is not None for t in lora.terms.values()):
+        if lora.norms or lora.moe or any(t.bias is not None or t.factor is not None or t.replacement is not None
+                                         for t in lora.terms.values()):
             self.eager_slots.add(slot)
 
     def _load_vocab(self, slot: int, lora: LoRAWeights) -> None:
@@ -162,3 +165,12 @@ def _moe_on(lora: MoELoRA | None, device: torch.device | None) -> MoELoRA | None
                                                                        b=part.b.to(device))
     return MoELoRA(move(lora.router), move(lora.gate_up), move(lora.down),
                    {name: move(part) for name, part in lora.shared.items()})
+
+
+def _replacement_on(replacement: Replacement | None, put) -> Replacement | None:
+    """A replacement's values moved as `put` moves tensors (its row numbers to the same device)."""
+    if replacement is None:
+        return None
+    return Replacement(replacement.rows.to(put(replacement.bias if replacement.bias is not None else
+                                                 replacement.weight).device), put(replacement.weight),
+                       put(replacement.bias))

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import regex
 import torch
 
+from loraplex.adapters.saved_projections import Replacement
+
 
 @dataclass
 class ModuleWeights:
@@ -47,10 +49,12 @@ class ProjectionTerms:
     bias: torch.Tensor | None = None
     magnitude: torch.Tensor | None = None
     factor: torch.Tensor | None = None
+    replacement: Replacement | None = None  # rows the adapter holds its own values for (saved_projections.py)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.bias, self.factor) if t is not None)
+        own = self.replacement.nbytes if self.replacement is not None else 0
+        return sum(t.nbytes for t in (self.bias, self.factor) if t is not None) + own
 
 
 class ModulePatterns:

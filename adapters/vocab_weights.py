@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from loraplex.adapters.saved_norms import is_norm_entry
+from loraplex.adapters.saved_projections import is_projection_entry
 from loraplex.adapters.trainable_tokens import TOKENS_PART, read_trainable_tokens, token_indices
 from loraplex.platform.models.model_config import ModelConfig
 
@@ -95,17 +96,18 @@ def modules_to_save(raw: dict, fail) -> frozenset[str]:
     value = raw.get("modules_to_save") or []
     if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
         raise fail(f"modules_to_save must be a list of module names, got {value!r}")
-    unknown = sorted(m for m in set(value) - set(SAVE_NAMES) if not is_norm_entry(m))
+    unknown = sorted(m for m in set(value) - set(SAVE_NAMES) if not is_norm_entry(m) and not is_projection_entry(m))
     if unknown:
         raise fail(f"modules_to_save {unknown} is not supported (full weights are served per adapter only for "
-                   f"{list(VOCAB_MODULES)} and norms)")
+                   f"{list(VOCAB_MODULES)}, norms and the decoder layers' projections)")
     return frozenset(SAVE_NAMES[m] for m in value if m in SAVE_NAMES)
 
 
-def norm_entries(raw: dict) -> list[str]:
-    """The `modules_to_save` entries that name norms (checked by `modules_to_save`)."""
+def layer_entries(raw: dict) -> list[str]:
+    """The `modules_to_save` entries inside the decoder layers (norms, projections, blocks; checked by
+    `modules_to_save`)."""
     value = raw.get("modules_to_save") or []
-    return sorted(m for m in set(value) if m not in SAVE_NAMES and is_norm_entry(m))
+    return sorted(m for m in set(value) if m not in SAVE_NAMES)
 
 
 def read_vocab_weights(tensors: dict[str, torch.Tensor], raw: dict, targets: set[str], rank: int,

@@ -52,6 +52,8 @@ _UNMIXABLE = ((lambda w: w.tokenizer is not None, "brings a tokenizer of its own
                "adapts embed_tokens / lm_head"),
               (lambda w: w.moe, "adapts a mixture-of-experts layer (router, experts)"),
               (lambda w: w.norms, "brings norms of its own (modules_to_save)"),
+              (lambda w: any(t.replacement is not None for t in w.terms.values()),
+               "brings projections or biases of its own (modules_to_save, bias)"),
               (lambda w: w.dora, "is a DoRA adapter (a weight other than 1 too)"))
 
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from loraplex.adapters.lora_layers import attach_lora
 from loraplex.adapters.moe_weights import MoELoRA
 from loraplex.adapters.peft_format import LoRAWeights
+from loraplex.adapters.saved_projections import shard_replacement
 from loraplex.adapters.variants import ProjectionTerms
 from loraplex.adapters.slots import LoRASlots
 from loraplex.kernels import cpu_kernels
@@ -156,19 +157,22 @@ def shard_adapter(weights: LoRAWeights, plan: ShardPlan | None) -> LoRAWeights:
             a = a.index_select(1, rows[fused]).contiguous()
         projections[(layer, fused)] = (a, b_t)
     for key, term in weights.terms.items():
-        terms[key] = shard_terms(term, columns.get(key[1]), plan.rank)
+        terms[key] = shard_terms(term, columns.get(key[1]), rows.get(key[1]), plan.rank)
     moe = {layer: shard_moe(lora, plan) for layer, lora in weights.moe.items()}
     return dataclasses.replace(weights, projections=projections, terms=terms, moe=moe)
 
 
-def shard_terms(term: ProjectionTerms, columns: torch.Tensor | None, rank: int) -> ProjectionTerms:
-    """B's bias and DoRA's factor of a projection as a rank applies them: a column-parallel rank's rows of both
-    (`columns`); a row-parallel rank's output is a partial sum, so the factor (linear in it) whole on every rank
-    and the bias on rank 0 alone."""
+def shard_terms(term: ProjectionTerms, columns: torch.Tensor | None, inputs: torch.Tensor | None, rank: int
+                ) -> ProjectionTerms:
+    """B's bias, DoRA's factor and the adapter's own rows of a projection as a rank applies them: a
+    column-parallel rank's rows of each (`columns`); a row-parallel rank's output is a partial sum, so the factor
+    (linear in it) whole on every rank, the bias on rank 0 alone, own weights by the rank's input columns
+    (`inputs`)."""
+    replacement = term.replacement and shard_replacement(term.replacement, columns, inputs, rank)
     if columns is not None:
         pick = lambda t: None if t is None else t.index_select(0, columns)  # noqa: E731
-        return dataclasses.replace(term, bias=pick(term.bias), factor=pick(term.factor))
-    return dataclasses.replace(term, bias=term.bias if rank == 0 else None)
+        return dataclasses.replace(term, bias=pick(term.bias), factor=pick(term.factor), replacement=replacement)
+    return dataclasses.replace(term, bias=term.bias if rank == 0 else None, replacement=replacement)
 
 
 def shard_moe(lora: MoELoRA, plan: ShardPlan) -> MoELoRA:

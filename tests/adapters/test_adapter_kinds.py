@@ -17,15 +17,18 @@ from loraplex.platform.models.registry import read_model_config
 
 NEW = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
-PROMPTS = [list(range(3 + 7 * i, 3 + 7 * i + 5 + 2 * i)) for i in range(9)]
-KINDS = ("dora", "dora_part", "bias", "pattern", "norms", "tokens", "plain")
+PROMPTS = [list(range(3 + 7 * i, 3 + 7 * i + 5 + 2 * i)) for i in range(11)]
+KINDS = ("dora", "dora_part", "bias", "pattern", "norms", "tokens", "saved", "plain")
 TRAINED = sorted({t for p in PROMPTS for t in p[::3]}) + [400, 401]  # ids the "tokens" adapter retrains
 
 
-def kinds_for(base, root, fused: bool = False) -> dict:
-    """One adapter of each kind (`fused`: a family whose checkpoint holds qkv_proj and gate_up_proj fused)."""
+def kinds_for(base, root, fused: bool = False, biased: bool = False) -> dict:
+    """One adapter of each kind (`fused`: a family whose checkpoint holds qkv_proj and gate_up_proj fused;
+    `biased`: one whose q/k/v have biases, trained under bias="all" by one more adapter)."""
     q, v, down = ("qkv_proj", "qkv_proj", "down_proj") if fused else ("q_proj", "v_proj", "down_proj")
-    return {
+    trained = {"trained": jitter(make_peft_adapter(base, root / "trained", rank=4, seed=8, targets=[q], bias="all"),
+                                 ".bias", 6)} if biased else {}
+    return {**trained,
         "dora": jitter(make_peft_adapter(base, root / "dora", rank=8, seed=1, use_dora=True, targets=None if not fused
                                          else ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]), "magnitude", 1),
         # DoRA on some parts of a fused projection (q and v of q/k/v), with a rank of its own on one of them
@@ -42,6 +45,10 @@ def kinds_for(base, root, fused: bool = False) -> dict:
                                           modules_to_save=["norm"]), "norm", 4),
         "tokens": jitter(make_peft_adapter(base, root / "tokens", rank=4, seed=7, targets=[v],
                                            trainable_token_indices=TRAINED), "trainable_tokens", 5),
+        # a layer's whole MLP (down_proj: row-parallel under TP) and one attention projection of their own
+        "saved": jitter(make_peft_adapter(base, root / "saved", rank=4, seed=9, targets=["o_proj"],
+                                          modules_to_save=["layers.1.mlp", "qkv_proj" if fused else "k_proj"]),
+                        ".weight", 7),
         "plain": make_peft_adapter(base, root / "plain", rank=8, seed=5),
     }
 
@@ -70,12 +77,13 @@ def test_each_kind_alone_and_all_in_one_batch_give_peft_tokens(llama, tmp_path, 
         base, folders = llama
     else:
         base = make_tiny_model(tmp_path / "base", arch, seed=3)
-        folders = kinds_for(base, tmp_path, fused=arch == "phi3")
-    names = [*KINDS, None, "dora"]
-    want = peft_greedy(base, [folders.get(n) for n in names], PROMPTS, NEW)
+        folders = kinds_for(base, tmp_path, fused=arch == "phi3", biased=arch == "qwen2")
+    names = [*folders, None, "dora"]
+    prompts = PROMPTS[:len(names)]
+    want = peft_greedy(base, [folders.get(n) for n in names], prompts, NEW)
     llm = llm_for(base, folders)
-    assert tokens(llm, PROMPTS, names) == want
-    for name, prompt, expected in zip(names[:2], PROMPTS, want):  # alone, each in a batch of its own
+    assert tokens(llm, prompts, names) == want
+    for name, prompt, expected in zip(names[:2], prompts, want):  # alone, each in a batch of its own
         assert tokens(llm, [prompt], [name]) == [expected]
 
 
@@ -179,6 +187,8 @@ def test_biases_take_a_mix_weight_and_dora_serves_alone(llama):
         tokens(llm, PROMPTS[:1], [{"norms": 0.5, "plain": 0.5}])
     with pytest.raises(ValueError, match="'tokens' adapts embed_tokens / lm_head, which a mix cannot combine"):
         tokens(llm, PROMPTS[:1], [{"tokens": 0.5, "plain": 0.5}])
+    with pytest.raises(ValueError, match="'saved' brings projections or biases of its own .* which a mix cannot"):
+        tokens(llm, PROMPTS[:1], [{"saved": 0.5, "plain": 0.5}])
 
 
 def test_decode_graphs_leave_biases_and_dora_to_eager_steps(llama):
@@ -189,7 +199,7 @@ def test_decode_graphs_leave_biases_and_dora_to_eager_steps(llama):
     tokens(llm, PROMPTS[:3], ["pattern", "plain", None])
     assert graphs.replays == NEW - 1
     graphs.replays = 0
-    for name in ("dora", "bias", "norms", "tokens"):
+    for name in ("dora", "bias", "norms", "tokens", "saved"):
         tokens(llm, PROMPTS[:2], [name, "plain"])
     assert graphs.replays == 0
 
@@ -202,8 +212,8 @@ def test_tensor_parallel_serves_every_kind(llama, tmp_path, arch):
         base, folders = llama
     else:  # the base's own q/k/v bias
         base = make_tiny_model(tmp_path / "base", arch, seed=3)
-        folders = kinds_for(base, tmp_path)
-    names = [*KINDS, None]
+        folders = kinds_for(base, tmp_path, biased=True)
+    names = [*folders, None]
     want = peft_greedy(base, [folders.get(n) for n in names], PROMPTS[:len(names)], NEW)
     with LLM(str(base), tensor_parallel_size=2, dtype="float32", num_kv_blocks=96, grammar_compile_workers=0,
              lora_modules={n: str(folders[n]) for n in names if n}) as llm:
@@ -252,7 +262,9 @@ def drop(part):
     ("dora", {"target_modules": ["q_proj", "embed_tokens"]}, None, "DoRA on \\['embed_tokens'\\] is not supported"),
     ("norms", {"modules_to_save": ["input_layernorm"]}, None,
      "unexpected weight '.*norm.weight' \\(modules_to_save lists \\['input_layernorm'\\]\\)"),
-    ("norms", {"modules_to_save": ["norm", "mlp"]}, None, "modules_to_save \\['mlp'\\] is not supported"),
+    ("norms", {"modules_to_save": ["norm", "rotary_emb"]}, None, "modules_to_save \\['rotary_emb'\\] is not"),
+    ("norms", {"modules_to_save": ["norm", "mlp"]}, None, "modules_to_save lists \\['mlp'\\], but the folder holds"),
+    ("saved", {"modules_to_save": ["layers.1.mlp"]}, None, "layer 0 k_proj: a full weight, but it is not in"),
     ("norms", {}, lambda t: {k: v for k, v in t.items() if "norm" not in k}, "modules_to_save lists \\['norm'\\], but"),
     ("norms", {}, lambda t: {**t, "base_model.model.model.norm.weight": torch.ones(3)},
      "norm weight of shape \\(3,\\) does not fit the served model's \\(64,\\)"),

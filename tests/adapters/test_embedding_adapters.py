@@ -179,7 +179,7 @@ def test_without_a_model_a_saved_base_layer_is_kept(bases, folders):
 
 @pytest.mark.parametrize("changes,reason", [
     ({"use_dora": True}, "no lora_magnitude_vector, but use_dora is true"),
-    ({"modules_to_save": ["embed_tokens", "lm_head", "mlp"]}, "modules_to_save \\['mlp'\\] is not supported"),
+    ({"modules_to_save": ["embed_tokens", "lm_head", "score"]}, "modules_to_save \\['score'\\] is not supported"),
     ({"modules_to_save": ["embed_tokens", "lm_head", "norm"]}, "modules_to_save lists \\['norm'\\], but the folder"),
     ({"lora_bias": True}, "no lora_B bias, but lora_bias is true"),
     ({"use_qalora": True}, "QA-LoRA"),

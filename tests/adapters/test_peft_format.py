@@ -80,7 +80,7 @@ def test_rslora_scaling(config, adapter):
     ({"modules_to_save": ["score"]}, "modules_to_save \\['score'\\] is not supported"),
     ({"target_modules": ["q_proj", "norm"]}, "unsupported target modules \\['norm'\\]"),
     ({"target_modules": ["q_proj", "fc1"]}, "unsupported target modules \\['fc1'\\]"),
-    ({"bias": "all"}, "bias='all'"),
+    ({"bias": "yes"}, "bias='yes' is not supported"),
     ({"r": 64}, "rank 64 exceeds max_lora_rank=16"),
     ({"rank_pattern": {"q_proj": 4}}, "do not fit the base model .* or rank_pattern"),
     ({"peft_type": "IA3"}, "peft_type 'IA3'"),
