@@ -32,6 +32,9 @@ class MoESlots:
         self.num_active -= self.loras[slot] is not None
         self.loras[slot] = None
 
+    def used_by(self, batch: LoRABatch) -> bool:
+        return any(self.loras[slot] is not None for slot in batch.host_slots)
+
 
 class MoEDelta:
     """What one step's adapters add inside one sparse layer (`batch`: the step's tokens by slot)."""

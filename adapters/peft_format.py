@@ -28,7 +28,7 @@ from loraplex.adapters.saved_projections import fuse_replacements, is_projection
 from loraplex.adapters.vocab_weights import (VOCAB_KEY, VOCAB_MODULES, BaseTables, layer_entries, read_vocab_weights,
                                              vocab_shapes)
 from loraplex.platform.models.experts import lora_refusal
-from loraplex.platform.models.family import FUSED_PROJECTIONS, PREFUSED_PROJECTIONS
+from loraplex.platform.models.family import FUSED_PROJECTIONS, PREFUSED_PROJECTIONS, PROJECTION_BLOCKS
 from loraplex.platform.models.model_config import ModelConfig
 
 # peft module name -> (our fused layer, slice index within it), of every family (`_collect` refuses a module
@@ -36,7 +36,11 @@ from loraplex.platform.models.model_config import ModelConfig
 TARGETS = {part: (fused, i) for projections in (FUSED_PROJECTIONS, PREFUSED_PROJECTIONS)
            for fused, parts in projections.items() for i, part in enumerate(parts)}
 FUSED_OF = {part: fused for part, (fused, _) in TARGETS.items()}
-MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
+
+
+def module_name(layer: int, module: str) -> str:
+    """A projection's full name in the model, as peft matches patterns and modules_to_save against it."""
+    return f"model.layers.{layer}.{PROJECTION_BLOCKS[FUSED_OF[module]]}.{module}"
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.(.+)$")
 # the part of a projection's key after its module -> what it is (variants.py says what each does)
 _PARTS = ((re.compile(r"^lora_A(?:\.[\w-]+)?\.weight$"), "A"), (re.compile(r"^lora_B(?:\.[\w-]+)?\.weight$"), "B"),
@@ -84,6 +88,9 @@ class LoRAWeights:
     # sparse layer -> its router / experts / shared expert LoRA (moe_weights.py)
     moe: dict[int, MoELoRA] = field(default_factory=dict, repr=False)
     tokenizer: object = field(default=None, repr=False)  # its own tokenizer where it has one (tokenizer_overlay.py)
+    # whether a step using it runs without decode graphs (extras, norms, MoE): decided on the whole adapter, so
+    # that tensor-parallel ranks holding different shards of it agree
+    eager: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -164,7 +171,7 @@ def read_peft_adapter(name: str, path: str | Path, config: ModelConfig, max_lora
             _check_config(raw, max_lora_rank, fail)
             tensors = _read_weights(files, fail)
             _refuse_moe_targets(config, raw, tensors, fail)
-            tokenizer = read_tokenizer(files, base_tokenizer, config.vocab_size, fail)
+            tokenizer, tokenizer_bytes = read_tokenizer(files, base_tokenizer, config.vocab_size, fail)
     except (FileNotFoundError, NotADirectoryError):
         raise fail("not a folder") from None
     except OSError as exc:  # a link loop, a name too long, a link where none may be
@@ -177,12 +184,13 @@ def read_peft_adapter(name: str, path: str | Path, config: ModelConfig, max_lora
     targets = _target_modules(raw.get("target_modules"), fail, bool(raw.get("target_parameters")))
     _refuse_vocab_variants(raw, targets, patterns, fail)
     layers = _layers(raw, config, fail)
+    served_dtype = base.dtype if base is not None else dtype  # full weights: the model's; LoRA factors: `dtype`
     vocab_keys = {key for key in tensors if VOCAB_KEY.match(key)}
     norm_keys = {key for key in tensors if NORM_KEY.match(key)}
     moe_keys = {key for key in tensors if config.moe is not None and MOE_KEY.match(key)}
     vocab = read_vocab_weights({k: tensors[k] for k in vocab_keys}, raw, targets, rank, config, dtype, base, fail)
     norms = read_saved_norms({k: tensors[k] for k in norm_keys}, layer_entries(raw), norm_dims,
-                             config.num_layers, config.norm_offset, base.dtype if base is not None else dtype, fail)
+                             config.num_layers, config.norm_offset, served_dtype, fail)
     moe = read_moe_weights({k: tensors[k] for k in moe_keys}, config, rank, scaling, dtype, fail)
     weights, saved = _collect({k: t for k, t in tensors.items() if k not in vocab_keys | norm_keys | moe_keys},
                               targets, patterns, config, raw, fail)
@@ -195,17 +203,22 @@ def read_peft_adapter(name: str, path: str | Path, config: ModelConfig, max_lora
         raise fail(f"weights for layers {stray[:5]}, which layers_to_transform does not list")
     shapes = module_shapes(config)
     projections, terms = _fuse(weights, shapes, dtype)
-    _replace(terms, saved, shapes, scaling, base.dtype if base is not None else dtype, fail)
+    _replace(terms, saved, shapes, scaling, served_dtype, fail)
     if raw.get("use_dora"):
         _dora_factors(projections, terms, shapes, base, fail)
     digest = hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode())
     for key in sorted(tensors):
         digest.update(key.encode())
         digest.update(tensors[key].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return LoRAWeights(name, str(folder), max([rank, *(w.rank for w in weights.values())]), scaling,
-                       frozenset(targets), projections, digest.hexdigest(), vocab.embedding, vocab.head,
-                       vocab.replacements, vocab.modules_to_save, terms, _kinds(raw, vocab, norms, moe, tokenizer, saved), norms,
-                       vocab.tokens, moe, tokenizer)
+    digest.update(tokenizer_bytes)
+    eager = bool(norms or moe or any(t.bias is not None or t.factor is not None or t.replacement is not None
+                                     for t in terms.values()))
+    return LoRAWeights(
+        name=name, path=str(folder), rank=max([rank, *(w.rank for w in weights.values())]), scaling=scaling,
+        target_modules=frozenset(targets), projections=projections, content_hash=digest.hexdigest(),
+        embedding=vocab.embedding, head=vocab.head, replacements=vocab.replacements,
+        modules_to_save=vocab.modules_to_save, terms=terms, kinds=_kinds(raw, vocab, norms, moe, tokenizer, saved),
+        norms=norms, tokens=vocab.tokens, moe=moe, tokenizer=tokenizer, eager=eager)
 
 
 def _kinds(raw: dict, vocab, norms, moe, tokenizer, saved) -> tuple[str, ...]:
@@ -456,6 +469,7 @@ def _read_weights(files: _Folder, fail) -> dict[str, torch.Tensor]:
 # spellings of one tensor: peft's `base_model.model.` prefix, an adapter-name segment after the factor
 # or in modules_to_save, a `.weight` suffix or none; what is left names the tensor
 _SPELLINGS = (re.compile(r"^base_model\.model\."), re.compile(r"\.weight$"),
+              re.compile(r"\.base_layer(?=\.bias$)|(?<=\.lora_B)\.[\w-]+(?=\.bias$)"),
               re.compile(r"(?<=\.lora_[AB])\.(?!bias$)[\w-]+$|(?<=\.lora_embedding_[AB])\.[\w-]+$"
                          r"|(?<=\.lora_magnitude_vector)\.[\w-]+$"),
               re.compile(r"\.modules_to_save(?:\.[\w-]+)?$"))
@@ -533,8 +547,7 @@ def _collect(tensors: dict[str, torch.Tensor], targets: set[str], patterns: Modu
 
 def _refuse_unsaved(saved: dict[tuple[int, str], dict], entries: list[str], fail) -> None:
     """A modules_to_save entry naming projections that the folder holds no weight for."""
-    names = [f"model.layers.{layer}.{'mlp' if module in MLP_PARTS else 'self_attn'}.{module}"
-             for (layer, module), own in saved.items() if "weight" in own]
+    names = [module_name(layer, module) for (layer, module), own in saved.items() if "weight" in own]
     missing = sorted(entry for entry in entries if is_projection_entry(entry)
                      and not any(saved_module(name, [entry]) for name in names))
     if missing:
@@ -545,8 +558,7 @@ def _own(key: tuple[int, str], own: dict[str, torch.Tensor], is_lora: bool, entr
          shapes, fail) -> dict[str, torch.Tensor]:
     """A module's own weight (a saved module) or its trained bias, checked against the config and the shapes."""
     layer, module = key
-    block = "mlp" if module in MLP_PARTS else "self_attn"
-    saved = saved_module(f"model.layers.{layer}.{block}.{module}", entries)
+    saved = saved_module(module_name(layer, module), entries)
     if "weight" in own and (is_lora or not saved):
         raise fail(f"layer {layer} {module}: a full weight, but it is " + ("a LoRA target too" if is_lora else
                                                                             "not in modules_to_save"))
@@ -580,8 +592,7 @@ def _module(key: tuple[int, str], parts: dict[str, torch.Tensor], patterns: Modu
     layer, module = key
     if not {"A", "B"} <= set(parts):
         raise fail(f"layer {layer} {module}: lora_A and lora_B must both be present")
-    block = "mlp" if module in MLP_PARTS else "self_attn"
-    rank, scale = patterns.rank_and_scale(f"model.layers.{layer}.{block}.{module}", fail)
+    rank, scale = patterns.rank_and_scale(module_name(layer, module), fail)
     in_f, out_f = shapes[module]
     a, b = parts["A"], parts["B"]
     if tuple(a.shape) != (rank, in_f) or tuple(b.shape) != (out_f, rank):

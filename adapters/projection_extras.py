@@ -26,6 +26,7 @@ class ProjectionExtras:
         self.has_bias, self.has_factor = [False] * num_slots, [False] * num_slots
         self.replace: list[Replacement | None] = [None] * num_slots  # rows under the adapter's own values
         self.factor_slots: torch.Tensor | None = None  # [S + 1] bool, where a slot has a factor
+        self.active_slots: set[int] = set()  # on the host: a step none of whose slots is here pays one set test
         self.num_active = 0  # slots holding either: with none, a projection pays one comparison
 
     @staticmethod
@@ -48,6 +49,8 @@ class ProjectionExtras:
             self.factor_slots[slot] = True
         self.has_bias[slot], self.has_factor[slot] = bias is not None, factor is not None
         self.num_active += self.active(slot)
+        if self.active(slot):
+            self.active_slots.add(slot)
 
     def _stack(self, stack: torch.Tensor | None, row: torch.Tensor, fill: float) -> torch.Tensor:
         """A stacked layout's null slot (index S, tokens without an adapter) has its row too."""
@@ -63,6 +66,11 @@ class ProjectionExtras:
             self.factor_slots[slot] = False
         self.has_bias[slot] = self.has_factor[slot] = False
         self.replace[slot] = None
+        self.active_slots.discard(slot)
+
+    def used_by(self, batch: LoRABatch) -> bool:
+        """Whether a slot of this step (any pass) has anything here."""
+        return not all(self.active_slots.isdisjoint(one.host_slots) for one in (batch, *batch.passes))
 
     def active(self, slot: int) -> bool:
         return slot >= 0 and (self.has_bias[slot] or self.has_factor[slot] or self.replace[slot] is not None)
@@ -74,23 +82,30 @@ class ProjectionExtras:
         pass's tokens alone)."""
         if self.bias is not None:
             for one in (batch, *batch.passes):
-                add = self.bias.index_select(0, one.order_slots)
-                if one.order_weights is not None:
-                    add *= one.order_weights[:, None].to(add.dtype)
-                y.index_add_(0, one.token_order, add)
+                self._add_bias(y, one)
         if self.factor is not None:
-            tokens, slots = batch.token_order, batch.order_slots
-            if base_bias is not None:  # the factor's own tokens alone
-                own = self.factor_slots.index_select(0, slots)
-                tokens, slots = tokens[own], slots[own]
-            rows = y.index_select(0, tokens)
-            if base_bias is not None:
-                rows = (rows - base_bias).mul_(self.factor.index_select(0, slots)).add_(base_bias)
-            else:
-                rows.mul_(self.factor.index_select(0, slots))
-            y.index_copy_(0, tokens, rows)
+            self._rescale(y, batch, base_bias)
         if any(r is not None for r in self.replace):
             for slot, idx in batch.segments():
                 if self.replace[slot] is not None:
                     apply_replacement(y, x, idx, self.replace[slot], base_bias)
         return y
+
+    def _add_bias(self, y: torch.Tensor, batch: LoRABatch) -> None:
+        add = self.bias.index_select(0, batch.order_slots)
+        if batch.order_weights is not None:
+            add *= batch.order_weights[:, None].to(add.dtype)
+        y.index_add_(0, batch.token_order, add)
+
+    def _rescale(self, y: torch.Tensor, batch: LoRABatch, base_bias: torch.Tensor | None) -> None:
+        """DoRA's factor on each token's row (less the base's bias: a factor's own tokens alone)."""
+        tokens, slots = batch.token_order, batch.order_slots
+        if base_bias is not None:
+            own = self.factor_slots.index_select(0, slots)
+            tokens, slots = tokens[own], slots[own]
+        rows = y.index_select(0, tokens)
+        if base_bias is not None:
+            rows = (rows - base_bias).mul_(self.factor.index_select(0, slots)).add_(base_bias)
+        else:
+            rows.mul_(self.factor.index_select(0, slots))
+        y.index_copy_(0, tokens, rows)

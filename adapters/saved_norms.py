@@ -19,7 +19,7 @@ from loraplex.kernels.custom_ops import RMSNorm
 from loraplex.kernels.lora_batch import LoRABatch
 
 # a norm's key: (layer or None for the final norm, module name)
-NORM_KEY = re.compile(r"^(?:base_model\.model\.)?model\.(?:layers\.(\d+)\.(?:self_attn\.)?)?(\w*norm)"
+NORM_KEY = re.compile(r"^(?:base_model\.model\.)?model\.(?:layers\.(\d+)\.(self_attn\.)?)?(\w*norm)"
                       r"(?:\.modules_to_save(?:\.[\w-]+)?)?\.weight$")
 FINAL = -1  # the layer index of the final norm
 
@@ -50,11 +50,11 @@ def read_saved_norms(tensors: dict[str, torch.Tensor], entries: list[str], dims:
     entries_of_norms = [entry for entry in entries if is_norm_entry(entry)]
     if not tensors and not entries_of_norms:
         return {}
-    norms = {}
+    norms, read = {}, []
     for key, tensor in tensors.items():
-        layer, name = NORM_KEY.match(key).groups()
+        layer, block, name = NORM_KEY.match(key).groups()
         layer = FINAL if layer is None else int(layer)
-        full = "model.norm" if layer == FINAL else f"model.layers.{layer}.{name}"
+        full = "model.norm" if layer == FINAL else f"model.layers.{layer}.{block or ''}{name}"
         if not saved_module(full, entries):
             raise fail(f"unexpected weight {key!r} (modules_to_save lists {sorted(entries)})")
         if dims is None:
@@ -65,8 +65,8 @@ def read_saved_norms(tensors: dict[str, torch.Tensor], entries: list[str], dims:
             raise fail(f"{name} weight of shape {tuple(tensor.shape)} does not fit the served model's "
                        f"({dims[name]},) (under tensor parallelism a q / k norm over all heads is split)")
         norms[(layer, name)] = (tensor.float() + offset).to(dtype)
-    missing = [entry for entry in entries_of_norms if not any(
-        ("model.norm" if layer == FINAL else f"model.layers.{layer}.{name}").endswith(entry) for layer, name in norms)]
+        read.append(full)
+    missing = [entry for entry in entries_of_norms if not any(full.endswith(entry) for full in read)]
     if missing:
         raise fail(f"modules_to_save lists {missing}, but the folder holds no weight for it")
     return norms
@@ -79,6 +79,7 @@ class SavedNorms:
         self.num_slots = num_slots
         self.weight: torch.Tensor | None = None  # [S + 1, dim]
         self.has = torch.zeros(num_slots + 1, dtype=torch.bool)  # moved with the first weight
+        self.active_slots: set[int] = set()  # the same on the host
         self.num_active = 0
 
     def set(self, slot: int, weight: torch.Tensor | None) -> None:
@@ -91,11 +92,13 @@ class SavedNorms:
             self.has = self.has.to(weight.device)
         self.weight[slot] = weight
         self.has[slot] = True
+        self.active_slots.add(slot)
         self.num_active += 1
 
     def clear(self, slot: int) -> None:
-        if self.weight is not None and bool(self.has[slot]):
+        if slot in self.active_slots:
             self.has[slot] = False
+            self.active_slots.discard(slot)
             self.num_active -= 1
 
     def apply(self, out: torch.Tensor, src: torch.Tensor, batch: LoRABatch, eps: float) -> None:

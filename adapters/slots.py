@@ -112,14 +112,14 @@ class LoRASlots:
             for fused, extras in layer.items():
                 terms = lora.terms.get((index, fused))
                 extras.set(slot, *((None, None, None) if terms is None else
-                                   (put(terms.bias), put(terms.factor), _replacement_on(terms.replacement, put))))
+                                   (put(terms.bias), put(terms.factor), _replacement_on(terms.replacement, put,
+                                                                                         device))))
         for key, table in self.norms.items():
             table.set(slot, put(lora.norms.get(key)))
         for layer, table in self.moe.items():
             table.set(slot, _moe_on(lora.moe.get(layer), self.device))
         self.eager_slots.discard(slot)
-        if lora.norms or lora.moe or any(t.bias is not None or t.factor is not None or t.replacement is not None
-                                         for t in lora.terms.values()):
+        if lora.eager:  # decided on the whole adapter: every rank of a tensor-parallel group agrees
             self.eager_slots.add(slot)
 
     def _load_vocab(self, slot: int, lora: LoRAWeights) -> None:
@@ -167,10 +167,8 @@ def _moe_on(lora: MoELoRA | None, device: torch.device | None) -> MoELoRA | None
                    {name: move(part) for name, part in lora.shared.items()})
 
 
-def _replacement_on(replacement: Replacement | None, put) -> Replacement | None:
-    """A replacement's values moved as `put` moves tensors (its row numbers to the same device)."""
+def _replacement_on(replacement: Replacement | None, put, device) -> Replacement | None:
+    """A replacement's values moved as `put` moves tensors, its row numbers to `device`."""
     if replacement is None:
         return None
-    return Replacement(replacement.rows.to(put(replacement.bias if replacement.bias is not None else
-                                                 replacement.weight).device), put(replacement.weight),
-                       put(replacement.bias))
+    return Replacement(replacement.rows.to(device), put(replacement.weight), put(replacement.bias))

@@ -16,12 +16,16 @@ terms the engine applies per slot (`projection_extras.py`):
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import regex
 import torch
 
 from loraplex.adapters.saved_projections import Replacement
+
+
+PATTERN_BUDGET_S = 2.0  # a client's patterns against every module name, all together
 
 
 @dataclass
@@ -65,6 +69,8 @@ class ModulePatterns:
         self.rslora = bool(raw.get("use_rslora"))
         self.ranks = _pattern(raw, "rank_pattern", fail)
         self.alphas = _pattern(raw, "alpha_pattern", fail)
+        self.seen: dict[str, tuple[int, float]] = {}  # module name -> its rank and scale
+        self.left = [PATTERN_BUDGET_S]  # seconds of matching left, spent by every match
         for key, r in self.ranks.items():
             if not isinstance(r, int) or isinstance(r, bool) or not 1 <= r <= max_lora_rank:
                 raise fail(f"rank_pattern[{key!r}] must be an integer rank in [1, {max_lora_rank}], got {r!r}")
@@ -74,9 +80,11 @@ class ModulePatterns:
 
     def rank_and_scale(self, name: str, fail) -> tuple[int, float]:
         """The rank and scale of the module of this full name (`model.layers.3.self_attn.q_proj`)."""
-        rank = self.ranks.get(_first_match(self.ranks, name, fail), self.rank)
-        alpha = float(self.alphas.get(_first_match(self.alphas, name, fail), self.alpha))
-        return rank, self._scale(rank, alpha)
+        if name not in self.seen:
+            rank = self.ranks.get(_first_match(self.ranks, name, self.left, fail), self.rank)
+            alpha = float(self.alphas.get(_first_match(self.alphas, name, self.left, fail), self.alpha))
+            self.seen[name] = rank, self._scale(rank, alpha)
+        return self.seen[name]
 
     @property
     def scale(self) -> float:
@@ -94,15 +102,21 @@ def _pattern(raw: dict, key: str, fail) -> dict:
     return value
 
 
-def _first_match(patterns: dict, name: str, fail) -> str | None:
+def _first_match(patterns: dict, name: str, left: list[float], fail) -> str | None:
+    """The first key matching `name`; `left` [seconds]: the matching time left to the adapter, spent here."""
     for key in patterns:  # peft: re.match(rf"(.*\.)?({key})$", name); a client's regex, so time-bounded
+        if left[0] <= 0:
+            raise fail(f"rank_pattern / alpha_pattern take longer than {PATTERN_BUDGET_S:g}s to match in all")
+        start = time.monotonic()
         try:
-            if regex.match(rf"(.*\.)?({key})$", name, timeout=0.05):
-                return key
+            found = regex.match(rf"(.*\.)?({key})$", name, timeout=min(0.05, left[0]))
         except regex.error as exc:
             raise fail(f"pattern {key!r} is not a valid regex ({exc})") from None
         except TimeoutError:
             raise fail(f"pattern {key!r} takes too long to match (catastrophic backtracking)") from None
+        left[0] -= time.monotonic() - start
+        if found:
+            return key
     return None
 
 
@@ -137,6 +151,6 @@ def dora_factor(terms: ProjectionTerms, weight: torch.Tensor, a: torch.Tensor, b
     delta = torch.empty(offsets[-1], a.shape[1])
     for i, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:])):
         delta[lo:hi] = b_t[:, lo:hi].T.float() @ a[i * rank:(i + 1) * rank].float()
-    norm = torch.linalg.norm(weight.detach().float().cpu() + terms.scale * delta, dim=1)
+    norm = torch.linalg.norm(weight.detach().cpu().float() + terms.scale * delta, dim=1)  # the host's memory
     dora = ~torch.isnan(terms.magnitude)
     return torch.where(dora, terms.magnitude / norm, torch.ones_like(norm))

@@ -177,7 +177,7 @@ class InputProcessor:
 
     def _for_this_model(self, params: SamplingParams, ids: list[int], tokenizer) -> SamplingParams:
         """`params` with the tool-call format read from the chat template (`auto`, mistral's
-        form) and the reasoning's start read from the prompt's end."""
+        form), the reasoning's start read from the prompt's end, and the end token of an adapter's own tokenizer."""
         changes = {}
         spec = params.structured
         if spec is not None and spec.kind == "tools":
@@ -187,6 +187,10 @@ class InputProcessor:
         if params.reasoning is not None:
             tail = tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
             changes["reasoning"] = dataclasses.replace(params.reasoning, start=prompt_start(tail))
+        eos = tokenizer.eos_token_id  # an adapter's own end token (its tokenizer's) ends its outputs too
+        if eos is not None and eos != self.tokenizer.eos_token_id and not params.ignore_eos \
+                and eos not in params.stop_token_ids:
+            changes["stop_token_ids"] = [*params.stop_token_ids, eos]
         return dataclasses.replace(params, **changes) if changes else params
 
     @staticmethod

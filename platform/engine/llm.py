@@ -60,6 +60,8 @@ class LLM:
         `StructuredOutputs(tools=ToolCalls(...))`; `parse_tool_calls` reads them back."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         adapters = adapter if isinstance(adapter, list) else [adapter] * len(conversations)
+        if len(adapters) != len(conversations):
+            raise ValueError(f"got {len(adapters)} adapters for {len(conversations)} conversations")
         prompts = [{"prompt_token_ids": self.engine.inputs.chat_token_ids(  # an adapter's own tokenizer where it has one
             [_template_message(m) for m in conversation], add_generation_prompt, chat_template_kwargs, tools,
             name if isinstance(name, str) else None)} for conversation, name in zip(conversations, adapters)]

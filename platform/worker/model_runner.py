@@ -144,6 +144,13 @@ class ModelInput:
         return self.max_query_len == 1 and len(self.last_rows) == len(self.seq_lens) and not self.prompt_rows
 
 
+def step_slots(step: ModelInput) -> list[int] | None:
+    """Every slot a step's tokens use, its adapter mixes' passes too."""
+    if step.mix_passes is None:
+        return step.lora_slots
+    return [slot for slots, _ in step.mix_passes for slot in slots]
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, lora: LoRAContext, kv_dtype: torch.dtype,
                  block_size: int, device: torch.device = torch.device("cpu")) -> None:
@@ -179,7 +186,7 @@ class ModelRunner:
         graphs = self.graphs
         if graphs is not None and step.decode_only \
                 and graphs.fits(len(step.last_rows), step.lora_slots is not None, len(step.mix_passes or ())) \
-                and not self.lora.needs_eager(step.lora_slots):  # no graph holds a table or extras per slot
+                and not self.lora.needs_eager(step_slots(step)):  # no graph holds a table or extras per slot
             return self.logits(graphs.run(step), step.lora_slots), []  # one token per request: rows = tokens
         hidden = self.forward(step)
         prompt_hidden = [hidden[start:end] for start, end in step.prompt_rows]

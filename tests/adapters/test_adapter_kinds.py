@@ -101,6 +101,12 @@ def test_saved_norms_of_every_layout_give_peft_tokens(tmp_path, arch, overrides)
     llm = llm_for(base, folders)
     assert tokens(llm, PROMPTS[:3], names) == peft_greedy(base, [folders.get(n) for n in names], PROMPTS[:3], NEW)
     assert {name for _, name in llm.engine.adapters.prefetch("one").norms} == {"post_attention_layernorm"}
+    if arch == "qwen3":  # a norm inside the attention block, named with it
+        qk = jitter(make_peft_adapter(base, tmp_path / "qk", rank=4, seed=3, targets=["o_proj"],
+                                      modules_to_save=["self_attn.q_norm"]), "norm", 3)
+        llm.load_adapter("qk", qk)
+        assert {name for _, name in llm.engine.adapters.prefetch("qk").norms} == {"q_norm"}
+        assert tokens(llm, PROMPTS[:1], ["qk"]) == peft_greedy(base, [qk], PROMPTS[:1], NEW)
 
 
 # a head tied to the table takes the table's trained rows; Gemma 3 scales its rows inside the embedding module
@@ -145,8 +151,19 @@ def test_an_adapters_own_tokenizer_serves_its_prompts_and_outputs(tmp_path):
     assert llm.engine.inputs.detokenize([size + 1], "tokens", "ov") == "<|parrot|>"
     assert llm.engine.inputs.detokenize([size + 1], "tokens") == ""
     assert llm.engine.inputs.chat_token_ids([{"role": "user", "content": "hi"}], adapter="ov")[0] == size
+    assert llm.chat([{"role": "user", "content": "hi"}], GREEDY, adapter="ov")[0].prompt_token_ids[0] == size
+    with pytest.raises(ValueError, match="got 1 adapters for 2 conversations"):
+        llm.chat([[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]], GREEDY, adapter=["ov"])
     with pytest.raises(ValueError, match="'ov' brings a tokenizer of its own, which a mix cannot combine"):
         llm.generate([text], GREEDY, adapter=[{"ov": 0.5, "same": 0.5}])
+    hashed = llm.engine.adapters.prefetch("ov").content_hash
+    own.eos_token = "<|parrot|>"  # the adapter's own end token ends its outputs; its files change its hash
+    own.save_pretrained(folder)
+    llm.load_adapter("ov2", folder)
+    assert llm.engine.adapters.prefetch("ov2").content_hash != hashed
+    sampled = SamplingParams(temperature=0, max_tokens=NEW)
+    assert size + 1 in llm.engine.inputs.process("r", text, sampled, "ov2").params.stop_token_ids
+    assert size + 1 not in llm.engine.inputs.process("r", text, GREEDY, "ov2").params.stop_token_ids  # ignore_eos
     own.add_tokens([f"<|extra{i}|>" for i in range(60)])  # past the model's 448 rows
     own.save_pretrained(folder)
     with pytest.raises(AdapterError, match="its tokenizer adds tokens past the base model's 448 rows"):
@@ -202,6 +219,24 @@ def test_decode_graphs_leave_biases_and_dora_to_eager_steps(llama):
     for name in ("dora", "bias", "norms", "tokens", "saved"):
         tokens(llm, PROMPTS[:2], [name, "plain"])
     assert graphs.replays == 0
+    graphs.fits = lambda num_tokens, with_lora, mix_passes=0: True  # graphs of mixes too
+    tokens(llm, PROMPTS[:2], [{"bias": 0.5, "plain": 0.5}, "plain"])  # the bias's slot is in a mix's pass only
+    assert graphs.replays == 0
+
+
+def test_a_step_without_such_slots_pays_nothing_for_them(llama, monkeypatch):
+    """A resident DoRA / bias / norms adapter costs the steps that do not use it nothing beyond a set test."""
+    from loraplex.adapters.projection_extras import ProjectionExtras
+    from loraplex.adapters.saved_norms import SavedNorms
+
+    base, folders = llama
+    llm = llm_for(base, folders)
+    tokens(llm, PROMPTS[:3], ["dora", "bias", "norms"])  # resident from now on
+    calls = []
+    monkeypatch.setattr(ProjectionExtras, "apply", lambda self, y, *a: calls.append(1) or y)
+    monkeypatch.setattr(SavedNorms, "apply", lambda self, *a: calls.append(1))
+    tokens(llm, PROMPTS[:2], ["plain", None])
+    assert calls == []
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -277,11 +312,48 @@ def drop(part):
     ("tokens", {"trainable_token_indices": {"q_proj": [5]}}, None, "trainable_token_indices on 'q_proj' is not"),
     ("tokens", {"modules_to_save": ["embed_tokens"]}, None, "has trainable tokens and a LoRA or a full weight"),
     ("tokens", {}, drop("trainable_tokens"), "but the folder holds trainable token rows for \\[\\]"),
+    ("bias", {}, lambda t: {**t, "base_model.model.model.layers.0.mlp.down_proj.lora_B.default.bias": torch.ones(64)},
+     "are the same tensor under two spellings"),
 ])
 def test_refusals_name_what_cannot_be_served(llama, empty, tmp_path, kind, changes, tensors, reason):
     with pytest.raises(AdapterError, match=f"adapter 'bad' .*{reason}"):
         empty.load_adapter("bad", edit(llama[1][kind], tmp_path, tensors, **changes))
     assert "bad" not in {a.name for a in empty.engine.adapters.list()}
+
+
+def test_patterns_share_one_matching_budget(llama):
+    from loraplex.adapters.variants import ModulePatterns
+
+    patterns = ModulePatterns({"r": 8, "rank_pattern": {"q_proj": 4}}, 16, AdapterError)
+    assert patterns.rank_and_scale("model.layers.0.self_attn.q_proj", AdapterError)[0] == 4
+    patterns.left[0] = 0.0  # spent
+    with pytest.raises(AdapterError, match="take longer than 2s to match in all"):
+        patterns.rank_and_scale("model.layers.1.self_attn.q_proj", AdapterError)
+
+
+def test_a_tokenizer_config_reaches_nothing_outside_the_folder():
+    from loraplex.adapters.tokenizer_overlay import _inert
+
+    config = json.loads(_inert(json.dumps({"auto_map": {"AutoTokenizer": ["x.Tok", None]}, "vocab_file": "/etc/passwd",
+                                           "model_max_length": 5}).encode(), AdapterError))
+    assert config == {"model_max_length": 5}
+
+
+def test_every_rank_agrees_that_a_bias_on_row_parallel_projections_runs_eagerly(llama, tmp_path):
+    """Rank 1 holds no bias of a row-parallel projection (rank 0 adds it), yet runs the step eagerly as rank 0."""
+    from loraplex.adapters.slots import LoRASlots
+    from loraplex.platform.models.sharding import plan_for
+    from loraplex.platform.worker.worker import shard_adapter
+
+    base, _ = llama
+    config = read_model_config(base)
+    folder = make_peft_adapter(base, tmp_path / "o", rank=4, seed=1, targets=["o_proj"], lora_bias=True)
+    weights = read_peft_adapter("o", folder, config, 16)
+    shard = shard_adapter(weights, plan_for(config, 2, 1))
+    assert all(t.bias is None for t in shard.terms.values())
+    slots = LoRASlots(config, 2, torch.float32)
+    slots.load(0, shard)
+    assert slots.eager_slots == {0}
 
 
 def test_dora_without_the_base_weights_is_refused_by_name(llama):
