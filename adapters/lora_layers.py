@@ -88,7 +88,7 @@ class LoRALinear(Wrapper):
     def __init__(self, base: Linear, context: LoRAContext, kernels: KernelConfig, lora: LoRATable | StackedLoRA,
                  extras: ProjectionExtras | None = None) -> None:
         super().__init__(base, context)
-        self.lora, self.extras = lora, extras or ProjectionExtras.empty(0)
+        self.lora, self.extras = lora, extras or ProjectionExtras(0)
         self.apply_base = base.apply_method  # the base's format, called directly: one module call a projection
         self.add_lora = LoRADelta(kernels)  # the layout of `lora` follows the same config
 
@@ -100,7 +100,7 @@ class LoRALinear(Wrapper):
         y = self.add_lora(x, self.lora, batch, y)
         for mix_pass in batch.passes:  # adapter mixes: each token's further (slot, weight) pairs
             y = self.add_lora(x, self.lora, mix_pass, y)
-        if self.extras.num_active and self.extras.used_by(batch):
+        if self.extras.used_by(batch):
             y = self.extras.apply(y, batch, getattr(self.base, "bias", None), x)
         return y
 
@@ -114,7 +114,7 @@ class LoRAMoE(Wrapper):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch = self.context.batch
-        if batch is None or not self.slots.num_active or not self.slots.used_by(batch):
+        if batch is None or not self.slots.used_by(batch):
             return self.base(x)
         return self.base(x, MoEDelta(self.slots, batch, x.shape[0]))
 
@@ -129,7 +129,7 @@ class SavedNormLayer(Wrapper):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         out = self.norm(x) if residual is None else self.norm(x, residual)
         batch = self.context.batch
-        if batch is None or not self.saved.num_active or self.saved.active_slots.isdisjoint(batch.host_slots):
+        if batch is None or self.saved.active_slots.isdisjoint(batch.host_slots):
             return out
         if residual is None:  # the norm's input is x; fused with the residual add, it is the sum it returns
             self.saved.apply(out, x, batch, self.base.eps)

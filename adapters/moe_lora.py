@@ -21,19 +21,17 @@ class MoESlots:
 
     def __init__(self, num_slots: int) -> None:
         self.loras: list[MoELoRA | None] = [None] * num_slots
-        self.num_active = 0
+        self.active_slots: set[int] = set()  # on the host: a step none of whose slots is here pays a set test
 
     def set(self, slot: int, lora: MoELoRA | None) -> None:
-        self.clear(slot)
         self.loras[slot] = lora
-        self.num_active += lora is not None
+        (self.active_slots.add if lora is not None else self.active_slots.discard)(slot)
 
     def clear(self, slot: int) -> None:
-        self.num_active -= self.loras[slot] is not None
-        self.loras[slot] = None
+        self.set(slot, None)
 
     def used_by(self, batch: LoRABatch) -> bool:
-        return any(self.loras[slot] is not None for slot in batch.host_slots)
+        return not self.active_slots.isdisjoint(batch.host_slots)
 
 
 class MoEDelta:

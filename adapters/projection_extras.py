@@ -23,33 +23,32 @@ class ProjectionExtras:
         self.num_slots = num_slots
         self.bias: torch.Tensor | None = None  # [S + 1, out], the part's scale folded in
         self.factor: torch.Tensor | None = None  # [S + 1, out]
-        self.has_bias, self.has_factor = [False] * num_slots, [False] * num_slots
-        self.replace: list[Replacement | None] = [None] * num_slots  # rows under the adapter's own values
-        self.factor_slots: torch.Tensor | None = None  # [S + 1] bool, where a slot has a factor
-        self.active_slots: set[int] = set()  # on the host: a step none of whose slots is here pays one set test
-        self.num_active = 0  # slots holding either: with none, a projection pays one comparison
-
-    @staticmethod
-    def empty(num_slots: int) -> "ProjectionExtras":
-        return ProjectionExtras(num_slots)
+        self.factor_slots: torch.Tensor | None = None  # [S + 1] bool, where a slot has a factor (on the device)
+        self.replace: dict[int, Replacement] = {}  # slot -> rows under the adapter's own values
+        # on the host, which slots hold a bias / a factor / anything: a step none of whose slots is here pays a
+        # set test
+        self.bias_slots: set[int] = set()
+        self.factor_host: set[int] = set()
+        self.active_slots: set[int] = set()
 
     def set(self, slot: int, bias: torch.Tensor | None, factor: torch.Tensor | None,
             replacement: Replacement | None = None) -> None:
         """`bias` and `factor` [out] (and `replacement`'s tensors), already in the model's dtype and on its device."""
         self.clear(slot)
-        self.replace[slot] = replacement
         if bias is not None:
             self.bias = self._stack(self.bias, bias, 0.0)
             self.bias[slot] = bias
+            self.bias_slots.add(slot)
         if factor is not None:
             self.factor = self._stack(self.factor, factor, 1.0)
             self.factor[slot] = factor
-            self.factor_slots = self.factor_slots if self.factor_slots is not None else \
-                torch.zeros(self.num_slots + 1, dtype=torch.bool, device=factor.device)
+            if self.factor_slots is None:
+                self.factor_slots = torch.zeros(self.num_slots + 1, dtype=torch.bool, device=factor.device)
             self.factor_slots[slot] = True
-        self.has_bias[slot], self.has_factor[slot] = bias is not None, factor is not None
-        self.num_active += self.active(slot)
-        if self.active(slot):
+            self.factor_host.add(slot)
+        if replacement is not None:
+            self.replace[slot] = replacement
+        if bias is not None or factor is not None or replacement is not None:
             self.active_slots.add(slot)
 
     def _stack(self, stack: torch.Tensor | None, row: torch.Tensor, fill: float) -> torch.Tensor:
@@ -58,22 +57,19 @@ class ProjectionExtras:
                                                           dtype=row.dtype, device=row.device)
 
     def clear(self, slot: int) -> None:
-        self.num_active -= self.active(slot)
-        if self.has_bias[slot]:
+        if slot in self.bias_slots:
             self.bias[slot] = 0.0
-        if self.has_factor[slot]:
+        if slot in self.factor_host:
             self.factor[slot] = 1.0
             self.factor_slots[slot] = False
-        self.has_bias[slot] = self.has_factor[slot] = False
-        self.replace[slot] = None
-        self.active_slots.discard(slot)
+        for held in (self.bias_slots, self.factor_host, self.active_slots):
+            held.discard(slot)
+        self.replace.pop(slot, None)
 
     def used_by(self, batch: LoRABatch) -> bool:
         """Whether a slot of this step (any pass) has anything here."""
-        return not all(self.active_slots.isdisjoint(one.host_slots) for one in (batch, *batch.passes))
-
-    def active(self, slot: int) -> bool:
-        return slot >= 0 and (self.has_bias[slot] or self.has_factor[slot] or self.replace[slot] is not None)
+        return bool(self.active_slots) and \
+            not all(self.active_slots.isdisjoint(one.host_slots) for one in (batch, *batch.passes))
 
     def apply(self, y: torch.Tensor, batch: LoRABatch, base_bias: torch.Tensor | None, x: torch.Tensor
               ) -> torch.Tensor:
@@ -85,9 +81,9 @@ class ProjectionExtras:
                 self._add_bias(y, one)
         if self.factor is not None:
             self._rescale(y, batch, base_bias)
-        if any(r is not None for r in self.replace):
+        if self.replace:
             for slot, idx in batch.segments():
-                if self.replace[slot] is not None:
+                if slot in self.replace:
                     apply_replacement(y, x, idx, self.replace[slot], base_bias)
         return y
 

@@ -80,7 +80,6 @@ class SavedNorms:
         self.weight: torch.Tensor | None = None  # [S + 1, dim]
         self.has = torch.zeros(num_slots + 1, dtype=torch.bool)  # moved with the first weight
         self.active_slots: set[int] = set()  # the same on the host
-        self.num_active = 0
 
     def set(self, slot: int, weight: torch.Tensor | None) -> None:
         """`weight` [dim] in the model's dtype, on its device."""
@@ -93,13 +92,11 @@ class SavedNorms:
         self.weight[slot] = weight
         self.has[slot] = True
         self.active_slots.add(slot)
-        self.num_active += 1
 
     def clear(self, slot: int) -> None:
         if slot in self.active_slots:
             self.has[slot] = False
             self.active_slots.discard(slot)
-            self.num_active -= 1
 
     def apply(self, out: torch.Tensor, src: torch.Tensor, batch: LoRABatch, eps: float) -> None:
         """Rows of `out` (the norm of `src` under the base's weight) of the tokens whose slot has a weight,

@@ -55,7 +55,7 @@ class LoRASlots:
         self.layers: list[dict[str, LoRATable | StackedLoRA]] = [
             {fused: table(fused) for fused in FUSED_PROJECTIONS} for _ in range(config.num_layers)]
         self.extras: list[dict[str, ProjectionExtras]] = [
-            {fused: ProjectionExtras.empty(max_loras) for fused in FUSED_PROJECTIONS} for _ in range(config.num_layers)]
+            {fused: ProjectionExtras(max_loras) for fused in FUSED_PROJECTIONS} for _ in range(config.num_layers)]
         self.norms: dict[tuple[int, str], SavedNorms] = {}  # per norm module, made as the model's are wrapped
         self.moe: dict[int, MoESlots] = {}  # per sparse layer, made as the model's MoE blocks are wrapped
         self.norm_dims: dict[str, int] | None = None  # each norm's width by name (saved_norms.norm_dims), once known
