@@ -50,7 +50,11 @@ def server_config(args: argparse.Namespace, model: str) -> ServerConfig:
     if config.tenants_file:  # a broken file fails here, before the model is loaded
         TenantRegistry(config.tenants_file, (config.admin_api_key, config.metrics_api_key, config.api_key))
     return dataclasses.replace(config, served_model_name=config.served_model_name or Path(model).name,
-                               model_path=model, usage_db=usage_db(config))
+                               model_path=model, usage_db=usage_db(config),
+                               batch_dir=batch_dir(config, getattr(args, "ray", False)),
+                               # under --ray each replica would keep its own: a stored id would be found by chance
+                               responses_store_max_count=0 if getattr(args, "ray", False) else
+                               config.responses_store_max_count)
 
 
 def usage_db(config: ServerConfig) -> str | None:
@@ -65,3 +69,17 @@ def usage_db(config: ServerConfig) -> str | None:
     folder = model_store.cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
     return str(folder / f"usage-{config.port}.db")
+
+
+def batch_dir(config: ServerConfig, ray: bool = False) -> str | None:
+    """The Files and Batch APIs' folder: as given (made here if missing: one that cannot be fails
+    before the model is loaded), `batches-PORT` in the cache by default (made when the server starts).
+    None under `--ray`: the ingress sends each request to any replica, so a file uploaded to one would
+    be missing on the next; the APIs answer that they are off instead."""
+    if ray:
+        return None
+    if not config.batch_dir:
+        return str(model_store.cache_dir() / f"batches-{config.port}")
+    folder = Path(config.batch_dir).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    return str(folder)

@@ -17,7 +17,8 @@ from fastapi import FastAPI
 
 import loraplex
 from loraplex.api.admin import routes_adapters, routes_console, routes_tenants
-from loraplex.api.openai import routes_chat, routes_completions, routes_models, routes_tokenize
+from loraplex.api.batch import routes_batches, routes_files
+from loraplex.api.openai import routes_chat, routes_completions, routes_models, routes_responses, routes_tokenize
 from loraplex.api.tenancy import auth
 from loraplex.api.sources.adapter_directory import SharedAdapters
 from loraplex.api.body_limit import BodyLimit
@@ -29,8 +30,8 @@ from loraplex.platform.engine.engine_client import EngineClient
 __all__ = ["APIError", "ServerConfig", "ServerState", "SharedAdapters", "app_for", "build_app"]
 
 log = logging.getLogger(__name__)
-ROUTERS = (routes_models, routes_completions, routes_chat, routes_tokenize, routes_adapters, routes_console,
-           routes_tenants)
+ROUTERS = (routes_models, routes_completions, routes_chat, routes_responses, routes_tokenize, routes_adapters,
+           routes_console, routes_tenants, routes_files, routes_batches)
 
 
 def build_app(client: EngineClient, config: ServerConfig, shared: SharedAdapters | None = None) -> FastAPI:

@@ -74,6 +74,16 @@ class ServerConfig:
                                                      "decode, grammar compile, adapter load) over OTLP/HTTP to this "
                                                      "URL, e.g. http://127.0.0.1:4318/v1/traces (vLLM's flag); none: "
                                                      "nothing traced", metavar="URL")
+    batch_dir: str | None = setting(None, "folder the Files and Batch APIs keep uploaded files, batches and their "
+                                          "results in (kept across restarts: unfinished batches resume at start; "
+                                          "default: batches-PORT in $LORAPLEX_CACHE or ~/.cache/loraplex; off under "
+                                          "--ray, where each replica would keep its own)", metavar="DIR")
+    max_file_bytes: int = setting(200 << 20, "largest file POST /v1/files takes (beyond this, 413; the request "
+                                             "body limit does not apply to uploads)", size=True)
+    max_batch_lines: int = setting(50000, "most request lines one batch's input file may hold")
+    batch_concurrency: int = setting(8, "batch lines running at once, over all batches (each its own request, at "
+                                        "the lowest priority): however many batches, interactive requests keep the "
+                                        "queue")
     max_waiting_requests: int | None = setting(1024, "beyond this, 429 with Retry-After")
     max_request_body_bytes: int = setting(4 << 20, "beyond this, 413", size=True)
     request_timeout_s: float | None = setting(None, "seconds; beyond this, 504", flag="--request-timeout")
@@ -92,6 +102,10 @@ class ServerConfig:
     stall_timeout_s: float = setting(10.0, "seconds a client whose buffer is full may take no bytes; then its "
                                            "connection is dropped and its requests aborted (KV freed)",
                                      flag="--stall-timeout")
+    responses_store_max_count: int = setting(10000, "stored responses (POST /v1/responses with store: true) kept "
+                                                    "in memory; beyond this the oldest go")
+    responses_store_max_bytes: int = setting(256 << 20, "bytes of stored responses kept; beyond this the oldest go",
+                                             size=True)
     enable_ui: bool = setting(True, "no web console at /ui", flag="--disable-ui", invert=True)
     tool_call_parser: str = setting("auto", "the format tool calls are written and read in (vLLM's names); auto: "
                                             "from the markers in the chat template (hermes without any)",
@@ -115,6 +129,8 @@ class ServerConfig:
                 or self.adapter_source_ttl < 0:
             raise ValueError("adapter_fetch_timeout and adapter_cache_size must be > 0, adapter_fetch_attempts >= 1, "
                              "adapter_source_ttl >= 0")
+        if min(self.max_file_bytes, self.max_batch_lines, self.batch_concurrency) < 1:
+            raise ValueError("max_file_bytes, max_batch_lines and batch_concurrency must be >= 1")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {list(REASONING_PARSERS)}, "
                              f"got {self.reasoning_parser!r}")

@@ -8,12 +8,14 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from loraplex.api.batch.service import BatchService
 from loraplex.api.sources.adapter_directory import AdapterDirectory, SharedAdapters
 from loraplex.api.sources.adapter_roots import relative_to, spellings
 from loraplex.api.admin.audit import AuditLog
 from loraplex.api.admin.ledger import RemoteLedger, UsageLedger
 from loraplex.api.tenancy.callers import OPEN, Caller
 from loraplex.api.admin.metrics import ServerMetrics
+from loraplex.api.openai.response_store import ResponseStore
 from loraplex.api.tenancy.quotas import TenantLimits
 from loraplex.api.settings import ServerConfig
 from loraplex.api.tenancy.tenants import TenantRegistry
@@ -32,6 +34,8 @@ class ServerState:
     audit: AuditLog = field(default_factory=lambda: AuditLog(None))
     created: int = field(default_factory=lambda: int(time.time()))
     tracing: Tracing = field(default_factory=NoTracing)  # OpenTelemetry spans (--otlp-traces-endpoint)
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(0, 0))  # stored /v1/responses
+    batches: BatchService | None = None  # the Files and Batch APIs (api/batch/); None: no batch_dir, they are off
 
     @classmethod
     def create(cls, client: EngineClient, config: ServerConfig, shared: SharedAdapters | None = None,
@@ -42,7 +46,9 @@ class ServerState:
         metrics = ServerMetrics(client.stats, ledger or UsageLedger(config.usage_db))
         adapters = AdapterDirectory(client, config, shared, lambda store: setattr(metrics.adapter_store, "store", store))
         return cls(client, config, adapters, metrics, tenants, TenantLimits(share=config.tenant_limit_share),
-                   AuditLog(config.audit_log), tracing=tracing_for(config))
+                   AuditLog(config.audit_log), tracing=tracing_for(config),
+                   responses=ResponseStore(config.responses_store_max_count, config.responses_store_max_bytes),
+                   batches=BatchService(config, tenants) if config.batch_dir else None)
 
     @property
     def ledger(self) -> UsageLedger | RemoteLedger:

@@ -20,6 +20,7 @@ LORA_DTYPES = {name: (dtype, torch.bfloat16) if dtype == torch.float32 else (dty
 
 
 QUANTIZATIONS = ("none", "q4", "int8")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
@@ -110,6 +111,12 @@ class EngineConfig:
                                           "size by default)")
     enable_prefix_caching: bool = _setting(True, "reuse the KV of shared prompt prefixes")
     seed: int = _setting(0, "seed for requests that bring none")
+    scheduling_policy: str = _setting("fcfs", "fcfs: requests in arrival order (a request's priority other than 0 "
+                                              "refused); priority: by each request's priority (lower first; vLLM's "
+                                              "meaning) within its tenant, a running request sitting out a step "
+                                              "while a more urgent one prefills, preempted when it needs the seat "
+                                              "or blocks. Batch API lines yield to interactive work under either",
+                                      choices=list(SCHEDULING_POLICIES))
     max_loras: int | None = _setting(None, "distinct adapters in one batch (default: as many as --lora-memory "
                                            "holds at --max-lora-rank, at most --max-num-seqs; logged at start)")
     max_lora_rank: int = _setting(16, "largest adapter rank accepted")
@@ -173,6 +180,8 @@ class EngineConfig:
             raise ValueError(f"max_cpu_loras must be >= max_loras={self.max_loras}, got {self.max_cpu_loras}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.quantization != "none" and self.dtype not in ("auto", "float32", "bfloat16"):

@@ -18,6 +18,8 @@ INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS, MAX_STOP_TOKEN_IDS = 64, 1024, 1024  # each step checks them all
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 MAX_CACHE_SALT_CHARS = 1024
+PRIORITY_MIN, PRIORITY_MAX = -2**31, 2**31 - 1  # what a user may give (vLLM's `priority`: lower runs earlier)
+BATCH_PRIORITY = 2**31  # Batch API lines: less urgent than any user priority (the server sets it, never a user)
 
 
 @dataclass
@@ -50,6 +52,8 @@ class SamplingParams:
     cache_salt: str | None = None
     # with --speculative-config: False keeps this request out of speculative decoding (no drafts verified)
     speculative: bool = True
+    # vLLM's: lower is more urgent (--scheduling-policy priority; under fcfs only 0, or BATCH_PRIORITY)
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -102,6 +106,10 @@ class SamplingParams:
             self.prompt_logprobs, bool) and 0 <= self.prompt_logprobs <= 20), "prompt_logprobs", "None or in [0, 20]")
         need(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output", "a boolean")
         need(isinstance(self.speculative, bool), "speculative", "a boolean")
+        priority = self.priority  # BATCH_PRIORITY too: the server's own, for Batch API lines
+        need(isinstance(priority, int) and not isinstance(priority, bool) and (
+            PRIORITY_MIN <= priority <= PRIORITY_MAX or priority == BATCH_PRIORITY), "priority",
+             f"an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}]")
         need(self.reasoning is None or isinstance(self.reasoning, Reasoning), "reasoning", "a Reasoning")
         need(self.cache_salt is None or (isinstance(self.cache_salt, str) and 0 < len(self.cache_salt)
                                          <= MAX_CACHE_SALT_CHARS), "cache_salt",
@@ -184,6 +192,7 @@ class Request:
         self.adapter = adapter  # LoRA adapter name; None: the base model (or a mix)
         self.mix = mix  # an `AdapterMix` of two or more adapters (or one not at weight 1); None: `adapter` alone
         self.tenant = tenant  # a `TenantShare` (its name and weight in the batch's fair share); None: nobody's
+        self.priority = params.priority  # lower is more urgent (the scheduler's order; forks inherit it)
         # prefetched by the input processor, handed to the registry's pin (a mix: one per adapter, in order)
         self.adapter_weights = adapter_weights
         self.tokenizer = tokenizer  # the adapter's own, where it brings one: its outputs decode with it; None: the base's

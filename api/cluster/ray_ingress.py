@@ -53,7 +53,8 @@ def _admin_load(fields: dict):
 
 
 # POST path -> the body field that names the adapter; every other request is routed as the base model
-ROUTED_BY = {"/v1/chat/completions": _generation, "/v1/completions": _generation, "/v1/load_lora_adapter": _admin_load}
+ROUTED_BY = {"/v1/chat/completions": _generation, "/v1/completions": _generation, "/v1/responses": _generation,
+             "/v1/load_lora_adapter": _admin_load}
 
 
 def adapter_named(method: str, path: str, body: bytes, base: str) -> str | None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from typing import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from loraplex.api.batch.scope_keys import BATCH_LINE
 from loraplex.api.tenancy import admission, auth
 from loraplex.api.openai import openai_format as fmt
 from loraplex.api.tenancy.callers import OPEN, Caller, caller_of
@@ -20,7 +22,7 @@ from loraplex.api.tenancy.quotas import Lease
 from loraplex.api.state import ServerState
 from loraplex.api.openai.streaming import ClientGone, SSEResponse, sse, until_disconnect
 from loraplex.platform.engine.engine_client import AdapterMix, QueueFullError, accumulate
-from loraplex.platform.request import RequestOutput, SamplingParams
+from loraplex.platform.request import BATCH_PRIORITY, RequestOutput, SamplingParams
 
 UNENFORCED_HEADER = "x-loraplex-unenforced-keywords"
 
@@ -117,7 +119,7 @@ async def run(state: ServerState, prompts: list[list[int]], params: list[Samplin
         admission.reserve(state, caller, lease, reserved_tokens(prompts, params))
         timers = _Timers(state, prompts, adapter, caller.tenant.name if caller.tenant else None, request_ids)
     except BaseException:
-        _end(lease, 0)
+        end_lease(lease, 0)
         raise
     refused = False  # the engine refused the prompts before running any: nothing to bill
     try:
@@ -148,7 +150,7 @@ async def run(state: ServerState, prompts: list[list[int]], params: list[Samplin
                     pending.append((i, delta))
                 yield i, delta
     finally:
-        _end(lease, timers.abandon() if refused else timers.close())
+        end_lease(lease, timers.abandon() if refused else timers.close())
 
 
 BUSY = "the server is busy; retry later"
@@ -163,7 +165,18 @@ def _for(caller: Caller, exc: Exception) -> APIError:
     return api
 
 
-def _end(lease: Lease | None, billed: int) -> None:
+def at_priority(request: Request, params: list[SamplingParams]) -> list[SamplingParams]:
+    """A Batch API line (api/batch) runs at the batch priority, below every interactive request; it may not
+    give its own."""
+    if not request.scope.get(BATCH_LINE):
+        return params
+    if any(p.priority != 0 for p in params):
+        raise APIError(400, "priority: a batch line runs at the batch priority (below interactive requests); leave "
+                            "priority out", "priority")
+    return [dataclasses.replace(p, priority=BATCH_PRIORITY) for p in params]
+
+
+def end_lease(lease: Lease | None, billed: int) -> None:
     if lease is not None:
         lease.use(billed)
         lease.release()
@@ -178,7 +191,7 @@ async def respond(state: ServerState, request: Request, body, ids: list[list[int
     """The whole response as JSON, or (stream: true) SSE once the first output is in: errors
     before it (validation, unknown adapter, bad schema) are plain HTTP errors. The tenant's `lease` is
     released when the generation ends (or here, if it never started)."""
-    updates = run(state, ids, params, adapter, view.id, caller_of(request), lease, body.stream)
+    updates = run(state, ids, at_priority(request, params), adapter, view.id, caller_of(request), lease, body.stream)
     try:
         if not body.stream:
             outputs = await until_disconnect(request, _collect(updates, len(ids)))
@@ -186,11 +199,11 @@ async def respond(state: ServerState, request: Request, body, ids: list[list[int
         first = await until_disconnect(request, anext(updates))
     except ClientGone:
         await updates.aclose()
-        _end(lease, 0)  # a no-op unless the client left before the generation started
+        end_lease(lease, 0)  # a no-op unless the client left before the generation started
         return Response(status_code=499)
     except Exception:
         await updates.aclose()
-        _end(lease, 0)
+        end_lease(lease, 0)
         raise
     shown = lambda text: auth.shown(request, text)  # noqa: E731  a mid-stream error, as the caller may read it
     return SSEResponse(sse(updates, first, view, body.include_usage, shown), _unenforced_header([first[1]]))

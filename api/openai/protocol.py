@@ -142,6 +142,16 @@ def _no_op(value: Any, no_ops: tuple) -> bool:
     return any(type(value) is type(no_op) and value == no_op for no_op in no_ops)
 
 
+def without_refused(data: Any, refused: dict) -> Any:
+    """A body's refused fields: a 400 naming the first given a value other than its no-op; the no-ops dropped."""
+    if not isinstance(data, dict):
+        return data
+    for name, (why, no_ops) in refused.items():
+        if name in data and data[name] is not None and not _no_op(data[name], no_ops):
+            raise PydanticCustomError("refused_field", "{field}: {why}", {"field": name, "why": why})
+    return {k: v for k, v in data.items() if k not in refused}  # what is left is a no-op
+
+
 class _SamplingFields(_Body):
     model: str
     n: int = 1
@@ -175,6 +185,8 @@ class _SamplingFields(_Body):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # ours: false keeps this request out of speculative decoding (a server with --speculative-config)
     speculative: bool = True
+    # vLLM's: lower runs sooner (--scheduling-policy priority; under fcfs only 0); a tenant's orders its own work
+    priority: int = Field(default=0, ge=-2**31, le=2**31 - 1)  # BATCH_PRIORITY, above it, is the server's own
     # taken and ignored (IGNORED); refused unless a no-op value (REFUSED)
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -190,12 +202,7 @@ class _SamplingFields(_Body):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unimplemented(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        for name, (why, no_ops) in REFUSED.items():
-            if name in data and data[name] is not None and not _no_op(data[name], no_ops):
-                raise PydanticCustomError("refused_field", "{field}: {why}", {"field": name, "why": why})
-        return {k: v for k, v in data.items() if k not in REFUSED}  # what is left is a no-op
+        return without_refused(data, REFUSED)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
                         tool_format: str = "hermes", reasoning_parser: str | None = None) -> SamplingParams:
@@ -210,7 +217,8 @@ class _SamplingFields(_Body):
                               structured=self.structured(tool_format), logit_bias=self._logit_bias(),
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               prompt_logprobs=prompt_logprobs, reasoning=self.reasoning(reasoning_parser),
-                              cache_salt=self.cache_salt, speculative=self.speculative, **given)
+                              cache_salt=self.cache_salt, speculative=self.speculative, priority=self.priority,
+                              **given)
 
     def adapter_weights(self) -> list[tuple[str, float]] | None:
         """`adapters` as (name, weight) pairs, None when the request names no mix."""

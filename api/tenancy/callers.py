@@ -28,6 +28,11 @@ class Caller:
         return TenantShare(self.tenant.name, self.tenant.weight, self.tenant.cache_namespace)
 
     @property
+    def owner(self) -> str:
+        """Whose stored objects (responses, files, batches) these are: a tenant's own, else the role's."""
+        return f"tenant:{self.tenant.name}" if self.tenant is not None else self.role
+
+    @property
     def label(self) -> str:
         """For logs, metrics and the audit log: the tenant's name, else the role."""
         return self.tenant.name if self.tenant is not None else self.role

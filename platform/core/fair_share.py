@@ -6,6 +6,11 @@ tenants in flight, a waiting request is admitted from the tenant with the fewest
 waits below its share, the newest sequences of the tenant furthest above its share are preempted
 (recomputed later, mostly from the prefix cache) to make room: one tenant's flood cannot hold the
 batch while another's requests wait (weighted fair queueing over seats, as a gateway cannot do).
+
+Priorities order a tenant's own work, never another's (`outranks`), but Batch API lines (`BATCH_PRIORITY`) yield
+to everyone's: a tenant's first admissible waiting request is its most urgent (the scheduler keeps `waiting` in
+priority order), batch lines are admitted after every tenant's other work, seats are taken from a tenant's worst
+priority first, and batch lines waiting below their share take seats only from batch lines.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from itertools import chain
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from loraplex.platform.request import Request
+from loraplex.platform.request import BATCH_PRIORITY, Request
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,12 @@ def seats(running: Iterable[Request]) -> Counter:
     return Counter(tenant_of(r).name for r in running)
 
 
+def outranks(a: Request, b: Request) -> bool:
+    """Whether `a` goes before `b` (sits it out, preempts it): more urgent (a lower priority), and of the same
+    tenant, or `b` a Batch API line, which yields to everyone's work."""
+    return a.priority < b.priority and (b.priority == BATCH_PRIORITY or tenant_of(a).name == tenant_of(b).name)
+
+
 def several_tenants(waiting: Iterable[Request], running: Iterable[Request]) -> bool:
     names = set()
     for req in chain(waiting, running):
@@ -55,18 +66,19 @@ def several_tenants(waiting: Iterable[Request], running: Iterable[Request]) -> b
 
 
 def next_to_admit(waiting: Iterable[Request], held: Counter, admissible: Callable[[Request], bool]) -> int | None:
-    """Index in `waiting` of the next request to admit: each tenant's first admissible request, from the
-    tenant with the fewest seats per weight (the earlier one on a tie); None if none is admissible."""
+    """Index in `waiting` of the next request to admit: each tenant's first admissible request (its most
+    urgent), from the tenant with the fewest seats per weight (the earlier one on a tie), batch lines after
+    every other; None if none is admissible."""
     best, seen = None, set()
     for i, req in enumerate(waiting):
         tenant = tenant_of(req)
         if tenant.name in seen or not admissible(req):
             continue
         seen.add(tenant.name)
-        key = (held[tenant.name] / tenant.weight, i)
+        key = (req.priority == BATCH_PRIORITY, held[tenant.name] / tenant.weight, i)
         if best is None or key < best:
             best = key
-    return None if best is None else best[1]
+    return None if best is None else best[-1]
 
 
 def fair_seats(requests: Iterable[Request], max_num_seqs: int) -> dict[str, float]:
@@ -82,19 +94,32 @@ def fair_seats(requests: Iterable[Request], max_num_seqs: int) -> dict[str, floa
 def preemption_victims(waiting: list[Request], running: list[Request], max_num_seqs: int,
                        admissible: Callable[[Request], bool]) -> list[Request]:
     """Running sequences to preempt so that tenants waiting below their share get seats: as many as they
-    can take beyond the free seats, each from the tenant then furthest above its share (newest first)."""
+    can take beyond the free seats, each from the tenant then furthest above its share (its worst priority,
+    newest first), batch lines first of all when interactive work waits; batch lines alone waiting take seats only
+    from batch lines."""
     fair = fair_seats(chain(waiting, running), max_num_seqs)
     held = seats(running)
-    wanting = Counter(tenant_of(r).name for r in waiting if admissible(r))
-    need = sum(max(0, min(math.floor(fair[name]) - held[name], count)) for name, count in wanting.items())
-    need -= max(0, max_num_seqs - len(running))
+    ready = [r for r in waiting if admissible(r)]
+    wanting = Counter(tenant_of(r).name for r in ready)
+    short = {name: max(0, min(math.floor(fair[name]) - held[name], count)) for name, count in wanting.items()}
+    need = sum(short.values()) - max(0, max_num_seqs - len(running))
+    if need <= 0:
+        return []
+    batch_only = all(r.priority == BATCH_PRIORITY for r in ready if short[tenant_of(r).name])
+    candidates = [r for r in running if not batch_only or r.priority == BATCH_PRIORITY]
     victims: list[Request] = []
-    for _ in range(max(0, need)):
-        over = [name for name in held if held[name] - 1 >= fair[name]]
+    if not batch_only:  # interactive work waits below its share: batch lines give up their seats first, anyone's
+        victims = [r for r in reversed(candidates) if r.priority == BATCH_PRIORITY][:need]
+        for victim in victims:
+            candidates.remove(victim)
+            held[tenant_of(victim).name] -= 1
+    for _ in range(need - len(victims)):
+        over = [n for n in dict.fromkeys(tenant_of(r).name for r in candidates) if held[n] - 1 >= fair[n]]
         if not over:
             break
         name = max(over, key=lambda n: held[n] / fair[n])
-        victim = next(r for r in reversed(running) if tenant_of(r).name == name and r not in victims)
+        victim = max((r for r in reversed(candidates) if tenant_of(r).name == name), key=lambda r: r.priority)
+        candidates.remove(victim)
         victims.append(victim)
         held[name] -= 1
     return victims

@@ -4,7 +4,8 @@ There are no prefill and decode phases: every request has `num_computed_tokens` 
 with its token count. Running requests go first (oldest first), then waiting ones in arrival
 order, under a token budget and a sequence cap; a long prompt is cut into chunks. When blocks
 run out the newest running request is preempted: its blocks are freed and it is recomputed
-later from the front of the queue, so no request starves.
+later from the front of the queue, so no request starves. (With priorities: most urgent first,
+then as said; see below.)
 
 Adapter slots never block the queue: a waiting request whose adapter has no slot (`max_loras`
 distinct adapters already run) is skipped, and base requests and requests of resident adapters
@@ -16,19 +17,31 @@ adapter cycling). Within one adapter, and for KV blocks, admission stays FCFS.
 Requests of several tenants share the batch by weight (`fair_share.py`): admission takes the next
 request from the tenant with the fewest seats per weight, and a tenant waiting below its share gets
 seats preempted from the one furthest above its own.
+
+Priority (vLLM's `priority`, lower first): `waiting` is kept in (priority, arrival) order, a preempted
+request back at the front of its class, and `running` in (priority, admission) order. A request outranks
+another of its tenant with a higher value, and any Batch API line (`BATCH_PRIORITY`; `fair_share.outranks`):
+priorities order a tenant's own work, batch lines yield to everyone's. A running request outranked by an
+urgent one (a running one still in its prompt, or a waiting one admissible now) sits the step out, keeping
+its blocks and seat, so the urgent prefill has the step to itself; when the waiting one cannot get a seat
+or blocks, the running requests it outranks are preempted, worst priority (newest) first; in a step where
+nothing more urgent could run nobody sits out. Blocks running short preempt the worst priority, newest
+among equals. All priorities equal: exactly FCFS as above, the extra work an O(1) check.
 """
 
 from __future__ import annotations
 
 import time
+from bisect import bisect_left, bisect_right
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable
+from itertools import takewhile
+from typing import Callable, Iterable
 
 from loraplex.platform.core import fair_share
 from loraplex.platform.core.kv_cache_manager import KVCacheManager
-from loraplex.platform.request import Logprob, Request, RequestStatus
+from loraplex.platform.request import BATCH_PRIORITY, Logprob, Request, RequestStatus
 
 
 @dataclass
@@ -53,6 +66,23 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
+
+
+class _Urgent:
+    """The most urgent priority, per tenant and over all, of some requests: whether one of them outranks
+    another (`fair_share.outranks`) in O(1)."""
+
+    def __init__(self, requests: Iterable[Request]) -> None:
+        self.best: dict[str, int] = {}
+        self.overall = BATCH_PRIORITY
+        for r in requests:
+            name = fair_share.tenant_of(r).name
+            self.best[name] = min(r.priority, self.best.get(name, r.priority))
+            self.overall = min(self.overall, r.priority)
+
+    def outranks(self, req: Request) -> bool:
+        p = req.priority
+        return self.best.get(fair_share.tenant_of(req).name, p) < p or (p == BATCH_PRIORITY and self.overall < p)
 
 
 class Scheduler:
@@ -80,7 +110,8 @@ class Scheduler:
         if request.request_id in self.groups:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.groups[request.request_id] = [request]
-        self.waiting.append(request)
+        # after the last waiting request of its priority or a more urgent one
+        self.waiting.insert(bisect_right(self.waiting, request.priority, key=_priority), request)
         self.tenanted = self.tenanted or request.tenant is not None
 
     def has_unfinished(self) -> bool:
@@ -89,34 +120,66 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self._step += 1
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
         fair = self.tenanted and fair_share.several_tenants(self.waiting, self.running)
         if fair:
             self._make_room_for_tenants(out)
         made_room = len(out.preempted)
+        sitting, displaced = self._sitting_out()
+        budget = self._schedule_running(out, self.max_num_batched_tokens, sitting)
+        if len(out.preempted) == made_room:  # else blocks ran short above: nothing new this step
+            budget = self._admit_waiting(out, budget, fair, displaced)
+        if sitting and not out.scheduled:  # nothing more urgent could run: nobody sits out
+            budget = self._schedule_running(out, budget, set())
+        self._add_drafts(out, budget)
+        out.block_copies = self.kv.take_copies()
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, sitting: set[Request]) -> int:
+        """Running requests first, in `running`'s order, but those `sitting` out; when blocks run short the last
+        one (the worst priority, newest among equals) is preempted. The budget left."""
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < self.max_num_seqs:
             req = self.running[i]
+            if req in sitting:
+                i += 1
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while self.kv.allocate_slots(req, num_new) is None:
-                victim = self.running.pop()  # newest first
+                victim = self.running.pop()  # worst priority, newest first
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     break
             else:
                 out.scheduled.append((req, num_new))
-                scheduled_ids.add(req.seq_id)
                 budget -= num_new
                 i += 1
                 continue
-            break  # req itself was preempted: nothing newer is left to schedule
-        if len(out.preempted) == made_room:  # else blocks ran short above: nothing new this step
-            budget = self._admit_waiting(out, budget, fair)
-        self._add_drafts(out, budget)
-        out.block_copies = self.kv.take_copies()
-        return out
+            break  # req itself was preempted: nothing less urgent or newer is left to schedule
+        return budget
+
+    def _sitting_out(self) -> tuple[set[Request], list[Request]]:
+        """The running requests that sit this step out, each outranked by an urgent one (running, still in its
+        prompt; or waiting, admissible now); and those of them a waiting one outranks, worst priority (newest)
+        last: preempted in that order when admission blocks."""
+        worst = self._outranked_priority()
+        if worst is None:
+            return set(), []
+        adapters = self.running_adapters()
+        admissible = partial(self._admissible, resident=adapters, yielding=self._yielding_adapters(adapters))
+        by_waiting = _Urgent(r for r in takewhile(lambda r: r.priority < worst, self.waiting) if admissible(r))
+        by_prompt = _Urgent(r for r in self.running if r.num_computed_tokens < len(r.prompt_token_ids))
+        displaced = [r for r in self.running if by_waiting.outranks(r)]
+        return set(displaced).union(r for r in self.running if by_prompt.outranks(r)), displaced
+
+    def _outranked_priority(self) -> int | None:
+        """The running requests' least urgent priority; None while none of them is less urgent than another
+        request, so that nobody can sit out (all priorities equal). O(1): both queues are in priority order."""
+        if not self.running:
+            return None
+        worst = self.running[-1].priority
+        best = min(self.running[0].priority, self.waiting[0].priority if self.waiting else worst)
+        return worst if best < worst else None
 
     def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
         """Last, from what the step has left (budget, blocks): each scheduled running request's drafts, computed
@@ -147,7 +210,8 @@ class Scheduler:
             self._preempt(victim)
             out.preempted.append(victim)
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, fair: bool = False) -> int:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, fair: bool = False,
+                       displaced: list[Request] | None = None) -> int:
         adapters = self.running_adapters()  # grows as requests are admitted: `admissible` sees it
         admissible = partial(self._admissible, resident=adapters, yielding=self._yielding_adapters(adapters))
         held = fair_share.seats(self.running) if fair else None
@@ -160,6 +224,12 @@ class Scheduler:
             req = self.waiting[i]
             group = req.pending_forks + 1
             if self.running and len(self.running) + group > self.max_num_seqs:
+                if not admissible(req) and displaced:
+                    i += 1  # a more urgent one behind it may take a seat from what it outranks
+                    continue
+                if self._displace(req, displaced, out, held):
+                    i = self.waiting.index(req)
+                    continue
                 break
             if not admissible(req):
                 i += 1  # no slot for it now: base requests and resident adapters behind it go on
@@ -169,6 +239,9 @@ class Scheduler:
                 hits, num_hit = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, budget)
             if self.kv.allocate_slots(req, num_new, hits) is None:
+                if self._displace(req, displaced, out, held):
+                    i = self.waiting.index(req)
+                    continue
                 break  # FCFS for KV blocks: nobody overtakes the first request that fits no slot
             del self.waiting[i]
             self.kv.record_prefix_lookup(req.num_tokens, num_hit)
@@ -177,13 +250,33 @@ class Scheduler:
                 req.queue_time_s = time.monotonic() - req.arrival_time
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            self._run(req)
             adapters.update(req.adapter_names)
             out.scheduled.append((req, num_new))
             budget -= num_new
             if held is not None:
                 held[fair_share.tenant_of(req).name] += 1
         return budget
+
+    def _displace(self, req: Request, displaced: list[Request] | None, out: SchedulerOutput, held) -> bool:
+        """`req`'s admission blocks (seats, blocks): preempt the worst (newest among equals) running request it
+        outranks (sitting out this step); False when there is none."""
+        for k in range(len(displaced or ()) - 1, -1, -1):
+            victim = displaced[k]
+            if victim.status == RequestStatus.RUNNING and fair_share.outranks(req, victim):
+                del displaced[k]
+                self.running.remove(victim)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if held is not None:
+                    held[fair_share.tenant_of(victim).name] -= 1
+                return True
+        return False
+
+    def _run(self, req: Request) -> None:
+        """Into `running`, kept in (priority, admission) order: the most urgent run first, the last is preempted
+        first."""
+        self.running.insert(bisect_right(self.running, req.priority, key=_priority), req)
 
     def _admissible(self, req: Request, resident: set[str], yielding: set[str]) -> bool:
         """Whether `req` may be admitted now as far as adapter slots go (the base model always may)."""
@@ -215,7 +308,8 @@ class Scheduler:
         req.spec_token_ids = []
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(req)
+        # first of its priority class: before the first waiting request as urgent or less
+        self.waiting.insert(bisect_left(self.waiting, req.priority, key=_priority), req)
         self.num_preemptions += 1
 
     # ---- after the forward pass ---------------------------------------------------------------
@@ -254,13 +348,14 @@ class Scheduler:
                             extra_keys=parent.extra_keys, adapter=parent.adapter,
                             compiled_grammar=parent.compiled_grammar, mix=parent.mix, tenant=parent.tenant,
                             tokenizer=parent.tokenizer)
+            child.priority = parent.priority
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
             if parent.compiled_grammar is not None:  # forks happen before any token: a fresh matcher
                 child.grammar = self.new_grammar(parent.compiled_grammar)
             self.kv.fork(parent, child)
             child.status = RequestStatus.RUNNING
-            self.running.append(child)
+            self._run(child)
             self.groups[parent.request_id].append(child)
             children.append(child)
         parent.pending_forks = 0
@@ -350,3 +445,7 @@ class Scheduler:
         seqs = self.groups.get(req.request_id)
         if seqs is not None and not seqs[0].pending_forks and all(s.status.finished for s in seqs):
             self._finished_groups.append(self.groups.pop(req.request_id))
+
+
+def _priority(req: Request) -> int:
+    return req.priority

@@ -22,7 +22,7 @@ from loraplex.grammar.tooling.tools import plain_messages, resolve, template_tak
 from loraplex.platform.adapter_mix import AdapterMix, parse_mix
 from loraplex.platform.core.fair_share import TenantShare
 from loraplex.platform.core.kv_cache_manager import cdiv
-from loraplex.platform.request import Request, SamplingParams
+from loraplex.platform.request import BATCH_PRIORITY, Request, SamplingParams
 
 
 PROMPT_TAIL_TOKENS = 8  # the prompt's last tokens, read for an open or closed reasoning tag
@@ -39,6 +39,7 @@ class Limits:
     num_kv_blocks: int
     max_adapters_per_request: int = 8  # adapters in one mix
     max_loras: int = 8  # distinct adapters in a batch: a mix of more could never run
+    scheduling_policy: str = "fcfs"  # under fcfs a request's priority is 0 (or the server's BATCH_PRIORITY)
 
     @property
     def token_capacity(self) -> int:
@@ -206,6 +207,9 @@ class InputProcessor:
 
     def _check(self, ids: list[int], params: SamplingParams) -> None:
         lim = self.limits
+        if lim.scheduling_policy == "fcfs" and params.priority not in (0, BATCH_PRIORITY):
+            raise ValueError(f"priority={params.priority} needs a server started with --scheduling-policy priority "
+                             "(this one schedules fcfs: priority must be 0)")
         if params.n > lim.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={lim.max_num_seqs}")
         if len(ids) == 0:

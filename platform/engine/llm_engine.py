@@ -64,7 +64,7 @@ class Engine:
         self.inputs = InputProcessor(self.tokenizer, Limits(model.vocab_size, self.max_model_len,
                                                             config.max_num_seqs, config.block_size,
                                                             self.core.num_blocks, config.max_adapters_per_request,
-                                                            self.max_loras),
+                                                            self.max_loras, config.scheduling_policy),
                                      self.adapters, self.grammars)
         self.outputs = OutputProcessor(self.tokenizer)
 

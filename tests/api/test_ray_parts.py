@@ -33,6 +33,7 @@ def test_the_adapter_a_request_is_routed_by():
     assert adapter_named("POST", chat, body(model=f"{BASE}:ex"), BASE) == "ex"
     assert adapter_named("POST", chat, body(model="ex"), BASE) == "ex"
     assert adapter_named("POST", "/v1/completions", body(model="ex"), BASE) == "ex"
+    assert adapter_named("POST", "/v1/responses", body(model="ex"), BASE) == "ex"
     assert adapter_named("POST", chat, body(model=BASE), BASE) is None  # the base: spread over replicas
     assert adapter_named("POST", "/v1/load_lora_adapter", body(lora_name="new", lora_path="p"), BASE) == "new"
     assert adapter_named("POST", "/v1/unload_lora_adapter", body(lora_name="new"), BASE) is None

@@ -145,3 +145,25 @@ def test_a_bad_budget_is_a_400_naming_it(thinker):
                  "max_reasoning_tokens must be an integer")
     assert_error(http(thinker, "/v1/chat/completions", {**body, "max_reasoning_tokens": "many"}), 400,
                  "max_reasoning_tokens")
+
+
+def test_responses_keep_the_reasoning_apart_and_the_schema_holds_after_it(client, thinker):
+    """/v1/responses: the reasoning is its own output item (as the chat answer's reasoning_content), the
+    structured text follows it, the reasoning's tokens are counted; streamed, the reasoning's deltas come first."""
+    text = {"format": {"type": "json_schema", "name": "n", "schema": SCHEMA, "strict": True}}
+    chat = ask(thinker, max_tokens=60, max_reasoning_tokens=7, logit_bias={},
+               response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA, "strict": True}})
+    fields = dict(model="tiny", input=MSG[0]["content"], text=text, max_output_tokens=60, temperature=0,
+                  extra_body={"max_reasoning_tokens": 7})
+    whole = client.responses.create(**fields)
+    reasoning = [item for item in whole.output if item.type == "reasoning"]
+    assert [item.type for item in whole.output] == ["reasoning", "message"]
+    assert reasoning[0].content[0].text == chat["choices"][0]["message"]["reasoning_content"]
+    assert whole.output_text == chat["choices"][0]["message"]["content"]
+    jsonschema.validate(json.loads(whole.output_text), SCHEMA)
+    assert 0 < whole.usage.output_tokens_details.reasoning_tokens <= 7
+    events = list(client.responses.create(stream=True, **fields))
+    kinds = [e.type for e in events if e.type.endswith(".delta")]
+    assert kinds == sorted(kinds, key=["response.reasoning_text.delta", "response.output_text.delta"].index)
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning[0].content[0].text
+    assert events[-1].response.output_text == whole.output_text

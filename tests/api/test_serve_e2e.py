@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -50,7 +51,8 @@ def serving(model_dir, *flags: str, env: dict | None = None, stdout=subprocess.D
     `stdout=subprocess.PIPE` keeps the log for a test to read (it must read it)."""
     port = free_port()
     cmd = [sys.executable, "-m", "loraplex.api.cli", "serve", str(model_dir), "--port", str(port),
-           "--usage-db", "memory", *flags]  # no ledger file left in the cache (a --usage-db in flags wins)
+           "--usage-db", "memory", "--batch-dir", tempfile.mkdtemp(prefix="loraplex-batches-"),
+           *flags]  # no ledger file or batch folder left in the cache (a --usage-db or --batch-dir in flags wins)
     proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     try:
@@ -180,7 +182,8 @@ def test_tool_calls_through_the_openai_client(served):
 
 
 @pytest.mark.parametrize("script,args", [("chat_with_adapter.py", []), ("json_extraction.py", []),
-                                         ("tool_calling.py", []),
+                                         ("tool_calling.py", []), ("responses.py", []),
+                                         ("batch_extraction.py", ["--model", "SmolLM2-135M-Instruct:ex"]),
                                          ("hot_load_adapter.py", ["--path", "ex"])])
 def test_examples_run_against_the_server(served, script, args):
     url, _, root = served

@@ -16,9 +16,10 @@ def test_flag_defaults_are_the_settings_defaults(monkeypatch, tmp_path):
     monkeypatch.delenv("LORAPLEX_ADMIN_API_KEY", raising=False)
     monkeypatch.setenv("LORAPLEX_CACHE", str(tmp_path))
     args = build_parser().parse_args(["serve"])
-    # the one default resolved at start: the usage ledger's file, in the cache, named by the port
+    # the defaults resolved at start: the usage ledger's file and the batch folder, in the cache, named by the port
     assert server_config(args, "/models/m") == ServerConfig(served_model_name="m", model_path="/models/m",
-                                                            usage_db=str(tmp_path / "usage-8000.db"))
+                                                            usage_db=str(tmp_path / "usage-8000.db"),
+                                                            batch_dir=str(tmp_path / "batches-8000"))
     assert ClusterConfig(**values(ClusterConfig, args)) == ClusterConfig()
 
 
@@ -37,7 +38,7 @@ def test_given_flags_reach_the_settings(tmp_path, monkeypatch):
         adapter_roots=(str(tmp_path),) * 2, enable_lora_resolver=True, max_waiting_requests=3,
         max_request_body_bytes=1 << 20, request_timeout_s=2.5, shutdown_timeout_s=4.0, enable_ui=False,
         read_timeout_s=7.0, keep_alive_timeout_s=2.0, max_idle_connections=9, stream_buffer_bytes=64 << 10,
-        stall_timeout_s=3.0, usage_db=str(tmp_path / "usage-9.db"))
+        stall_timeout_s=3.0, usage_db=str(tmp_path / "usage-9.db"), batch_dir=str(tmp_path / "batches-9"))
     assert ClusterConfig(**values(ClusterConfig, args)) == ClusterConfig(replicas=3, routing="round-robin",
                                                                           address="auto", num_cpus=5)
 

@@ -46,6 +46,19 @@ def test_victims_come_from_the_tenant_furthest_above_its_share():
     assert preemption_victims(waiting, running, 8, lambda r: r.tenant is not B) == []  # b cannot run now
 
 
+def test_interactive_work_below_its_share_takes_batch_lines_seats_first():
+    """a waits with interactive work; b runs 5 interactive requests (furthest above its share), c 3 batch lines
+    (within its share): the batch lines give up the seat, not b's interactive work."""
+    from loraplex.platform.request import BATCH_PRIORITY
+
+    c = TenantShare("c")
+    running = [_req(f"b{i}", B) for i in range(5)] + [_req(f"c{i}", c) for i in range(3)]
+    for r in running[5:]:
+        r.priority = BATCH_PRIORITY
+    victims = preemption_victims([_req("a0", A)], running, 8, lambda r: True)
+    assert [v.request_id for v in victims] == ["c2"]
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
     return LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=256)
