@@ -88,6 +88,7 @@ class BatchRunner:
         lines = self.lines if self.lines is not None else await self._read_input()
         if lines is None:
             return
+        self.lines = lines
         index = await asyncio.to_thread(self.journal.scan)
         answered = [index[line.number][1] for line in lines if line.number in index]
         record.completed, record.failed = sum(answered), len(answered) - sum(answered)
@@ -234,6 +235,20 @@ class BatchRunner:
 
     async def _fail(self, code: str, message: str, param: str | None = None) -> None:
         self.record.errors = [{"code": code, "message": message, "param": param, "line": None}]
+        await self._keep_answers()
         self.record.enter("failed")
         await self.store.save(self.record)
+
+    async def _keep_answers(self) -> None:
+        """The lines answered before the batch failed, into its output and error files: a finished batch's journal
+        is dropped, and those answers were billed."""
+        if self.lines is None:
+            return
+        try:
+            index = await asyncio.to_thread(self.journal.scan)
+            if index:
+                self.record.output_file_id, self.record.error_file_id = await asyncio.to_thread(
+                    self._write_files, self.lines, index, [])
+        except Exception:
+            log.exception("batch %s: the lines answered before it failed could not be written", self.record.id)
 

@@ -6,6 +6,7 @@ running then is run again at the next start: it was never journaled)."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 from pathlib import Path
 
@@ -29,6 +30,8 @@ class BatchService:
         self.config, self.tenants = config, tenants
         self.files = FileStore(root / "files")
         self.batches = BatchStore(root / "batches")
+        self.root = root
+        self._lock = None  # the folder's lock file, held while started: one server per folder
         self.runners: dict[str, BatchRunner] = {}
         self.slots: asyncio.Semaphore | None = None  # lines in flight over all batches (made on the loop)
         self.tasks: set[asyncio.Task] = set()
@@ -38,12 +41,26 @@ class BatchService:
         """Resume the unfinished batches, their lines sent to `app` (once; on the running loop)."""
         if self.app is not None:
             return
+        self._take_folder()
         self.app = app
         resumed = self.batches.unfinished()
         if resumed:
             log.info("resuming %d unfinished batch(es)", len(resumed))
         for record in resumed:
             self._launch(record)
+
+    def _take_folder(self) -> None:
+        """An exclusive lock on the folder: two servers over one folder would both resume its batches and run
+        their lines twice (the lock goes with the process, a kill -9 included)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        lock = open(self.root / ".lock", "a")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            raise RuntimeError(f"another loraplex server uses the batch folder {self.root} (--batch-dir); give each "
+                               "server its own") from None
+        self._lock = lock
 
     async def stop(self) -> None:
         tasks = list(self.tasks)
@@ -53,6 +70,9 @@ class BatchService:
         self.tasks.clear()
         self.runners.clear()
         self.app = None
+        if self._lock is not None:
+            self._lock.close()  # the lock goes with it
+            self._lock = None
 
     def _launch(self, record: BatchRecord, lines: list[Line] | None = None) -> None:
         self.slots = self.slots or asyncio.Semaphore(self.config.batch_concurrency)
@@ -73,7 +93,10 @@ class BatchService:
                      metadata: dict[str, str] | None) -> BatchRecord:
         """A batch over the owner's input file, validated whole first (a 400 for what makes the batch
         itself unusable; a malformed line is not that: it is answered with its own 400)."""
-        self.start(app)  # a host that ran no lifespan resumes here instead (before this batch exists)
+        try:
+            self.start(app)  # a host that ran no lifespan resumes here instead (before this batch exists)
+        except RuntimeError as exc:  # the folder is another server's
+            raise APIError(503, str(exc)) from None
         stored = self.files.get(owner, input_file_id)
         if stored is None:
             raise APIError(404, f"No such File object: {input_file_id}", "input_file_id")

@@ -24,8 +24,9 @@ another of its tenant with a higher value, and any Batch API line (`BATCH_PRIORI
 priorities order a tenant's own work, batch lines yield to everyone's. A running request outranked by an
 urgent one (a running one still in its prompt, or a waiting one admissible now) sits the step out, keeping
 its blocks and seat, so the urgent prefill has the step to itself; when the waiting one cannot get a seat
-or blocks, the running requests it outranks are preempted, worst priority (newest) first; in a step where
-nothing more urgent could run nobody sits out. Blocks running short preempt the worst priority, newest
+or blocks, the running requests it outranks are preempted, worst priority (newest) first, and when it waits for
+an adapter slot whose every holder it outranks, those holders are preempted (no inversion through slots); in a
+step where nothing more urgent could run nobody sits out. Blocks running short preempt the worst priority, newest
 among equals. All priorities equal: exactly FCFS as above, the extra work an O(1) check.
 """
 
@@ -167,7 +168,8 @@ class Scheduler:
             return set(), []
         adapters = self.running_adapters()
         admissible = partial(self._admissible, resident=adapters, yielding=self._yielding_adapters(adapters))
-        by_waiting = _Urgent(r for r in takewhile(lambda r: r.priority < worst, self.waiting) if admissible(r))
+        by_waiting = _Urgent(r for r in takewhile(lambda r: r.priority < worst, self.waiting)
+                             if admissible(r) or self._slot_holders(r, adapters))
         by_prompt = _Urgent(r for r in self.running if r.num_computed_tokens < len(r.prompt_token_ids))
         displaced = [r for r in self.running if by_waiting.outranks(r)]
         return set(displaced).union(r for r in self.running if by_prompt.outranks(r)), displaced
@@ -232,6 +234,9 @@ class Scheduler:
                     continue
                 break
             if not admissible(req):
+                if self._free_slot(req, adapters, displaced, out, held):
+                    i = self.waiting.index(req)
+                    continue
                 i += 1  # no slot for it now: base requests and resident adapters behind it go on
                 continue
             hits, num_hit = ([], 0)
@@ -272,6 +277,37 @@ class Scheduler:
                     held[fair_share.tenant_of(victim).name] -= 1
                 return True
         return False
+
+    def _slot_holders(self, req: Request, resident: set[str]) -> list[Request]:
+        """The running requests holding the adapter slot `req` waits for, when all of them are outranked by it
+        (batch lines holding every slot): the adapter with the fewest such requests; [] when there is none."""
+        if not req.adapter_names:
+            return []
+        best: list[Request] = []
+        for name in resident.difference(req.adapter_names):
+            holders = [r for r in self.running if name in r.adapter_names]
+            if all(fair_share.outranks(req, r) for r in holders) and (not best or len(holders) < len(best)) and \
+                    self._slots_for(req.adapter_names, resident - {name}, set()):
+                best = holders
+        return best
+
+    def _free_slot(self, req: Request, resident: set[str], displaced: list[Request] | None, out: SchedulerOutput,
+                   held) -> bool:
+        """`req` waits for a slot its outranked holders sit on (sitting out this step): preempt them, so the slot
+        frees for it (priority inversion through adapter slots); False when there are none."""
+        holders = self._slot_holders(req, resident) if displaced else []
+        if not holders or not all(h in displaced for h in holders):
+            return False
+        for victim in holders:
+            displaced.remove(victim)
+            self.running.remove(victim)
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if held is not None:
+                held[fair_share.tenant_of(victim).name] -= 1
+        resident.clear()
+        resident.update(self.running_adapters())  # `admissible` reads this set
+        return True
 
     def _run(self, req: Request) -> None:
         """Into `running`, kept in (priority, admission) order: the most urgent run first, the last is preempted

@@ -180,6 +180,50 @@ def test_the_runner_retries_429s_and_a_cancel_stops_new_lines(tmp_path):
     assert set(tries) == {"busy0", "busy1", "ok2", "slow0", "slow1"}  # no line started after the cancel
 
 
+def test_a_batch_failed_by_a_bug_keeps_what_was_answered_and_one_server_holds_a_folder(tmp_path, monkeypatch):
+    """A runner bug after lines were answered (and billed): the batch is failed, its answers in its files (a
+    finished batch's journal is dropped). A second server over the same folder is refused."""
+    from loraplex.api.batch.batch_lines import read_lines
+    from loraplex.api.batch.batch_runner import BatchRunner
+    from loraplex.api.batch.batch_store import BatchRecord, BatchStore
+    from loraplex.api.batch.file_store import FileStore
+    from loraplex.api.batch.service import BatchService
+    from loraplex.api.server import ServerConfig
+    from loraplex.api.tenancy.callers import Caller
+    from loraplex.api.tenancy.tenants import TenantRegistry
+
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b'{"id": "x"}'})
+
+    async def broken_finish(*args):
+        raise RuntimeError("a bug")
+
+    async def run():
+        store, files = BatchStore(tmp_path / "batches"), FileStore(tmp_path / "files")
+        lines = read_lines(jsonl(chat_line("a", "a"), chat_line("b", "b")), "/v1/chat/completions")
+        record = BatchRecord.new("user", "/v1/chat/completions", "file-x", len(lines), None)
+        runner = BatchRunner(record, store, files, app, lambda: Caller("user"), 2, lines)
+        monkeypatch.setattr(runner, "_finish", broken_finish)
+        await runner.run()
+        return record, files
+
+    record, files = asyncio.run(run())
+    assert record.status == "failed" and record.errors[0]["code"] == "server_error"
+    output = [json.loads(line) for line in files.read(files.get("user", record.output_file_id)).splitlines()]
+    assert [o["custom_id"] for o in output] == ["a", "b"]
+
+    config = ServerConfig(batch_dir=str(tmp_path / "shared"))
+    first, second = BatchService(config, TenantRegistry(None)), BatchService(config, TenantRegistry(None))
+    first.start(object())
+    with pytest.raises(RuntimeError, match="another loraplex server"):
+        second.start(object())
+    asyncio.run(first.stop())
+    second.start(object())  # free again once the first stopped
+    asyncio.run(second.stop())
+
+
 def test_an_expired_batch_answers_its_unrun_lines_as_expired(tmp_path):
     from loraplex.api.batch.batch_lines import read_lines
     from loraplex.api.batch.batch_runner import BatchRunner

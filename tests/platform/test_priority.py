@@ -89,9 +89,10 @@ def test_a_preempted_request_goes_back_to_the_front_of_its_class():
     for rid, n, p, first in [("hi", 4, 0, 1), ("lo", 4, 5, 20), ("lo2", 3, 5, 40)]:
         s.add(req(rid, n, p, adapter="x", first=first))
     advance(s, s.schedule())  # one block each
-    # waiting, but not admissible while x holds the only adapter slot: nobody sits out for them
+    # another tenant's, waiting, not admissible while x holds the only adapter slot: its priorities outrank nobody
+    # here, so nobody sits out or gives up the slot for them
     for rid, p in [("w0", -1), ("w5", 5), ("w6", 6)]:
-        s.add(req(rid, 2, p, adapter="y"))
+        s.add(req(rid, 2, p, adapter="y", tenant=B))
     out = s.schedule()  # hi and lo take their 2nd blocks: all 5 held
     assert scheduled(out) == [("hi", 1), ("lo", 1), ("lo2", 1)] and not out.preempted
     advance(s, out)
@@ -320,3 +321,24 @@ def test_priorities_do_not_change_what_is_generated(tiny_model_dir):
     assert [totals[f"r{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == expected
     assert engine.core.scheduler.num_preemptions > 0
     assert_all_blocks_free(engine)
+
+
+def test_an_adapter_slot_held_by_batch_lines_frees_for_an_interactive_request():
+    """max_loras 1: batch lines on adapter x hold the only slot; an interactive request on adapter y would wait
+    for them all to finish. They give the slot up (preempted, recomputed later); equal priorities do not."""
+    sched = make(max_loras=1)
+    for i in range(2):
+        sched.add(req(f"batch{i}", 4, BATCH_PRIORITY, adapter="x", first=10 * i + 1))
+    advance(sched, sched.schedule())
+    sched.add(req("chat", 4, 0, adapter="y", first=50))
+    out = sched.schedule()
+    assert ids(out.preempted) == ["batch1", "batch0"] or ids(out.preempted) == ["batch0", "batch1"]
+    assert scheduled(out) == [("chat", 4)] and sched.running_adapters() == {"y"}
+    assert [r.status for r in sched.waiting] == [RequestStatus.PREEMPTED] * 2
+
+    same = make(max_loras=1)
+    same.add(req("first", 4, 0, adapter="x"))
+    advance(same, same.schedule())
+    same.add(req("second", 4, 0, adapter="y", first=50))
+    out = same.schedule()
+    assert not out.preempted and scheduled(out) == [("first", 1)]  # FCFS for slots among equals
