@@ -8,7 +8,11 @@ burning CPU nor holds a slot. With `workers=0` (tests, offline tools) they run o
 this process and one past its timeout is abandoned. Either way a spec already compiling is
 not compiled again: its requests share the one compile (keyed by the spec), and finished
 compiles are kept in a bounded cache; at most `max_compiles` distinct specs may be compiling
-or waiting for a worker at once.
+or waiting for a worker at once. With `cache_dir`, finished compiles are also kept on disk
+(grammar/compile_cache.py), keyed like the memory cache (the spec with its namespace) plus the
+tokenizer, backend, library versions and sources: a spec missing from memory is looked up there
+first, on the manager's own I/O threads, and a compile's result is written there after it is
+handed to its requests; so a restarted server does not compile its working set again.
 
 The chain itself (backends, `auto`, refusals that are final, `strict: false` relaxing,
 `Compiled.violation`) is grammar/compiler.py. All backends write the same packed bitmask.
@@ -24,12 +28,14 @@ import asyncio
 import dataclasses
 import concurrent.futures as cf
 import logging
+import os
 import threading
 import weakref
 
 import torch
 
 from loraplex.grammar.backend import CompileCache, Grammar, GrammarError, StructuredOutputs
+from loraplex.grammar.compile_cache import DEFAULT_SIZE, GrammarStore
 from loraplex.grammar.compile_pool import CompilePool, Job
 from loraplex.grammar.compiler import (AUTO_ORDER, BACKENDS, KINDS, MAX_RELAXED, Compiled,  # noqa: F401 (re-exported)
                                        SpecCompiler, json_validator, schema_error)
@@ -42,7 +48,8 @@ MAX_CACHED = 256  # finished compiles kept, by spec
 
 class GrammarManager:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], backend: str = "xgrammar",
-                 timeout_s: float = 10.0, max_compiles: int = 32, workers: int = 0) -> None:
+                 timeout_s: float = 10.0, max_compiles: int = 32, workers: int = 0,
+                 cache_dir: str | os.PathLike | None = None, cache_size: int = DEFAULT_SIZE) -> None:
         self.compiler = SpecCompiler(tokenizer, vocab_size, stop_token_ids, backend)
         self._args = (tokenizer, vocab_size, stop_token_ids)
         self.backend_name = backend
@@ -55,6 +62,13 @@ class GrammarManager:
         self._lock = threading.Lock()
         self._inflight: dict[str, cf.Future] = {}  # by spec key: one compile however many requests wait
         self._done = CompileCache(MAX_CACHED)
+        # the disk cache (None: off), read and written on these threads, never the caller's
+        self.store = GrammarStore(cache_dir, cache_size, tokenizer, vocab_size, stop_token_ids, backend) \
+            if cache_dir is not None else None
+        self._io = cf.ThreadPoolExecutor(4, thread_name_prefix="loraplex-grammar-cache") \
+            if self.store is not None else None
+        self._io_jobs: set[cf.Future] = set()
+        self._warming: threading.Thread | None = None
         self.token_texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
         self.closing_tokens = _closing_tokens(self.token_texts, stop_token_ids, vocab_size)
         self._closers: dict[torch.device, torch.Tensor] = {}
@@ -120,7 +134,18 @@ class GrammarManager:
         future.add_done_callback(lambda shared: _copy(shared, mine))
         if not new:
             return mine
-        done = lambda result, error: self._finish(key, future, result, error)  # noqa: E731
+        if self._io is not None:
+            try:
+                self._on_io(self._load_or_compile, spec, future)
+                return mine
+            except RuntimeError:  # closed: compiled as without a disk cache (the pool says it is shut down)
+                pass
+        self._dispatch(spec, future)
+        return mine
+
+    def _dispatch(self, spec: StructuredOutputs, future: cf.Future) -> None:
+        key = spec.key
+        done = lambda result, error: self._finish(key, future, result, error, spec)  # noqa: E731
         if self.pool is not None:
             try:
                 self.pool.submit(Job(spec, done))
@@ -129,7 +154,18 @@ class GrammarManager:
         else:
             threading.Thread(target=self._compile_here, args=(spec, done), name="loraplex-grammar",
                              daemon=True).start()
-        return mine
+
+    def _load_or_compile(self, spec: StructuredOutputs, future: cf.Future) -> None:
+        """On an I/O thread: the spec's entry on disk, restored, else a compile as without the disk cache."""
+        try:
+            compiled = self.store.load(spec, self.compiler)
+        except Exception as exc:  # an unusable folder: compiled as without it
+            log.warning("grammar cache: reading failed: %s: %s", type(exc).__name__, exc)
+            compiled = None
+        if compiled is None:
+            self._dispatch(spec, future)
+        else:
+            self._finish(spec.key, future, compiled, None, None)
 
     def _compile_here(self, spec: StructuredOutputs, done) -> None:
         try:
@@ -138,27 +174,92 @@ class GrammarManager:
             result, error = None, exc
         done(result, error)
 
-    def _finish(self, key: str, future: cf.Future, result: Compiled | None, error: BaseException | None) -> None:
+    def _finish(self, key: str, future: cf.Future, result: Compiled | None, error: BaseException | None,
+                spec: StructuredOutputs | None) -> None:
         """A worker's `Compiled` gets its grammar back (grammar/compile_pool.py), is cached, and
-        completes the future every waiting request holds."""
-        if error is None and self.pool is not None:
+        completes the future every waiting request holds; then a fresh compile (`spec` given: not
+        one read from disk) is written to the disk cache."""
+        exported = None
+        if error is None and self.pool is not None and spec is not None:
+            exported = result.grammar
             try:
                 result.grammar = self.compiler.get(result.backend).restore(result.spec, result.grammar)
             except BaseException as exc:
                 error = exc
-        with self._lock:
+        save = None
+        if error is None and spec is not None and self._io is not None:
+            try:
+                save = self._io.submit(self._save, spec, result, exported, self.pool is not None)
+            except RuntimeError:  # closed meanwhile: not kept
+                pass
+        with self._lock:  # the write is pending before the compile is no longer in flight (flush sees one)
             self._inflight.pop(key, None)
+            if save is not None:
+                self._io_jobs.add(save)
             if error is None:
                 self._done.put(key, result)
+        if save is not None:
+            save.add_done_callback(self._io_done)
         if error is None:
             future.set_result(result)
         else:
             future.set_exception(error)
 
+    def _save(self, spec: StructuredOutputs, compiled: Compiled, exported, from_worker: bool) -> None:
+        try:
+            if not from_worker:  # compiled here: exported now, off the waiters' path
+                exported = self.compiler.get(compiled.backend).export(compiled.grammar)
+            self.store.save(spec, compiled, exported)
+        except Exception:  # a full disk, an unwritable folder: served from memory, not kept
+            log.warning("grammar cache: writing failed", exc_info=True)
+
+    def _on_io(self, fn, *args) -> None:
+        """Run `fn` on an I/O thread; RuntimeError once closed."""
+        job = self._io.submit(fn, *args)
+        with self._lock:
+            self._io_jobs.add(job)
+        job.add_done_callback(self._io_done)
+
+    def _io_done(self, job: cf.Future) -> None:
+        with self._lock:
+            self._io_jobs.discard(job)
+
+    def flush(self) -> None:
+        """Wait until the warm-up and the disk cache's reads and writes (those they lead to too) are done (tests,
+        benchmarks)."""
+        if self._warming is not None:
+            self._warming.join()
+        while True:
+            with self._lock:
+                jobs = list(self._io_jobs) + list(self._inflight.values())
+            if not jobs:
+                return
+            cf.wait(jobs)
+
     def warm_up(self) -> None:
         """Start the compile workers now (none without a pool)."""
         if self.pool is not None:
             self.pool.warm_up()
+        if self._warming is None:
+            self._warming = threading.Thread(target=self._warm_here, name="loraplex-grammar-warm", daemon=True)
+            self._warming.start()
+
+    def _warm_here(self) -> None:
+        """In the background, what the first structured request would otherwise wait for: the disk cache's key
+        (the tokenizer's hash), this process's first backend (a worker's result is restored with it), and
+        llguidance's torch module (its first bitmask fill imports it: over a second, on the engine's step)."""
+        if self.store is not None:
+            self.store.fingerprint()
+        first = self.compiler.order(StructuredOutputs(json_object=True))[0]
+        try:
+            self.compiler.get(first)
+        except GrammarError:  # this backend cannot serve the tokenizer: each compile says so
+            return
+        if first == "llguidance":
+            try:
+                import llguidance.torch  # noqa: F401
+            except ImportError:  # no torch here: the fill says so when it comes
+                pass
 
     @property
     def warm(self) -> bool:
@@ -168,6 +269,8 @@ class GrammarManager:
         """Stop the compile workers (the server's shutdown; also run at exit)."""
         if self.pool is not None:
             self.pool.close()
+        if self._io is not None:  # the writes already queued finish
+            self._io.shutdown(wait=True)
 
     def new_grammar(self, compiled: Compiled) -> Grammar:
         spec = compiled.spec

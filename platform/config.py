@@ -135,6 +135,11 @@ class EngineConfig:
     grammar_compile_workers: int = _setting(4, "processes that compile grammars, at a lower CPU priority (a compile "
                                                "past its timeout is killed with its process; 0: threads of the "
                                                "server, abandoned at the timeout)")
+    grammar_cache_dir: str = _setting("auto", "folder of compiled grammars kept across restarts (keyed by the spec "
+                                              "and its tenant, the tokenizer, the backend and its version); auto: "
+                                              "`grammars` in the cache dir ($LORAPLEX_GRAMMAR_CACHE if set); off: none")
+    grammar_cache_size: int = _setting(256 << 20, "bytes the compiled-grammar folder may hold (least recently used "
+                                                  "out first): bytes, or e.g. 1GiB", size=True)
     jump_forward: bool = _setting(True, "append grammar-forced tokens without a forward pass each")
     speculative_config: str | None = _setting(None, "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", "
                                                     "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
@@ -171,7 +176,7 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_lora_rank", "lora_memory",
-                     "tensor_parallel_size",
+                     "tensor_parallel_size", "grammar_cache_size",
                      "lora_cycle_steps", "num_kv_blocks", "max_loras", "max_cpu_loras", "max_adapters_per_request"):
             value = getattr(self, name)
             if value is not None and value < 1:

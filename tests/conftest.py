@@ -16,6 +16,9 @@ import torch
 # kernel module is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Engines built by tests keep compiled grammars in memory only, never in the user's cache dir (the tests of the
+# disk cache, tests/grammar/test_compile_cache.py, give their own folders).
+os.environ["LORAPLEX_GRAMMAR_CACHE"] = "off"
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [

@@ -12,7 +12,7 @@ import math
 
 from loraplex.grammar.schema import regex_features
 from loraplex.grammar.schema.ecma_regex import ecma_search, exact_dots, python_syntax
-from loraplex.grammar.schema.rewrite_state import Inexpressible
+from loraplex.grammar.schema.rewrite_state import Inexpressible, memo
 from loraplex.grammar.schema.schema_values import (ANNOTATIONS, TYPES, dialect, finite_values, follow_refs, pointer_parts,
                                             trivial, tuple_keywords)
 
@@ -24,8 +24,8 @@ MAX_UNIQUE_BRANCHES = 200  # ordered selections a `uniqueItems` over a finite se
 def unique_items(node: dict, original: dict, root) -> list:
     """Arrays of distinct items from a few values: every ordered selection of them, each a
     tuple with nothing after it; values of other types as they were."""
-    if any(k in node for k in ("prefixItems", "additionalItems", "contains")) or _unevaluated(root) or \
-            "items" in _pointed(root):
+    if any(k in node for k in ("prefixItems", "additionalItems", "contains")) or uses_unevaluated(root) or \
+            "items" in pointed(root):
         raise Inexpressible  # a `$ref` may point at the `items` this removes
     items = original.get("items")
     values = finite_values(items, root) if isinstance(items, (dict, bool)) else None
@@ -46,8 +46,12 @@ def unique_items(node: dict, original: dict, root) -> list:
     return branches
 
 
-def _pointed(root) -> set[str]:
-    """Every key a local `$ref` pointer in the schema passes through."""
+def pointed(root) -> set[str]:
+    """Every key a local `$ref` pointer in the schema passes through (read once per rewrite)."""
+    return memo("pointed", root, lambda: _pointed_parts(root))
+
+
+def _pointed_parts(root) -> set[str]:
     parts: set[str] = set()
     work = [root]
     while work:
@@ -62,9 +66,9 @@ def _pointed(root) -> set[str]:
     return parts
 
 
-def _unevaluated(root) -> bool:
+def uses_unevaluated(root) -> bool:
     """Does the schema use `unevaluated*`, which sees which keys and items other keywords named?"""
-    return '"unevaluated' in json.dumps(root)
+    return memo("unevaluated", root, lambda: '"unevaluated' in json.dumps(root))
 
 
 def _exact_tuple(values: tuple, root) -> dict:
@@ -84,7 +88,7 @@ def trivial_names(names) -> bool:
 def property_names(node: dict, names, root) -> None:
     """In place: `propertyNames` as `properties` / `patternProperties` / `additionalProperties`."""
     names = follow_refs(names, root)
-    if dialect(root) < 6 or _unevaluated(root):
+    if dialect(root) < 6 or uses_unevaluated(root):
         raise Inexpressible  # no such keyword there / keys it names would count as evaluated
     required = node.get("required", [])
     if not isinstance(required, list) or not isinstance(node.get("properties", {}), dict):
@@ -126,7 +130,7 @@ def _set_properties(node: dict, named: dict) -> None:
 
 def _unpointed(removed: set[str], root) -> None:
     """Raise where a `$ref` may point at what the rewrite removes or replaces."""
-    if _pointed(root) & (removed | {"propertyNames", "additionalProperties"}):
+    if pointed(root) & (removed | {"propertyNames", "additionalProperties"}):
         raise Inexpressible
 
 

@@ -4,6 +4,8 @@
   or refuse it by name where they have no exact grammar for it.
 - Any other name is an annotation: in JSON Schema 2020-12 an unknown format constrains nothing,
   so the schema is served exactly with it left out, and the response lists it (`unenforced`).
+- A defined format no backend has a grammar for, but whose language is regular (`uri-reference`,
+  `json-pointer`: grammar/schema/format_patterns.py), becomes the `pattern` that is exactly it.
 - OpenAPI's numeric formats (`int32`, `int64`, `float`, `double`) on a number or integer become
   the range they mean (`minimum` / `maximum`): stricter than an annotation, never looser.
 - A caller that asks for strict in OpenAI's sense (`response_format.json_schema.strict: true`, a
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import copy
 
+from loraplex.grammar.schema.format_patterns import FORMAT_PATTERNS
 from loraplex.grammar.schema.json_schema import FORMATS, UnsupportedKeywordError, walk
 
 # OpenAI's structured outputs, strict mode: the string formats it documents
@@ -43,11 +46,24 @@ def settle_formats(schema, openai_strict: bool = False) -> tuple[object, tuple[s
                 f"annotation)", f"format: {name}", path)
         if name in NUMERIC and _as_range(node, *NUMERIC[name]):
             continue
+        if name in FORMAT_PATTERNS:
+            _as_pattern(node, FORMAT_PATTERNS[name])
+            continue
         if name not in FORMATS:
             del node["format"]
             notes.append(f"format: {name} at {path} (an annotation: a format JSON Schema does not define "
                          f"constrains nothing)")
     return schema, tuple(notes)
+
+
+def _as_pattern(node: dict, pattern: str) -> None:
+    """The format as the `pattern` that is its language (a string keyword, as `format` is); beside
+    a pattern of its own, in an `allOf` (both must match)."""
+    del node["format"]
+    if "pattern" not in node:
+        node["pattern"] = pattern
+    else:
+        node["allOf"] = [*node.get("allOf", []), {"pattern": pattern}]
 
 
 def _as_range(node: dict, types: set[str], low, high) -> bool:

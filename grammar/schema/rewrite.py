@@ -1,7 +1,8 @@
 """Exact rewrites of JSON Schema keywords no backend enforces into ones they do: `not` (pushed
 inward until it disappears), `if` / `then` / `else`, `dependencies`, `dependentRequired`,
-`dependentSchemas`, `oneOf` (as `anyOf` where the branches are provably disjoint or their
-overlaps can be cut out), `uniqueItems` over a small finite set of items (every ordered
+`dependentSchemas`, `oneOf` (as `anyOf` where the branches are provably disjoint, at once or
+one JSON type at a time, or their overlaps can be cut out), a node that provably admits only a
+few values (as their `enum`), `uniqueItems` over a small finite set of items (every ordered
 selection of distinct items), `propertyNames` given as a set of names or a regular pattern.
 Each rewrite accepts exactly the values the original accepts; where no exact rewrite exists
 (`not` over `pattern`, `multipleOf`, `format`, `uniqueItems` over strings, ...) the keyword is
@@ -26,19 +27,27 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import math
 
 from loraplex.grammar.schema.disjoint import disjoint, sets_disjoint, view_sets
-from loraplex.grammar.schema.finite_keywords import banned_names, property_names, trivial_names, unique_items
+from loraplex.grammar.schema.finite_keywords import (banned_names, pointed, property_names, trivial_names, unique_items,
+                                                     uses_unevaluated)
 from loraplex.grammar.schema.rewrite_state import MAX_STEPS, MAX_VERDICTS, Inexpressible, TooBig, budget, spend
-from loraplex.grammar.schema.schema_values import (ANNOTATIONS, MAX_REF_DEPTH, TYPES, admits, canon, dialect, distinct,
-                                            finite_values, follow_refs, known, pointer_parts, resolve_pointer,
-                                            trivial, tuple_keywords, type_of)
+from loraplex.grammar.schema.schema_values import (ANNOTATIONS, KIND_OF, MAX_REF_DEPTH, TYPES, admits, canon, dialect,
+                                                   distinct, finite_values, follow_refs, integral, known,
+                                                   pointer_parts, resolve_pointer, trivial, tuple_keywords, type_of)
 
 MAX_COMPLEMENT_CHARS = 4096  # strings an `enum` negation may exclude, in all
 COUNTS = {"minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties", "minContains",
           "maxContains"}
 MAX_KEY_SUBSETS = 64  # subsets of named keys that "a key outside these" may enumerate
+RESOURCE_NAMES = ("$id", "id", "$anchor", "$dynamicAnchor")  # what a `$ref` may name a subschema by
+# Keywords some backend refuses, or enforces only after a rewrite that may fail: a node with one
+# of them that provably admits only a few values is served as those values instead.
+UNSERVED = {"not", "oneOf", "if", "allOf", "anyOf", "$ref", "uniqueItems", "contains", "patternProperties",
+            "propertyNames", "dependencies", "dependentRequired", "dependentSchemas", "multipleOf", "minProperties",
+            "maxProperties"}
 
 
 def rewrite(schema, root=None, depth: int = 0, deep: bool = True):
@@ -68,6 +77,9 @@ def _rewrite(schema, root, depth: int, deep: bool):
         return [rewrite(s, root, depth, deep) for s in schema]
     if not isinstance(schema, dict):
         return schema
+    collapsed = _collapse(schema, root, depth, deep)
+    if collapsed is not None:
+        return collapsed
     out = {}
     for key, value in schema.items():
         if key in COUNTS and isinstance(value, float) and value.is_integer():
@@ -81,6 +93,7 @@ def _rewrite(schema, root, depth: int, deep: bool):
             out[key] = rewrite(value, root, depth, deep)
     if out.get("uniqueItems") is False:
         del out["uniqueItems"]  # no constraint at all
+    _drop_idle_conditions(out, root)
     if "propertyNames" in out and trivial_names(follow_refs(schema["propertyNames"], root)):
         del out["propertyNames"]
     if not deep:
@@ -103,11 +116,14 @@ def _rewrite(schema, root, depth: int, deep: bool):
         except Inexpressible:
             pass
     if isinstance(out.get("oneOf"), list) and "anyOf" not in out:
-        try:
-            out["anyOf"] = _exactly_one(list(zip(out["oneOf"], schema["oneOf"])), root, depth)
-            del out["oneOf"]
-        except Inexpressible:
-            pass
+        pairs = list(zip(out["oneOf"], schema["oneOf"]))
+        for exact in (_one_per_type, _exactly_one):  # by type first: narrowed branches show disjointness
+            try:
+                out["anyOf"] = exact(pairs, root, depth)
+                del out["oneOf"]
+                break
+            except Inexpressible:
+                pass
     if out.get("uniqueItems") is True:  # after `oneOf`, which may take the node's own `anyOf`
         try:
             _place_any(out, unique_items(out, schema, root), extra)
@@ -125,6 +141,36 @@ def _rewrite(schema, root, depth: int, deep: bool):
     if extra:
         out["allOf"] = list(out.get("allOf", [])) + extra
     return out
+
+
+def _drop_idle_conditions(out: dict, root) -> None:
+    """In place: `then` / `else` without an `if` (never applied), an `if` without either (it decides
+    nothing, though `unevaluated*` would see what it evaluated); kept where they hold a resource
+    another `$ref` may name by its `$id` or anchor."""
+    idle = ["then", "else"] if "if" not in out else \
+        ["if"] if "then" not in out and "else" not in out and not uses_unevaluated(root) else []
+    for key in idle:
+        if key in out and not any(f'"{name}"' in json.dumps(out[key]) for name in RESOURCE_NAMES):
+            del out[key]
+
+
+def _collapse(schema: dict, root, depth: int, deep: bool):
+    """A node with a keyword in UNSERVED that provably admits only a few values, as their `enum`
+    (exact: finite_values lists exactly the values it admits), its annotations and definitions
+    kept; False where it admits none. None where it may admit more, where a `$ref` may point
+    into what would go, or where `unevaluated*` would see which keys and items it evaluated."""
+    if not UNSERVED & schema.keys() or uses_unevaluated(root):
+        return None
+    values = finite_values(schema, root)
+    if values is None or pointed(root) & (set(schema) - ANNOTATIONS):
+        return None
+    kept = {k: v for k, v in schema.items() if k in ANNOTATIONS}
+    for key in ("$defs", "definitions"):
+        if isinstance(kept.get(key), dict):
+            kept[key] = {name: rewrite(sub, root, depth, deep) for name, sub in kept[key].items()}
+    if not values:  # a boolean schema exists since draft 6; `enum: []` is invalid before it
+        return False if not kept and dialect(root) >= 6 else None
+    return {**kept, "enum": [integral(v) for v in values]}
 
 
 def _place_any(out: dict, branches: list, extra: list) -> None:
@@ -157,6 +203,68 @@ def _exactly_one(branches: list[tuple], root, depth: int) -> list:
             sets_disjoint(rewritten[i], rewritten[j], root, draft) or sets_disjoint(given[i], given[j], root, draft))]
         out.append(_only(pair[0], finite[i], others, root, depth))
     return [b for b in out if b is not False] or [False]
+
+
+def _one_per_type(branches: list[tuple], root, depth: int) -> list:
+    """oneOf as anyOf, one JSON type at a time: a value of a type that two branches admit whole
+    is out; beside one such branch, it must break every other; else exactly one of the branches,
+    each narrowed to the type (where disjointness often shows: a required key under one, no
+    other key allowed by the other). Each branch comes as (rewritten, as given)."""
+    out = []
+    for kind in TYPES:
+        roles = [_role(_own(given, root), kind, root) for _, given in branches]
+        whole = roles.count("all")
+        narrowed = [(_of_type(b, kind, root), _of_type(o, kind, root)) for (b, o), r in zip(branches, roles)
+                    if r == "some"]
+        if whole >= 2:
+            continue
+        if whole == 1:
+            out.append(_all([{"type": kind}, *(_negate_either(o, b, root, depth) for b, o in narrowed)]))
+        elif narrowed:
+            out.extend(_exactly_one(narrowed, root, depth))
+    return [b for b in out if b is not False] or [False]
+
+
+def _own(branch, root):
+    """What a branch is read as: a bare `$ref` chain followed; under draft 7 and older a `$ref`
+    ignores its siblings."""
+    if isinstance(branch, dict) and "$ref" in branch and dialect(root) <= 7:
+        branch = {"$ref": branch["$ref"]}
+    return follow_refs(branch, root)
+
+
+def _role(branch, kind: str, root) -> str:
+    """Does `branch` admit every value of type `kind` ("all"), none ("none"), or some ("some")?"""
+    if branch is True or branch is False:
+        return "all" if branch else "none"
+    if not isinstance(branch, dict):
+        raise Inexpressible
+    declared = _declared(branch)
+    if declared is not None and kind not in declared and not (kind == "number" and "integer" in declared):
+        return "none"
+    for key in branch:
+        if key == "type" and declared is not None and kind in declared or key in ANNOTATIONS or not known(key, root):
+            continue
+        other_kind = "string" if key == "format" else KIND_OF.get(key)
+        if other_kind is None or other_kind == kind:
+            return "some"
+    return "all"
+
+
+def _of_type(branch, kind: str, root):
+    """`branch` narrowed to values of type `kind`, as one object where it can be (a disjointness
+    proof reads a branch's keywords together)."""
+    if branch is True or branch is False:
+        return {"type": kind} if branch else False
+    declared = _declared(_own(branch, root))
+    if declared is not None and declared <= {kind, "integer" if kind == "number" else kind}:
+        return branch  # of this type already: kept as it is (a bare circular `$ref` stays bare)
+    declared = _declared(branch)
+    narrow = "integer" if kind == "number" and declared and "integer" in declared and "number" not in declared \
+        else kind
+    if "$ref" in branch and dialect(root) <= 7 or "type" in branch and declared is None:
+        return {"type": narrow, "allOf": [branch]}  # a `$ref` ignores its siblings there / a type this cannot read
+    return {**branch, "type": narrow}
 
 
 def _only(branch, values: list | None, others: list[tuple], root, depth: int):

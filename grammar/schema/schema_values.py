@@ -11,6 +11,7 @@ import json
 import math
 from urllib.parse import unquote
 
+from loraplex.grammar.schema.ecma_regex import ecma_search
 from loraplex.grammar.schema.rewrite_state import budget, memo
 
 TYPES = ("null", "boolean", "object", "array", "number", "string")
@@ -95,6 +96,18 @@ def _integral(value):
         return [_integral(v) for v in value]
     if isinstance(value, dict):
         return {k: _integral(v) for k, v in value.items()}
+    return value
+
+
+def integral(value):
+    """`value` with each integral float (below 2**63) as an integer: the same JSON Schema value, in the
+    form a grammar should write it (outlines writes an `enum`'s 1.0 as `1.0` and takes no `1`)."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer() and abs(value) < 2 ** 63:
+        return int(value)
+    if isinstance(value, list):
+        return [integral(v) for v in value]
+    if isinstance(value, dict):
+        return {k: integral(v) for k, v in value.items()}
     return value
 
 
@@ -188,7 +201,8 @@ KIND_OF = {key: kind for kind, keys in KINDS.items() for key in keys}
 TESTED = {"type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
           "maxLength", "minLength", "items", "prefixItems", "additionalItems", "maxItems", "minItems", "uniqueItems",
           "maxProperties", "minProperties", "required", "properties", "patternProperties", "additionalProperties",
-          "propertyNames", "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref"}
+          "propertyNames", "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "dependencies",
+          "dependentRequired", "dependentSchemas"}
 
 
 def known(key: str, root) -> bool:
@@ -245,6 +259,8 @@ def _keyword_verdict(key: str, s: dict, value, root, depth: int) -> bool | None:
         return _properties_verdict(s, value, root, depth)
     if key == "propertyNames":
         return _all_verdicts(admits(v, name, root, depth + 1) for name in value)
+    if key in ("dependencies", "dependentRequired", "dependentSchemas"):
+        return _dependencies_verdict(v, value, root, depth)
     if key == "$ref":
         try:
             return admits(resolve_pointer(v, root), value, root, depth + 1)
@@ -330,10 +346,28 @@ def _items_verdict(s: dict, value: list, root, depth: int) -> bool | None:
 
 
 def _properties_verdict(s: dict, value: dict, root, depth: int) -> bool | None:
-    if s.get("patternProperties"):
-        return None  # which keys a pattern matches: a regex engine would decide
-    named = s.get("properties", {})
+    named, patterns = s.get("properties", {}), s.get("patternProperties", {})
     rest = s.get("additionalProperties", True)
-    if not isinstance(named, dict):
+    if not isinstance(named, dict) or not isinstance(patterns, dict):
         return None
-    return _all_verdicts(admits(named[k] if k in named else rest, x, root, depth + 1) for k, x in value.items())
+    verdicts = []
+    for key, item in value.items():
+        # which patterns match a key: Python's `re` decides only where it reads them as ECMA-262 does
+        matched = [(sub, ecma_search(pattern, key)) for pattern, sub in patterns.items()]
+        if any(hit is None for _, hit in matched):
+            return None
+        rules = [sub for sub, hit in matched if hit] + ([named[key]] if key in named else [])
+        verdicts += [admits(rule, item, root, depth + 1) for rule in rules or [rest]]
+    return _all_verdicts(verdicts)
+
+
+def _dependencies_verdict(needs, value: dict, root, depth: int) -> bool | None:
+    """Each present key's dependency: the keys it needs (a list), or a schema the object meets."""
+    if not isinstance(needs, dict):
+        return None
+    verdicts = []
+    for name, need in needs.items():
+        if name in value:
+            verdicts.append(all(k in value for k in need) if isinstance(need, list) else
+                            admits(need, value, root, depth + 1))
+    return _all_verdicts(verdicts)

@@ -15,6 +15,7 @@ import torch
 
 from loraplex.adapters.registry import AdapterRegistry
 from loraplex.adapters.saved_norms import norm_dims
+from loraplex.grammar.compile_cache import resolve_dir
 from loraplex.grammar.manager import GrammarManager
 from loraplex.platform.config import EngineConfig
 from loraplex.platform.core.engine_core import EngineCore, EngineStats
@@ -50,7 +51,9 @@ class Engine:
         self.eos_token_ids = _eos_token_ids(self.tokenizer, model.eos_token_ids, config.model)
         self.grammars = GrammarManager(self.tokenizer, model.vocab_size, list(self.eos_token_ids),
                                        config.grammar_backend, config.grammar_compile_timeout_s,
-                                       workers=config.grammar_compile_workers)
+                                       workers=config.grammar_compile_workers,
+                                       cache_dir=resolve_dir(config.grammar_cache_dir),
+                                       cache_size=config.grammar_cache_size)
         self.core = EngineCore(resolved, executor(resolved, self.adapters, memory_start), self.adapters,
                                self.grammars, self.tokenizer, self.eos_token_ids)
         try:

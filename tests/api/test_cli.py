@@ -53,7 +53,8 @@ def test_every_engine_setting_is_a_serve_flag():
              "quantization": "int8", "device": "cuda:1", "gpu_memory_utilization": 0.5, "enforce_eager": True,
              "lora_dtype": "bfloat16", "prefill_attention": "sdpa", "max_adapters_per_request": 3,
              "deterministic": True, "speculative_config": '{"method": "ngram", "num_speculative_tokens": 6}',
-             "tensor_parallel_size": 2, "scheduling_policy": "priority"}
+             "tensor_parallel_size": 2, "scheduling_policy": "priority", "grammar_cache_dir": "off",
+             "grammar_cache_size": 7 << 20}
     settable = {f.name for f in fields(EngineConfig)} - {"model"}
     assert set(given) == settable, "a new EngineConfig field: add it here with a non-default value"
     argv = ["serve", "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "7",
@@ -67,7 +68,7 @@ def test_every_engine_setting_is_a_serve_flag():
             "--device", "cuda:1",
             "--gpu-memory-utilization", "0.5", "--enforce-eager", "--prefill-attention", "sdpa",
             "--max-adapters-per-request", "3", "--deterministic", "--tensor-parallel-size", "2",
-            "--scheduling-policy", "priority",
+            "--scheduling-policy", "priority", "--grammar-cache-dir", "off", "--grammar-cache-size", "7MiB",
             "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 6}']
     config = engine_config(build_parser().parse_args(argv), "m")
     assert config == EngineConfig(model="m", **given)

@@ -117,3 +117,26 @@ def test_close_ends_every_process_and_later_compiles_are_refused(tok):
     assert zygote.poll() is not None and not any(alive(pid) for pid in workers)
     with pytest.raises(GrammarError, match="shut down"):
         manager.compile(StructuredOutputs(regex="q+"))
+
+
+def test_a_spec_found_on_disk_never_reaches_a_worker(tok, tmp_path):
+    """The disk cache (grammar/compile_cache.py) is read before the pool: a restarted manager serves what a
+    worker compiled before without starting one; a spec it lacks is compiled by a worker and written."""
+    spec = StructuredOutputs(json=SCHEMA)
+    writer = GrammarManager(tok, 448, [tok.eos_token_id], backend="xgrammar", workers=2, cache_dir=tmp_path)
+    try:
+        assert writer.compile(spec).backend == "xgrammar"
+        writer.flush()
+        assert writer.pool.num_compiles == 1 and writer.store.disk.writes == 1
+    finally:
+        writer.close()
+    reader = GrammarManager(tok, 448, [tok.eos_token_id], backend="xgrammar", workers=2, cache_dir=tmp_path)
+    try:
+        grammar = reader.new_grammar(reader.compile(spec))
+        assert grammar.accept_token(tok.convert_tokens_to_ids("{"))
+        assert reader.store.disk.hits == 1 and reader.pool.num_compiles == 0 and not reader.pool._slots
+        reader.compile(StructuredOutputs(regex="[a-c]+"))
+        reader.flush()
+        assert reader.pool.num_compiles == 1 and reader.store.disk.writes == 1
+    finally:
+        reader.close()
