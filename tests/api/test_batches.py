@@ -478,6 +478,14 @@ def test_a_tenant_sees_only_its_own_files_and_batches(batched):
     with pytest.raises(openai.NotFoundError):
         admin.batches.retrieve(batch.id)
     assert finished(acme, batch.id).status == "completed"
+    response = acme.responses.create(model="tiny", input="Hi", max_output_tokens=2, temperature=0)
+    for attempt in (lambda: globex.responses.retrieve(response.id), lambda: globex.responses.delete(response.id),
+                    lambda: globex.responses.input_items.list(response.id),
+                    lambda: globex.responses.create(model="tiny", input="Hi", max_output_tokens=2,
+                                                    previous_response_id=response.id)):
+        with pytest.raises(openai.NotFoundError):  # another tenant's stored response: as unknown
+            attempt()
+    assert acme.responses.retrieve(response.id).id == response.id
 
 
 # ---- kill -9 and a restart ----------------------------------------------------------------------
