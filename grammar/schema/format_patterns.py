@@ -36,7 +36,7 @@ def _ipv6() -> str:
 def _uri_reference() -> str:
     pchar = _chars(":@")
     segment, segment_nz = f"{pchar}*", f"{pchar}+"
-    ip_literal = f"\\[(?:{_ipv6()}|v{_HEX}+\\.[{_UNRESERVED}{_SUB_DELIMS}:]+)\\]"
+    ip_literal = f"\\[(?:{_ipv6()}|[vV]{_HEX}+\\.[{_UNRESERVED}{_SUB_DELIMS}:]+)\\]"
     authority = f"(?:{_chars(':')}*@)?(?:{ip_literal}|{_chars()}*)(?::[0-9]*)?"
     rest = f"(?:/{segment})*"
     absolute = f"/(?:{segment_nz}{rest})?"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 
 from loraplex.grammar.schema.format_patterns import FORMAT_PATTERNS
+from loraplex.grammar.schema.schema_values import dialect
 from loraplex.grammar.schema.json_schema import FORMATS, UnsupportedKeywordError, walk
 
 # OpenAI's structured outputs, strict mode: the string formats it documents
@@ -46,10 +47,10 @@ def settle_formats(schema, openai_strict: bool = False) -> tuple[object, tuple[s
                 f"annotation)", f"format: {name}", path)
         if name in NUMERIC and _as_range(node, *NUMERIC[name]):
             continue
-        if name in FORMAT_PATTERNS:
+        if name in FORMAT_PATTERNS and dialect(schema) >= 6:
             _as_pattern(node, FORMAT_PATTERNS[name])
             continue
-        if name not in FORMATS:
+        if name not in FORMATS or name in FORMAT_PATTERNS:  # draft 4 defines neither of those
             del node["format"]
             notes.append(f"format: {name} at {path} (an annotation: a format JSON Schema does not define "
                          f"constrains nothing)")

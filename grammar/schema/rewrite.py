@@ -67,7 +67,7 @@ def rewrite(schema, root=None, depth: int = 0, deep: bool = True):
             budget.left = math.inf
             return _rewrite({} if schema is True else schema, schema, depth, False)
         finally:
-            budget.memo, budget.verdicts = None, math.inf
+            budget.memo, budget.verdicts, budget.named = None, math.inf, None
     return _rewrite(schema, root, depth, deep)
 
 
@@ -86,9 +86,11 @@ def _rewrite(schema, root, depth: int, deep: bool):
             out[key] = int(value)  # 2.0 is the count 2; some backends want an integer
         elif key in ("const", "enum", "default", "examples") or not isinstance(value, (dict, list)):
             out[key] = value
-        elif key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
+        elif key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"):
             out[key] = {k: rewrite(v, root, depth, deep) for k, v in value.items()} if isinstance(value, dict) \
                 else value
+        elif key == "dependentRequired":
+            out[key] = value  # names, not schemas
         else:
             out[key] = rewrite(value, root, depth, deep)
     if out.get("uniqueItems") is False:
@@ -159,9 +161,12 @@ def _collapse(schema: dict, root, depth: int, deep: bool):
     (exact: finite_values lists exactly the values it admits), its annotations and definitions
     kept; False where it admits none. None where it may admit more, where a `$ref` may point
     into what would go, or where `unevaluated*` would see which keys and items it evaluated."""
-    if not UNSERVED & schema.keys() or uses_unevaluated(root):
+    if not UNSERVED & schema.keys() or uses_unevaluated(root) or _names_resources(root):
         return None
-    values = finite_values(schema, root)
+    try:
+        values = finite_values(schema, root)
+    except OverflowError:  # an integer too large for a float comparison
+        return None
     if values is None or pointed(root) & (set(schema) - ANNOTATIONS):
         return None
     kept = {k: v for k, v in schema.items() if k in ANNOTATIONS}
@@ -171,6 +176,25 @@ def _collapse(schema: dict, root, depth: int, deep: bool):
     if not values:  # a boolean schema exists since draft 6; `enum: []` is invalid before it
         return False if not kept and dialect(root) >= 6 else None
     return {**kept, "enum": [integral(v) for v in values]}
+
+
+def _names_resources(root) -> bool:
+    """Whether a subschema below the root has a name of its own (`$id`, `$anchor`, ...): a `$ref` inside it may
+    then resolve against it, not the root, and a collapse could drop what a `$ref` names; nothing collapses."""
+    named = getattr(budget, "named", None)
+    if named is None or named[0] is not root:
+        budget.named = named = (root, _has_names(root, top=True))
+    return named[1]
+
+
+def _has_names(node, top: bool = False) -> bool:
+    if isinstance(node, list):
+        return any(_has_names(item) for item in node)
+    if not isinstance(node, dict):
+        return False
+    if any(isinstance(node.get(name), str) for name in RESOURCE_NAMES if not (top and name in ("$id", "id"))):
+        return True
+    return any(_has_names(value) for value in node.values())
 
 
 def _place_any(out: dict, branches: list, extra: list) -> None:

@@ -205,9 +205,12 @@ TESTED = {"type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", 
           "dependentRequired", "dependentSchemas"}
 
 
+UNTIL = {"dependencies": 2019}  # split into dependentRequired / dependentSchemas in 2019-09: no keyword since
+
+
 def known(key: str, root) -> bool:
     """Is `key` a keyword in the root's dialect?"""
-    return key in KEYWORDS and dialect(root) >= SINCE.get(key, 0)
+    return key in KEYWORDS and SINCE.get(key, 0) <= dialect(root) < UNTIL.get(key, math.inf)
 
 
 def admits(schema, value, root, depth: int = 0) -> bool | None:
@@ -260,6 +263,8 @@ def _keyword_verdict(key: str, s: dict, value, root, depth: int) -> bool | None:
     if key == "propertyNames":
         return _all_verdicts(admits(v, name, root, depth + 1) for name in value)
     if key in ("dependencies", "dependentRequired", "dependentSchemas"):
+        if not known(key, root):
+            return None  # not a keyword in this dialect: unsure, so nothing is proven from it
         return _dependencies_verdict(v, value, root, depth)
     if key == "$ref":
         try:
