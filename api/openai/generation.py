@@ -24,8 +24,6 @@ from loraplex.api.openai.streaming import ClientGone, SSEResponse, sse, until_di
 from loraplex.platform.engine.engine_client import AdapterMix, QueueFullError, accumulate
 from loraplex.platform.request import BATCH_PRIORITY, RequestOutput, SamplingParams
 
-UNENFORCED_HEADER = "x-loraplex-unenforced-keywords"
-
 
 def given(value, default):
     """`value` unless the client left it out (0 is a value: SamplingParams refuses it)."""
@@ -70,15 +68,10 @@ class _Timers:
             self._finish(i)
 
     def _split_reasoning(self, i: int, o) -> None:
-        """Tokens are reasoning until the content starts: a delta with reasoning text takes the tokens whose
-        text was held back before it (a partial character, a marker), one with content text drops them."""
-        held = self.undecided[i].pop(o.index, 0) + len(o.token_ids)
-        if o.text:
-            return
-        if o.reasoning_text:
-            self.reasoning[i] += held
-        else:
-            self.undecided[i][o.index] = held
+        reasoning, undecided = fmt.split_reasoning(self.undecided[i].pop(o.index, 0), o)
+        self.reasoning[i] += reasoning
+        if undecided:
+            self.undecided[i][o.index] = undecided
 
     def close(self) -> int:
         """Bills every prompt not finished yet (a dropped client, an abort, a timeout) with what it was
@@ -218,7 +211,4 @@ async def _collect(updates: AsyncIterator[tuple[int, RequestOutput]], num_prompt
 
 
 def _unenforced_header(outputs: list[RequestOutput]) -> dict[str, str]:
-    """strict: false: the schema keywords its grammar dropped, also in the body's
-    `unenforced_keywords`."""
-    unenforced = fmt.unenforced(outputs)
-    return {UNENFORCED_HEADER: "; ".join(unenforced)} if unenforced else {}
+    return fmt.unenforced_header(fmt.unenforced(outputs))

@@ -18,6 +18,9 @@ ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "Permiss
                503: "ServiceUnavailableError", 504: "TimeoutError"}
 
 
+UNENFORCED_HEADER = "x-loraplex-unenforced-keywords"
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"), "param": param,
                       "code": status}}
@@ -151,6 +154,21 @@ class View(Protocol):
     def response(self, outputs: list[RequestOutput]) -> dict: ...
     def stream(self, include_usage: bool) -> "_Stream": ...
     def top_level(self, prompt_index: int) -> dict: ...
+
+
+def split_reasoning(held: int, o: CompletionOutput) -> tuple[int, int]:
+    """Tokens are reasoning until the content starts: `held` tokens whose text was held back before this
+    delta (a partial character, a marker), plus its own, are (reasoning, still undecided): a delta with
+    reasoning text takes them, one with content text drops them, one with neither holds them on."""
+    held += len(o.token_ids)
+    if o.text:
+        return 0, 0
+    return (held, 0) if o.reasoning_text else (0, held)
+
+
+def unenforced_header(keywords) -> dict[str, str]:
+    """strict: false: the schema keywords its grammar dropped (also in the body's `unenforced_keywords`)."""
+    return {UNENFORCED_HEADER: "; ".join(keywords)} if keywords else {}
 
 
 def unenforced(outputs: list[RequestOutput]) -> list[str]:

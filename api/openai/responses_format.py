@@ -9,6 +9,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from loraplex.api.openai.openai_format import split_reasoning
 from loraplex.grammar.tooling.tools import ToolCallParser, parse_tool_calls
 from loraplex.platform.request import RequestOutput
 
@@ -46,12 +47,8 @@ class ResponseOutput:
             self.text += o.text
             self.reasoning_text += o.reasoning_text
             self.finish_reason = o.finish_reason or self.finish_reason
-            held = self.undecided + len(o.token_ids)
-            self.undecided = 0
-            if o.reasoning_text and not o.text:
-                self.reasoning_tokens += held
-            elif not o.text:
-                self.undecided = held
+            reasoning, self.undecided = split_reasoning(self.undecided, o)
+            self.reasoning_tokens += reasoning
 
     @property
     def status(self) -> str:

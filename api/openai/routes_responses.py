@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from loraplex.api.errors import APIError, as_api_error, bad_input
 from loraplex.api.openai import openai_format as fmt
 from loraplex.api.openai import responses_format as rf
-from loraplex.api.openai.generation import UNENFORCED_HEADER, at_priority, end_lease, given, run
+from loraplex.api.openai.generation import at_priority, end_lease, given, run
 from loraplex.api.openai.response_store import StoredResponse
 from loraplex.api.openai.responses_protocol import (FunctionCallItem, FunctionCallOutputItem, MessageItem,
                                                     ResponsesRequest, chat_messages)
@@ -158,7 +158,7 @@ async def _answer(request: Request, updates, events: rf.ResponseEvents, turn: _T
             response = events.envelope.response(events.out.status, rf.output_items(events.out, events.tools),
                                                 events.out)
             turn.keep(response)
-            return JSONResponse(response, headers=_unenforced(events.out))
+            return JSONResponse(response, headers=fmt.unenforced_header(events.out.unenforced))
         first = await until_disconnect(request, anext(updates))
     except ClientGone:
         await updates.aclose()
@@ -171,7 +171,7 @@ async def _answer(request: Request, updates, events: rf.ResponseEvents, turn: _T
         end_lease(lease, 0)
         raise
     shown = lambda text: auth.shown(request, text)  # noqa: E731
-    headers = {UNENFORCED_HEADER: "; ".join(first[1].unenforced)} if first and first[1].unenforced else {}
+    headers = fmt.unenforced_header(first[1].unenforced if first else ())
     return SSEResponse(_events(updates, first, events, turn, shown), headers)
 
 
@@ -208,10 +208,6 @@ async def _events(updates, first, events: rf.ResponseEvents, turn: _Turn, shown)
 
 def _sse(event: dict) -> str:
     return f"event: {event['type']}\n{fmt.sse(event)}"
-
-
-def _unenforced(out: rf.ResponseOutput) -> dict[str, str]:
-    return {UNENFORCED_HEADER: "; ".join(out.unenforced)} if out.unenforced else {}
 
 
 @router.get("/v1/responses/{response_id}")
