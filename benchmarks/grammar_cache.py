@@ -11,7 +11,7 @@ same manager again: the memory cache), restart (a fresh manager over the folder 
 cache), and restart without the disk cache (what a restart cost before). Each manager is warm before it is timed
 (workers started, backend built), as a server is before it says it is ready.
 
-With the engine (default): the time to first token of a one-token request per schema on the default model (a
+With the engine (default): the time to first token of a request per schema on the default model (a
 short chat prompt; prefix cache off), warm (second request) against the first request after a restart over the
 disk cache, and the ratio: the issue's bar is restart within 1.2x of warm.
 """
@@ -123,10 +123,19 @@ def engine_phases(args, chosen, folder: Path, grammar_rows: dict) -> None:
         return llm
 
     def ttft(llm, schema, prompt) -> float:
-        params = SamplingParams(temperature=0, max_tokens=1, structured=StructuredOutputs(json=schema))
+        """Submit to the first token, through the engine's own loop (the request then aborted): max_tokens leaves
+        room for the answer, as the budget guarantee asks (grammar/budget.py)."""
+        params = SamplingParams(temperature=0, max_tokens=512, structured=StructuredOutputs(json=schema))
         start = time.perf_counter()
-        llm.generate([prompt], params)
-        return 1e3 * (time.perf_counter() - start)
+        request = llm.engine.inputs.process(f"ttft-{time.perf_counter_ns()}", prompt, params)
+        llm.engine.add(request)
+        while not any(out.request_id == request.request_id for out in llm.engine.step()):
+            pass
+        elapsed = 1e3 * (time.perf_counter() - start)
+        llm.engine.abort(request.request_id)
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+        return elapsed
 
     shutil.rmtree(folder, ignore_errors=True)
     llm = engine(str(folder))
@@ -143,7 +152,7 @@ def engine_phases(args, chosen, folder: Path, grammar_rows: dict) -> None:
     ttft(llm, {"type": "integer"}, prompts[0])
     restart, warm_again = paired(llm, chosen, prompts, ttft)
     llm.engine.close()
-    print("engine, time to first token (one-token requests, default model); each first request paired with the "
+    print("engine, time to first token (default model); each first request paired with the "
           "same request right after it (warm):")
     rows = [summary("  cold", cold), summary("  warm (memory)", warm + warm_again),
             summary("  restart (disk cache)", restart)]

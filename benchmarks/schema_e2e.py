@@ -6,8 +6,8 @@ model, each answer checked with the `jsonschema` validator.
 Samples `--num` schemas (fixed seed) from the corpus and asks, for each, for a JSON value that
 follows it (chat, greedy, `response_format` json_schema, strict). Each answer is one of: valid
 (ended by the grammar and passes the validator), INVALID (a 200 that breaks its schema: must
-be 0), cut off (`length`: ran into max_tokens), refused (400 naming what cannot be enforced),
-or another error. Exits 1 on any invalid answer.
+be 0), cut off (`length`: ran into max_tokens), refused (400 naming what cannot be enforced, or
+the shortest answer's length where it exceeds max_tokens), or another error. Exits 1 on any invalid answer.
 """
 
 from __future__ import annotations
@@ -63,14 +63,17 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=768)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--backend", default="auto")
+    parser.add_argument("--no-finish-within-budget", action="store_true",
+                        help="serve without the budget guarantee (the softer --json-close-window steer only)")
     args = parser.parse_args()
     files = sorted(args.corpus.glob("*.json"))
     picked = random.Random(args.seed).sample(files, min(args.num, len(files)))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = start_server(port, 0, None, ("--served-model-name", "default", "--grammar-backend", args.backend),
-                        max_model_len=4096)
+    extra = ("--served-model-name", "default", "--grammar-backend", args.backend,
+             *(["--no-finish-within-budget"] if args.no_finish_within_budget else []))
+    proc = start_server(port, 0, None, extra, max_model_len=4096)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=3600)
     try:
         with cf.ThreadPoolExecutor(args.concurrency) as pool:
@@ -81,7 +84,7 @@ def main() -> int:
         proc.wait(60)
     counts = collections.Counter(kind for kind, _ in results)
     print(f"backend {args.backend}: {len(picked)} schemas sampled (seed {args.seed}) from {args.corpus}, "
-          f"max_tokens {args.max_tokens}, greedy")
+          f"max_tokens {args.max_tokens}, greedy, budget guarantee {'off' if args.no_finish_within_budget else 'on'}")
     for kind in ("valid", "INVALID", "cut off", "refused", "error"):
         print(f"  {kind:<8} {counts[kind]:>4}  ({100 * counts[kind] / len(picked):.0f}%)")
     for path, (kind, detail) in zip(picked, results):

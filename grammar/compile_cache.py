@@ -381,8 +381,10 @@ class GrammarStore:
         try:
             exact = decode_spec(header["spec"])
             grammar = compiler.get(header["backend"]).restore(exact, decode_export(header["export"], payload))
+            plan = header.get("budget_plan")  # the start state's plan (grammar/budget.py): not searched again
             return Compiled(exact, header["backend"], grammar, tuple(header["unenforced"]),
-                            decode_original(header["original"]))
+                            decode_original(header["original"]),
+                            budget_plan=(tuple(plan[0]), tuple(map(tuple, plan[1]))) if plan else None)
         except Exception as exc:  # readable but not restorable: never served, never kept
             log.warning("grammar cache: dropping an entry that does not restore: %s: %s", type(exc).__name__, exc)
             self.disk.drop(key)
@@ -394,5 +396,7 @@ class GrammarStore:
         """Store `compiled` (its grammar as the backend exported it) under `spec`'s key."""
         kind, payload = encode_export(exported)
         header = {"backend": compiled.backend, "spec": encode_spec(compiled.spec), "unenforced": list(compiled.unenforced),
-                  "original": encode_original(compiled.original), "export": kind}
+                  "original": encode_original(compiled.original), "export": kind,
+                  "budget_plan": [list(compiled.budget_plan[0]), [list(h) for h in compiled.budget_plan[1]]]
+                  if compiled.budget_plan else None}
         return self.disk.put(self.key(spec), header, payload)

@@ -60,6 +60,8 @@ class Compiled:
     original: object = None  # the schema as the request gave it, for the output check
     _validator: object = field(default=None, repr=False)
     _tool_validators: dict = field(default_factory=dict, repr=False)  # by function name
+    # (the start state's completion plan, the hints) where the budget is guarded (grammar/budget.py); False: none
+    budget_plan: object = field(default=None, repr=False)
 
     @property
     def ends_in_json(self) -> bool:

@@ -35,6 +35,7 @@ import weakref
 import torch
 
 from loraplex.grammar.backend import CompileCache, Grammar, GrammarError, StructuredOutputs
+from loraplex.grammar.budget import hint_texts
 from loraplex.grammar.compile_cache import DEFAULT_SIZE, GrammarStore
 from loraplex.grammar.compile_pool import CompilePool, Job
 from loraplex.grammar.compiler import (AUTO_ORDER, BACKENDS, KINDS, MAX_RELAXED, Compiled,  # noqa: F401 (re-exported)
@@ -49,8 +50,10 @@ MAX_CACHED = 256  # finished compiles kept, by spec
 class GrammarManager:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], backend: str = "xgrammar",
                  timeout_s: float = 10.0, max_compiles: int = 32, workers: int = 0,
-                 cache_dir: str | os.PathLike | None = None, cache_size: int = DEFAULT_SIZE) -> None:
+                 cache_dir: str | os.PathLike | None = None, cache_size: int = DEFAULT_SIZE,
+                 within_budget: bool = False) -> None:
         self.compiler = SpecCompiler(tokenizer, vocab_size, stop_token_ids, backend)
+        self.within_budget = within_budget  # outputs guarded to end valid inside max_tokens (grammar/budget.py)
         self._args = (tokenizer, vocab_size, stop_token_ids)
         self.backend_name = backend
         self.max_compiles = max_compiles
@@ -186,6 +189,8 @@ class GrammarManager:
                 result.grammar = self.compiler.get(result.backend).restore(result.spec, result.grammar)
             except BaseException as exc:
                 error = exc
+        if error is None:  # planned here, off the engine's thread and the event loop
+            self.shortest(result)
         save = None
         if error is None and spec is not None and self._io is not None:
             try:
@@ -272,10 +277,35 @@ class GrammarManager:
         if self._io is not None:  # the writes already queued finish
             self._io.shutdown(wait=True)
 
+    def shortest(self, compiled: Compiled) -> int | None:
+        """The tokens the shortest answer `compiled` allows takes, as planned (grammar/budget.py): an upper bound,
+        exact in the usual cases; None where its outputs are not guarded (the setting off, another backend than
+        llguidance, a reasoning first) or no plan was found."""
+        if not self.within_budget:
+            return None
+        if compiled.budget_plan is None:  # planned once (read back with a compile from the disk cache)
+            compiled.budget_plan = self._plan(compiled) or False
+        return len(compiled.budget_plan[0]) if compiled.budget_plan else None
+
+    def _plan(self, compiled: Compiled) -> tuple | None:
+        spec = compiled.spec
+        if compiled.backend != "llguidance" or spec.reasoning is not None:
+            return None
+        try:
+            planner = self._get("llguidance").planner
+            hints = planner.hints(hint_texts(spec))
+            start = planner.plan(compiled.grammar, hints)
+        except Exception:  # a bug here must not fail the request: its output is only not guarded
+            log.warning("grammar budget: planning failed", exc_info=True)
+            return None
+        return (start, hints) if start is not None else None
+
     def new_grammar(self, compiled: Compiled) -> Grammar:
         spec = compiled.spec
-        grammar = self._get(compiled.backend).new_grammar(compiled.grammar, json_like=spec.kind in
-                                                          ("json", "json_object") and spec.reasoning is None)
+        json_like = spec.kind in ("json", "json_object") and spec.reasoning is None
+        if self.shortest(compiled) is not None:
+            return self._get(compiled.backend).new_grammar(compiled.grammar, json_like, plan=compiled.budget_plan)
+        grammar = self._get(compiled.backend).new_grammar(compiled.grammar, json_like=json_like)
         if spec.reasoning is not None:
             grammar = ReasoningGate(grammar, spec.reasoning, self.close_ids, self.token_texts)
         return grammar

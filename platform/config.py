@@ -152,9 +152,13 @@ class EngineConfig:
                                           "whatever the batch, the prefix cache, the prefill chunking or a "
                                           "preemption (every kernel sums a token's values in one fixed order; "
                                           "CPU: our C kernels, float32 or bfloat16; CUDA: Triton; docs/engine.md)")
-    json_close_window: int = _setting(64, "JSON outputs: in the last max(N, max_tokens/4) tokens of max_tokens (at most half), "
-                                          "pick a closing token (quote, bracket, brace, end) whenever the grammar "
-                                          "allows one (0: off)")
+    finish_within_budget: bool = _setting(True, "structured outputs (llguidance) end valid inside max_tokens: no "
+                                                "token is taken that leaves more to write than the tokens left, and "
+                                                "a request whose shortest answer does not fit is refused (400); "
+                                                "off: only the softer --json-close-window steer (docs/structured-outputs.md)")
+    json_close_window: int = _setting(64, "JSON outputs not guarded by --finish-within-budget: in the last max(N, max_tokens/4) "
+                                          "tokens of max_tokens (at most half), pick a closing token (quote, bracket, "
+                                          "brace, end) whenever the grammar allows one (0: off)")
     pack_weights: bool = _setting(True, "CPU: linear weights prepacked (oneDNN's layout, or our AMX kernel's for "
                                         "bfloat16); under dtype auto, float32 weights only where the start-up "
                                         "probe measures that faster than plain rows and our decode kernel")

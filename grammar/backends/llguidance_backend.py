@@ -26,6 +26,7 @@ from loraplex.grammar.schema import regex_features
 
 from loraplex.grammar.tooling import reasoning, tools
 from loraplex.grammar.backend import CompileCache, GrammarError, StructuredOutputs, UnsatisfiableError
+from loraplex.grammar.budget import BudgetGuard, Planner
 from loraplex.grammar.schema.ecma_regex import exact_dots
 from loraplex.grammar.schema.json_schema import (UnsupportedKeywordError, check_formats, check_patterns, check_regex,
                                           find_keyword, walk)
@@ -67,6 +68,7 @@ class LLGuidanceGrammar:
         self.matcher = matcher
         self.stop_token_ids = stop_token_ids
         self.terminated = False  # a stop token accepted where the grammar may end
+        self.guard: BudgetGuard | None = None  # set where the output must end valid inside its budget
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         _torch_fill().fill_next_token_bitmask(self.matcher, bitmask, row)
@@ -77,7 +79,10 @@ class LLGuidanceGrammar:
         if self.terminated:
             return False
         if token_id not in self.stop_token_ids:  # try_consume leaves the matcher as it was on a refusal
-            return self.matcher.try_consume_tokens([token_id]) == 1
+            taken = self.matcher.try_consume_tokens([token_id]) == 1
+            if taken and self.guard is not None:
+                self.guard.accepted(token_id)
+            return taken
         self.terminated = self.matcher.is_accepting() and self.matcher.consume_token(token_id)
         return self.terminated
 
@@ -86,9 +91,16 @@ class LLGuidanceGrammar:
             self.terminated, num_tokens = False, num_tokens - 1
         if num_tokens:
             self.matcher.rollback(num_tokens)
+            if self.guard is not None:
+                self.guard.rolled_back(num_tokens)
 
     def is_terminated(self) -> bool:
         return self.terminated
+
+    def is_complete(self) -> bool:
+        """Whether the output has ended: the grammar allows nothing more (a number or a regex that may go on has
+        not, though it may stop here)."""
+        return self.terminated or self.matcher.is_stopped()
 
     def jump_forward_string(self) -> str:
         """The text the grammar forces next, cut before a character split across its end."""
@@ -132,6 +144,14 @@ class LLGuidanceBackend:
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stops)
         self.markers = Markers(tokenizer, self.tokenizer)
         self._cache = CompileCache(MAX_CACHED)
+        self._planner: Planner | None = None
+
+    @property
+    def planner(self) -> Planner:
+        """Completion plans for this tokenizer (grammar/budget.py), made on first use."""
+        if self._planner is None:
+            self._planner = Planner(self.tokenizer)
+        return self._planner
 
     def compile(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
         """A validated matcher in its start state; each sequence gets a copy."""
@@ -194,8 +214,13 @@ class LLGuidanceBackend:
     def restore(self, spec: StructuredOutputs, exported: None) -> llguidance.LLMatcher:
         return self.compile(spec)
 
-    def new_grammar(self, compiled: llguidance.LLMatcher, json_like: bool = False) -> LLGuidanceGrammar:
-        return LLGuidanceGrammar(compiled.deep_copy(), self.stop_token_ids)
+    def new_grammar(self, compiled: llguidance.LLMatcher, json_like: bool = False,
+                    plan: tuple[tuple[int, ...], tuple] | None = None) -> LLGuidanceGrammar:
+        """`plan`: (the start state's plan, the hints) to guard the output's budget with (grammar/budget.py)."""
+        grammar = LLGuidanceGrammar(compiled.deep_copy(), self.stop_token_ids)
+        if plan is not None:
+            grammar.guard = BudgetGuard(grammar.matcher, self.planner, plan[1], self.stop_token_ids, plan[0])
+        return grammar
 
 
 def ecma_dots(schema):

@@ -30,6 +30,8 @@ MAX_CACHED = 64
 
 
 class OutlinesGrammar:
+    guard = None  # no budget guard (grammar/budget.py): llguidance grammars only
+
     def __init__(self, index: oc.Index, eos_token_id: int) -> None:
         self.guide = oc.Guide(index, max_rollback=64)
         self.eos_token_id = eos_token_id

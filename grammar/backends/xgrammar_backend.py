@@ -21,6 +21,8 @@ RULES = SchemaRules("xgrammar", BASE_UNENFORCED, formats=frozenset({
 
 
 class XGrammarGrammar:
+    guard = None  # no budget guard (grammar/budget.py): llguidance grammars only
+
     def __init__(self, compiled: xgr.CompiledGrammar, allowed: torch.Tensor | None = None) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)
         self.allowed = allowed  # packed bitmask row ANDed into every fill

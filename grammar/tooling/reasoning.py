@@ -166,6 +166,8 @@ class ReasoningGate:
     text with the splitter's state machine, so it agrees with the split the client gets;
     rollback restores it."""
 
+    guard = None  # no budget guard (grammar/budget.py): llguidance grammars only
+
     def __init__(self, inner, reasoning: Reasoning, close_ids: list[int], token_texts: list[str]) -> None:
         self.inner = inner
         self.budget = reasoning.max_tokens

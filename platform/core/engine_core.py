@@ -82,7 +82,7 @@ class EngineCore:
         if resolved.device.type == "cuda" and not config.enforce_eager:
             self.enable_graphs()
         self.sampler = Sampler(model.vocab_size, eos_token_ids, config.seed, grammars, config.json_close_window,
-                               resolved.device)
+                               resolved.device, self.max_model_len)
         self.drafter = Drafter(config.speculative, tokenizer, self.max_model_len, config.jump_forward)
         self._log_kv_size()
 

@@ -445,7 +445,9 @@ class Scheduler:
             seq.stop_reason = token
             self.finish(seq, RequestStatus.FINISHED_STOPPED)
         elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            self.finish(seq, RequestStatus.FINISHED_LENGTH)
+            # an output kept inside its budget (grammar/budget.py) ends complete there: stopped, not cut off
+            complete = seq.grammar is not None and seq.grammar.guard is not None and seq.grammar.is_complete()
+            self.finish(seq, RequestStatus.FINISHED_STOPPED if complete else RequestStatus.FINISHED_LENGTH)
         return not seq.status.finished
 
     def stop(self, request_id: str, index: int, reason: str) -> None:

@@ -224,6 +224,7 @@ class AsyncEngine:
                 request.compiled_grammar = await self.grammars.compiled(
                     spec, tenant.cache_namespace if tenant is not None else "")
                 request.grammar_wait_s = (waited - request.arrival_time, time.monotonic() - request.arrival_time)
+                self.inputs.check_budget(request)
         items: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         remaining: set[int] = set()

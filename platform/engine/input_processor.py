@@ -147,9 +147,21 @@ class InputProcessor:
         params = self._for_this_model(params, ids, tokenizer)
         spec = self._grammar_spec(params)
         compiled = self.grammars.compile(spec) if spec is not None and compile else None
-        return Request(request_id, ids, params, prompt=text, adapter=adapter, adapter_weights=weights,
-                       compiled_grammar=compiled, mix=mix, tenant=tenant,
-                       tokenizer=None if tokenizer is self.tokenizer else tokenizer)
+        request = Request(request_id, ids, params, prompt=text, adapter=adapter, adapter_weights=weights,
+                          compiled_grammar=compiled, mix=mix, tenant=tenant,
+                          tokenizer=None if tokenizer is self.tokenizer else tokenizer)
+        self.check_budget(request)
+        return request
+
+    def check_budget(self, request: Request) -> None:
+        """A guarded output (grammar/budget.py) whose shortest answer cannot fit in max_tokens is refused before
+        it runs: it could only end cut off. (max_tokens never exceeds what max_model_len leaves: `_check`.)"""
+        compiled = request.compiled_grammar
+        need = self.grammars.shortest(compiled) if compiled is not None else None
+        if need is not None and need > request.params.max_tokens:
+            raise ValueError(f"max_tokens={request.params.max_tokens} is too few for this {compiled.spec.kind}: its "
+                             f"shortest valid answer takes {need} tokens (raise max_tokens; a server started with "
+                             f"--no-finish-within-budget would cut the answer off instead)")
 
     def grammar_spec(self, request: Request) -> StructuredOutputs | None:
         """The spec the request's grammar compiles (after its reasoning, if any); None without one."""

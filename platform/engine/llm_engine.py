@@ -53,7 +53,8 @@ class Engine:
                                        config.grammar_backend, config.grammar_compile_timeout_s,
                                        workers=config.grammar_compile_workers,
                                        cache_dir=resolve_dir(config.grammar_cache_dir),
-                                       cache_size=config.grammar_cache_size)
+                                       cache_size=config.grammar_cache_size,
+                                       within_budget=config.finish_within_budget)
         self.core = EngineCore(resolved, executor(resolved, self.adapters, memory_start), self.adapters,
                                self.grammars, self.tokenizer, self.eos_token_ids)
         try:

@@ -14,12 +14,16 @@ logprob, rank and top-k (k columns, never a vocabulary-wide row): every read goe
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from loraplex.kernels.dispatch import to_device
 from loraplex.platform.request import Logprob, Request
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -30,9 +34,11 @@ class SamplerOutput:
 
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], seed: int = 0, grammars=None,
-                 json_close_window: int = 0, device: torch.device = torch.device("cpu")) -> None:
+                 json_close_window: int = 0, device: torch.device = torch.device("cpu"),
+                 max_model_len: int | None = None) -> None:
         self.vocab_size = vocab_size
         self.device = device
+        self.max_model_len = max_model_len
         self.grammars = grammars  # a GrammarManager: fills and applies the structured rows' bitmask
         self.json_close_window = json_close_window
         self.eos_token_ids = list(eos_token_ids)
@@ -54,13 +60,16 @@ class Sampler:
         self._block_early_stop(logits, requests)
         self._apply_penalties(logits, requests)
         self._apply_logit_bias(logits, requests)
-        tokens = self._sample(logits, requests)
+        tokens, ranked = self._sample(logits, requests)
+        picked, changed = self._within_budget(tokens, ranked, requests) if structured else (None, False)
+        if changed:
+            tokens = self._put(picked)
         logprobs: list[dict[int, Logprob] | None] = [None] * len(requests)
         if raw_logprobs is not None:
             found = logprobs_of(raw_logprobs, tokens[self._put(wanted)], [requests[i].params.logprobs for i in wanted])
             for i, entry in zip(wanted, found):
                 logprobs[i] = entry
-        return SamplerOutput(to_host(tokens), logprobs)
+        return SamplerOutput(picked if picked is not None else to_host(tokens), logprobs)
 
     def argmax_only(self, requests: list[Request]) -> bool:
         return all(r.params.greedy and r.params.logprobs is None and r.grammar is None
@@ -73,6 +82,8 @@ class Sampler:
         level or two)."""
         compiled = r.compiled_grammar
         if not self.json_close_window or r.grammar is None or compiled is None or not compiled.ends_in_json:
+            return False
+        if r.grammar.guard is not None and r.grammar.guard.current() is not None:  # kept inside its budget exactly
             return False
         window = min(max(self.json_close_window, r.params.max_tokens // 4), r.params.max_tokens // 2)
         return r.params.max_tokens - len(r.output_token_ids) <= window
@@ -123,19 +134,59 @@ class Sampler:
     def _put(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return to_device(torch.tensor(values, dtype=dtype, device="cpu"), self.device)
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """The picked token of each row, on the device."""
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, Callable]:
+        """The picked token of each row, on the device; and each row's ranking of the tokens (its row of scores,
+        best first: the pick is its first), for a pick that must be taken back."""
         out = argmax(logits)
         picked = [i for i, r in enumerate(requests) if not r.params.greedy]
         if not picked:
-            return out
+            return out, lambda i: logits[i]
         rows = self._put(picked)
         sampled = [requests[i] for i in picked]
         temps = self._put([r.params.temperature for r in sampled], logits.dtype)[:, None]
         probs = filter_and_softmax(logits[rows] / temps, sampled)
-        # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) draws from p.
-        out[rows] = argmax(probs / self._noise(probs, sampled))
-        return out
+        # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) draws from p; the race's next places
+        # draw from p without the tokens before them (a token taken back leaves the law of the rest as it was).
+        race = probs / self._noise(probs, sampled)
+        out[rows] = argmax(race)
+        where = {i: k for k, i in enumerate(picked)}
+        return out, lambda i: race[where[i]].masked_fill(race[where[i]] <= 0, float("-inf")) if i in where \
+            else logits[i]
+
+    def _within_budget(self, tokens: torch.Tensor, ranked: Callable, requests: list[Request]
+                       ) -> tuple[list[int] | None, bool]:
+        """The picks, on the host, with each guarded row's pick (grammar/budget.py) taken back where it would leave
+        more to write than the tokens left: the next of its ranking that fits instead, else its plan's next token;
+        and whether any was. (None, False) where no row is guarded (the picks stay on the device)."""
+        guarded = [i for i, r in enumerate(requests) if r.grammar is not None and r.grammar.guard is not None]
+        if not guarded:
+            return None, False
+        picks, changed = to_host(tokens), False
+        for i in guarded:
+            grammar = requests[i].grammar
+            try:
+                left = self._tokens_left(requests[i])
+                if not grammar.guard.fits((picks[i],), left):
+                    picks[i], changed = self._first_fitting(grammar.guard, ranked(i), left, picks[i]), True
+            except Exception:  # a bug in the guard must not fail the step: that sequence goes on unguarded
+                log.exception("grammar budget: the guard failed; request %s goes on unguarded", requests[i].request_id)
+                grammar.guard = None
+        return picks, changed
+
+    def _first_fitting(self, guard, scores: torch.Tensor, left: int, taken_back: int) -> int:
+        top = scores.topk(min(BUDGET_CANDIDATES, scores.shape[0]))
+        values, ids = to_host(top.values), to_host(top.indices)
+        for value, token in zip(values, ids):
+            if value == float("-inf"):
+                break
+            if token != taken_back and guard.fits((token,), left):
+                return token
+        fallback = guard.fallback()
+        return fallback if fallback is not None else taken_back
+
+    def _tokens_left(self, r: Request) -> int:
+        left = r.params.max_tokens - len(r.output_token_ids)
+        return left if self.max_model_len is None else min(left, self.max_model_len - r.num_tokens)
 
     def _noise(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Exp(1) noise shaped as `probs`: rows without a seed in one draw on the device from the sampler's
@@ -196,6 +247,7 @@ def filter_and_softmax(logits: torch.Tensor, requests: list[Request]) -> torch.T
     return probs
 
 
+BUDGET_CANDIDATES = 8  # a pick taken back (grammar/budget.py): the ranking's next tried before the plan's token
 PROMPT_LOGPROB_ROWS = 128  # prompt positions turned into logits at once (each row is vocab-sized)
 
 

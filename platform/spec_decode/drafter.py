@@ -69,8 +69,10 @@ class GrammarForced:
         joined = self.tokenizer.encode(self.tokenizer.decode([last]) + forced, add_special_tokens=False)
         if self.tokenizer.decode(tokens) != forced or joined != [last, *tokens]:
             return []
-        tokens = tokens[:-1][:req.params.max_tokens - len(req.output_token_ids)]
-        return grammar_prefix(req.grammar, tokens)
+        left = req.params.max_tokens - len(req.output_token_ids)
+        tokens = grammar_prefix(req.grammar, tokens[:-1][:left])
+        guard = req.grammar.guard  # an output kept inside its budget: only where the rest still fits after them
+        return tokens if not tokens or guard is None or guard.fits(tuple(tokens), left) else []
 
     def _learn(self, req: Request) -> None:
         """Where the model wrote the text of the first forced token it did not take in several tokens of its own,

@@ -56,6 +56,16 @@ def test_refusals_are_400s_naming_the_keyword_under_every_backend(server):
     assert http(server, "/health", key=None)[0] == 200
 
 
+def test_a_budget_too_small_for_the_schema_is_a_400_where_answers_are_kept_inside_it(server):
+    """llguidance (auto's choice here) keeps answers valid inside max_tokens, so one that cannot fit is refused up
+    front naming the minimum; the other backends promise nothing and cut the answer off."""
+    status, out = http(server, CHAT, body(with_field(minLength=20), max_tokens=3), key=None)
+    if server.engine.config.grammar_backend in ("auto", "llguidance"):
+        assert_error((status, out), 400, "max_tokens=3 is too few for this json: its shortest valid answer takes")
+    else:
+        assert status == 200 and out["choices"][0]["finish_reason"] == "length", out
+
+
 def chat_latency(live, payload) -> float:
     start = time.perf_counter()
     status, out = http(live, CHAT, payload, key=None)

@@ -262,7 +262,7 @@ def test_an_engine_keeps_its_grammars_across_a_restart(tiny_model_dir, tmp_path)
     from loraplex.platform import LLM
     from loraplex.platform.request import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=12, structured=StructuredOutputs(json=SCHEMA))
+    params = SamplingParams(temperature=0, max_tokens=24, structured=StructuredOutputs(json=SCHEMA))
     outputs = []
     for _ in range(2):
         llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, grammar_compile_workers=0,
@@ -273,3 +273,21 @@ def test_an_engine_keeps_its_grammars_across_a_restart(tiny_model_dir, tmp_path)
         llm.engine.close()
     assert store.disk.hits == 1 and outputs[0] == outputs[1]
     assert len(list(tmp_path.glob("*.grammar"))) == 1
+
+
+def test_the_start_plan_comes_back_from_disk_and_is_not_searched_again(tok, tmp_path, monkeypatch):
+    """The budget guarantee's start plan (grammar/budget.py) is kept with the compile: a restart reads it."""
+    spec = StructuredOutputs(json=SCHEMA)
+    first = manager(tok, tmp_path, "llguidance", within_budget=True)
+    planned = first.compile(spec).budget_plan
+    first.flush()
+    first.close()
+    assert planned and planned[0]
+    again = manager(tok, tmp_path, "llguidance", within_budget=True)
+    monkeypatch.setattr(again, "_plan", lambda compiled: pytest.fail("planned again, not read from disk"))
+    read = again.compile(spec)
+    assert read.budget_plan == planned and again.shortest(read) == len(planned[0])
+    again.close()
+    off = manager(tok, tmp_path, "llguidance")  # the same entry where the guarantee is off: no guard
+    assert off.shortest(off.compile(spec)) is None and off.new_grammar(off.compile(spec)).guard is None
+    off.close()

@@ -40,7 +40,8 @@ def test_n_preemption_and_mixed_batch(tiny_model_dir):
 
 
 def test_truncation_is_reported_as_length(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=32)
+    """Without the budget guarantee (grammar/budget.py) a structured output can be cut off: reported as such."""
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=32, finish_within_budget=False)
     out = llm.generate([{"prompt_token_ids": [3, 4]}], structured(0, max_tokens=3, json=SCHEMA))[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 3 and out.text.startswith("{")
 
@@ -184,19 +185,20 @@ def test_min_tokens_never_forces_a_token_the_grammar_forbids(tiny_model_dir):
 
 
 def test_json_outputs_close_as_the_budget_runs_out(tiny_model_dir):
-    """In the last json_close_window tokens a JSON output takes a closing token whenever its
-    grammar allows one: it ends valid instead of being cut off in an endless string."""
+    """Where the budget guarantee is off: in the last json_close_window tokens a JSON output takes a closing
+    token whenever its grammar allows one, so it ends valid instead of being cut off in an endless string."""
     import jsonschema
 
     schema = {"type": "object", "additionalProperties": False, "required": ["s", "xs"],
               "properties": {"s": {"type": "string"}, "xs": {"type": "array", "items": {"type": "string"}}}}
     prompts = [{"prompt_token_ids": [3, 4, 5]}] * 4
     params = [structured(seed, max_tokens=48, json=schema) for seed in range(4)]
-    closing = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, json_close_window=24)  # the last 24
+    closing = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, json_close_window=24,  # the last 24
+                  finish_within_budget=False)
     for out in closing.generate(prompts, params):
         c = out.outputs[0]
         assert c.finish_reason == "stop" and c.schema_violation is None, c.text
         jsonschema.validate(json.loads(c.text), schema)
-    free = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, json_close_window=0)
+    free = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64, json_close_window=0, finish_within_budget=False)
     reasons = [out.outputs[0].finish_reason for out in free.generate(prompts, params)]
     assert "length" in reasons  # without it, random weights ramble inside the strings
