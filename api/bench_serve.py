@@ -21,6 +21,9 @@ WORDS = ("the of and to in is you that it he was for on are as with his they at 
          "other about out many then them these so some her would make like him into time has look two more write "
          "go see number no way could people my than first water been call who oil its now find long down day did "
          "get come made may part").split()
+# a structured request's max_tokens at least (a server keeping answers valid inside it refuses one too small for the
+# schema's shortest answer)
+STRUCTURED_MIN_TOKENS = 64
 JSON_SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40},
                                                 "score": {"type": "integer", "minimum": 0, "maximum": 10},
                                                 "tags": {"type": "array", "items": {"type": "string", "maxLength": 12},
@@ -55,7 +58,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--input-len", type=int, default=128, help="prompt length in words (about tokens)")
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--structured-fraction", type=float, default=0.0, help="share of requests with a JSON Schema")
+    p.add_argument("--structured-fraction", type=float, default=0.0, help="share of requests with a JSON Schema (max_tokens at least 64)")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="generate exactly --output-len tokens (unstructured requests)")
     p.add_argument("--api-key", default=None)
@@ -91,7 +94,8 @@ async def _one(client, model: str, prompt: str, args, adapter: str, structured: 
     start = last = time.perf_counter()
     try:
         stream = await client.completions.create(
-            model=f"{model}:{adapter}" if adapter else model, prompt=prompt, max_tokens=args.output_len,
+            model=f"{model}:{adapter}" if adapter else model, prompt=prompt,
+            max_tokens=max(args.output_len, STRUCTURED_MIN_TOKENS) if structured else args.output_len,
             temperature=0.0, stream=True, stream_options={"include_usage": True}, extra_body=body)
         async for chunk in stream:
             now = time.perf_counter()

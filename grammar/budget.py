@@ -6,7 +6,8 @@ copy of the matcher byte by byte: the bytes the grammar forces, else a closer (`
 (after it a text character is refused: inside a string `}` is text), else a hint (the spec's enum and const
 strings, examples of its formats, a short example and the literal runs of its patterns, its choices), else one
 plain byte, tried in a fixed order; it does this for a few orders (digits first, punctuation first, letters first)
-and keeps the one with the fewest tokens, within MAX_PLAN_OPS matcher steps in all. The text is cut into the tokenizer's own tokens and checked on another
+and keeps the one with the fewest tokens; each walk within a bound of bytes and of matcher steps (a long walk
+only where no short one ends). The text is cut into the tokenizer's own tokens and checked on another
 copy: a plan is always a completion the grammar accepts, and its length an upper bound on the shortest one (the
 shortest itself in the usual cases: a closing quote and brackets, the required keys with their smallest values).
 Where no order ends within those bounds there is no plan, and the sequence is not guarded (the soft
@@ -22,20 +23,24 @@ a new plan is searched only where that fails.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import string
 import threading
 
 from loraplex.grammar.schema.json_schema import walk
 
-MAX_PLAN_BYTES = 1024  # a plan's walk stops there (a grammar whose shortest end is further is not guarded)
+log = logging.getLogger(__name__)
+
+# a walk stops past these many bytes or matcher steps: the short walks (a few orders), then one long one
+SHORT_PLAN_BYTES, SHORT_WALK_OPS = 1024, 8_000
+MAX_PLAN_BYTES, MAX_PLAN_OPS = 8192, 20_000
 MAX_HINTS, MAX_HINT_BYTES = 64, 64
-RETRY_AFTER = 16  # tokens before a state without a plan is searched again
+RETRY_AFTER, MAX_RETRY_AFTER = 16, 256  # tokens before a state without a plan is searched again (doubling)
 MAX_HISTORY = 256  # rollbacks reach back at most this far (drafts, a jump-forward's dry run)
 CLOSERS = '"}]'
 CLOSER_LOOKAHEAD = 3
 PROBES = "~`^|"
-MAX_PLAN_OPS = 20_000  # matcher steps one plan may take (a walk that ends nowhere stops there: no plan)
 _PUNCT = "-.:@/_T+ ,#!$%&*=?~;|<>()[{^"
 ORDERS = (string.digits + _PUNCT + string.ascii_lowercase + string.ascii_uppercase,
           _PUNCT + string.ascii_lowercase + string.digits + string.ascii_uppercase,
@@ -69,30 +74,36 @@ class Planner:
 
     def plan(self, matcher, hints=()) -> tuple[int, ...] | None:
         """The fewest tokens, over the orders, of a completion from `matcher`'s state, found on a copy (the
-        matcher may be a compile's start state that other threads copy), within MAX_PLAN_OPS matcher steps."""
-        m, self._local.ops = matcher.deep_copy(), 0
-        best = None
-        try:
-            for order in ORDERS:
-                found = self._tokens(m, self._walk(m, hints, order))
-                if found is not None and (best is None or len(found) < len(best)):
-                    best = found
-                if best is not None and len(best) <= 1:
-                    break
-            if best is None:  # a byte each order keeps picking (an email's local part): the least used byte first
-                best = self._tokens(m, self._walk(m, hints, ORDERS[0], least_used=True))
-        except _OutOfSteps:  # what was found so far stands
-            pass
+        matcher may be a compile's start state that other threads copy). Short walks first, each within
+        SHORT_PLAN_BYTES and its share of matcher steps; one long walk only where none of them ends."""
+        m, best = matcher.deep_copy(), None
+        for order in ORDERS:
+            found = self._attempt(m, hints, order, SHORT_PLAN_BYTES, SHORT_WALK_OPS)
+            if found is not None and (best is None or len(found) < len(best)):
+                best = found
+            if best is not None and len(best) <= 1:
+                return best
+        if best is None:  # a byte each order keeps picking (an email's local part): the least used byte first
+            best = self._attempt(m, hints, ORDERS[0], SHORT_PLAN_BYTES, SHORT_WALK_OPS, least_used=True)
+        if best is None:  # a long shortest answer (300 required items, a 3,000-character string)
+            best = self._attempt(m, hints, ORDERS[0], MAX_PLAN_BYTES, MAX_PLAN_OPS)
         return best
 
-    def _walk(self, matcher, hints, order: str, least_used: bool = False) -> bytes | None:
+    def _attempt(self, m, hints, order: str, max_bytes: int, max_ops: int, least_used: bool = False):
+        self._local.ops, self._local.limit = 0, max_ops
+        try:
+            return self._tokens(m, self._walk(m, hints, order, max_bytes, least_used))
+        except _OutOfSteps:
+            return None
+
+    def _walk(self, matcher, hints, order: str, max_bytes: int, least_used: bool = False) -> bytes | None:
         m = matcher.deep_copy()
         out, used, tried = bytearray(), dict.fromkeys(order, 0), set()  # tried: hints since the last close
-        while len(out) <= MAX_PLAN_BYTES:
+        while len(out) <= max_bytes:
             if m.is_accepting():
                 return bytes(out)
             forced = m.compute_ff_bytes()
-            if forced and self._eat(m, self.tokenizer.tokenize_bytes(forced)):
+            if forced and self._eat(m, self._tokenize(forced)):
                 out += forced
                 tried.clear()
                 continue
@@ -180,7 +191,7 @@ class Planner:
     def _eat(self, m, tokens) -> bool:
         """Consume all of `tokens`, or none (a matcher step, counted)."""
         self._local.ops += 1
-        if self._local.ops > MAX_PLAN_OPS:
+        if self._local.ops > self._local.limit:
             raise _OutOfSteps
         taken = m.try_consume_tokens(list(tokens))
         if taken == len(tokens):
@@ -193,12 +204,40 @@ class Planner:
         """`text` in the tokenizer's own tokens, if the grammar takes them and ends there."""
         if text is None:
             return None
-        tokens = tuple(self.tokenizer.tokenize_bytes(text))
+        tokens = tuple(self._tokenize(text))
         return tokens if completes(matcher, tokens) else None
+
+    def _tokenize(self, text: bytes) -> list[int]:
+        """The tokenizer's own tokens of `text`, where llguidance writes a special token (a marker such as
+        `</tool_call>`) as 0xFF and its id in brackets."""
+        tokens: list[int] = []
+        for k, part in enumerate(_SPECIAL.split(text)):
+            if k % 2:
+                tokens.append(int(part))
+            elif part:
+                tokens += self.tokenizer.tokenize_bytes(part)
+        return tokens
+
+
+_SPECIAL = re.compile(rb"\xff\[(\d+)\]")
 
 
 class _OutOfSteps(Exception):
     pass
+
+
+def guarded(grammar, call, otherwise=None, who: str = ""):
+    """`call(guard)` of a grammar's budget guard, `otherwise` without one. A guard that fails is dropped and the
+    sequence (`who`) goes on unguarded: a bug here must not fail the engine's step."""
+    guard = grammar.guard if grammar is not None else None
+    if guard is None:
+        return otherwise
+    try:
+        return call(guard)
+    except Exception:
+        log.exception("grammar budget: the guard failed; %s goes on unguarded", who or "a sequence")
+        grammar.guard = None
+        return otherwise
 
 
 def completes(matcher, tokens) -> bool:
@@ -222,6 +261,7 @@ class BudgetGuard:
         self._stale: tuple[int, ...] | None = None  # the last known plan, tried first when a new one is needed
         self._pending: tuple[tuple[int, ...], tuple[int, ...] | None] | None = None  # (tokens, the plan after)
         self._wait = 0  # tokens until a plan is searched again, after a search that found none
+        self._backoff = 0  # that wait, doubled after each search that finds none
         self._history: list[tuple] = []  # the state before each token taken, for rollbacks (the last MAX_HISTORY)
 
     def accepted(self, token: int) -> None:
@@ -251,13 +291,13 @@ class BudgetGuard:
         """A plan from the matcher's state; None where none is found (not searched again for a while)."""
         if self.plan is None and not self._wait:
             self.plan = self._search(self.matcher, None)
-            self._wait = RETRY_AFTER if self.plan is None else 0
+            self._backoff = 0 if self.plan is not None else min(max(2 * self._backoff, RETRY_AFTER), MAX_RETRY_AFTER)
+            self._wait = self._backoff
         return self.plan
 
     def fits(self, tokens: tuple[int, ...], left: int) -> bool:
-        """Whether taking `tokens` now leaves a completion within the rest of `left` tokens. Where none is found
-        after them, they fit only if `left` is past what any plan could take (the walk's bound): then the sequence
-        goes on unguarded until a plan is found again."""
+        """Whether taking `tokens` now leaves a completion within the rest of `left` tokens (none found after them:
+        they do not fit, whatever the room)."""
         self._pending = None
         plan = self.current()
         if plan is None:
@@ -271,10 +311,10 @@ class BudgetGuard:
             return False
         room = left - len(tokens)
         after = self._search(m, room)
-        ok = len(after) <= room if after is not None else room > MAX_PLAN_BYTES
-        if ok:
-            self._pending = (tokens, after)
-        return ok
+        if after is None or len(after) > room:  # no completion known after them: the promise forbids them
+            return False
+        self._pending = (tokens, after)
+        return True
 
     def fallback(self) -> int | None:
         """The token that keeps the promise whatever else: the plan's next, or a stop token where it is done."""
@@ -340,13 +380,12 @@ _CATEGORY_CHARS = {"CATEGORY_DIGIT": "0", "CATEGORY_WORD": "a", "CATEGORY_SPACE"
 
 
 def regex_example(pattern: str) -> str | None:
-    """A short string `pattern` matches (each repeat its fewest times, each alternative its shortest, each class its
-    first character), or None where Python cannot read the pattern or the guess does not match."""
+    """A short string `pattern` likely matches (each repeat its fewest times, each alternative its shortest, each
+    class its first character), or None where Python cannot read the pattern."""
     import re._parser as parser  # Python's own regex parser: the tree it compiles
 
-    try:
-        example = _example(parser.parse(pattern))
-        return example if re.search(pattern, example) else None
+    try:  # never run the pattern itself here (a client's regex may backtrack for minutes): the matcher checks hints
+        return _example(parser.parse(pattern))
     except (re.error, ValueError, TypeError, RecursionError, OverflowError):
         return None
 

@@ -384,7 +384,7 @@ class GrammarStore:
             plan = header.get("budget_plan")  # the start state's plan (grammar/budget.py): not searched again
             return Compiled(exact, header["backend"], grammar, tuple(header["unenforced"]),
                             decode_original(header["original"]),
-                            budget_plan=(tuple(plan[0]), tuple(map(tuple, plan[1]))) if plan else None)
+                            budget_plan=(tuple(plan[0]), tuple(map(tuple, plan[1]))) if plan else plan)
         except Exception as exc:  # readable but not restorable: never served, never kept
             log.warning("grammar cache: dropping an entry that does not restore: %s: %s", type(exc).__name__, exc)
             self.disk.drop(key)
@@ -397,6 +397,7 @@ class GrammarStore:
         kind, payload = encode_export(exported)
         header = {"backend": compiled.backend, "spec": encode_spec(compiled.spec), "unenforced": list(compiled.unenforced),
                   "original": encode_original(compiled.original), "export": kind,
+                  # False: planned, none found (not searched again); None: not planned (the guarantee off)
                   "budget_plan": [list(compiled.budget_plan[0]), [list(h) for h in compiled.budget_plan[1]]]
-                  if compiled.budget_plan else None}
+                  if compiled.budget_plan else compiled.budget_plan}
         return self.disk.put(self.key(spec), header, payload)

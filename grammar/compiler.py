@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
@@ -68,6 +69,16 @@ class Compiled:
         """Whether the output is JSON all the way to its end (a JSON spec, or calls only), so
         steering it toward closing tokens near max_tokens never bends free text."""
         return self.spec.kind in ("json", "json_object") or (self.spec.kind == "tools" and self.spec.tools.required)
+
+    def strict_about(self, violation: str) -> bool:
+        """Whether `violation` breaks a promise (strict: a bug) or only what a `strict: false` schema or tool
+        relaxed (each tool's own `strict` decides for its calls)."""
+        if self.spec.kind == "tools":
+            named = re.match(r"tool (\S+) arguments: ", violation)
+            functions = {f.name: f for f in self.original.functions}
+            if named and named.group(1) in functions:
+                return self.spec.strict and functions[named.group(1)].strict
+        return self.spec.strict
 
     def violation(self, text: str) -> str | None:
         """Why a finished JSON output breaks the request's schema, or None: the backstop run

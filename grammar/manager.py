@@ -292,8 +292,9 @@ class GrammarManager:
         if compiled.backend != "llguidance" or spec.reasoning is not None:
             return None
         try:
-            planner = self._get("llguidance").planner
-            hints = planner.hints(hint_texts(spec))
+            backend = self._get("llguidance")
+            planner = backend.planner  # markers (`<tool_call>`, ...) written as one token each are hints too
+            hints = planner.hints(hint_texts(spec)) + tuple((t,) for t in backend.markers.special_ids())
             start = planner.plan(compiled.grammar, hints)
         except Exception:  # a bug here must not fail the request: its output is only not guarded
             log.warning("grammar budget: planning failed", exc_info=True)

@@ -296,7 +296,7 @@ def _count_strict_violations():
     def counted(self, request, index, text):
         violation = check(self, request, index, text)
         compiled = request.compiled_grammar
-        if violation is not None and compiled.spec.strict and type(compiled).violation is real:
+        if violation is not None and compiled.strict_about(violation) and type(compiled).violation is real:
             STRICT_VIOLATIONS.append(f"{request.request_id}/{index}: {violation}")
         return violation
 

@@ -97,10 +97,10 @@ class LLGuidanceGrammar:
     def is_terminated(self) -> bool:
         return self.terminated
 
-    def is_complete(self) -> bool:
-        """Whether the output has ended: the grammar allows nothing more (a number or a regex that may go on has
-        not, though it may stop here)."""
-        return self.terminated or self.matcher.is_stopped()
+    def is_complete(self, json_value: bool = False) -> bool:
+        """Whether the output has ended: the grammar allows nothing more (free text, a regex or a number that may
+        go on has not, though it may stop here); for a JSON value or tool calls (`json_value`), where it may end."""
+        return self.terminated or self.matcher.is_stopped() or (json_value and self.matcher.is_accepting())
 
     def jump_forward_string(self) -> str:
         """The text the grammar forces next, cut before a character split across its end."""
@@ -128,6 +128,10 @@ class Markers:
             special = len(ids) == 1 and self._hf.decode(ids) == text and self._ll.is_special_token(ids[0])
             self._tokens[text] = ids[0] if special else None
         return self._tokens[text]
+
+    def special_ids(self) -> list[int]:
+        """The marker tokens written as the model's own tokens so far (what a completion plan may need)."""
+        return sorted(t for t in self._tokens.values() if t is not None)
 
     def __call__(self, text: str) -> str:
         token = self.token(text)

@@ -446,7 +446,8 @@ class Scheduler:
             self.finish(seq, RequestStatus.FINISHED_STOPPED)
         elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             # an output kept inside its budget (grammar/budget.py) ends complete there: stopped, not cut off
-            complete = seq.grammar is not None and seq.grammar.guard is not None and seq.grammar.is_complete()
+            complete = seq.grammar is not None and seq.grammar.guard is not None and seq.grammar.is_complete(
+                seq.compiled_grammar.ends_in_json)
             self.finish(seq, RequestStatus.FINISHED_STOPPED if complete else RequestStatus.FINISHED_LENGTH)
         return not seq.status.finished
 

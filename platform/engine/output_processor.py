@@ -158,7 +158,7 @@ class OutputProcessor:
         violation = compiled.violation(text)
         self.num_structured_checked += compiled.spec.kind in ("json", "json_object", "tools")
         if violation is not None:
-            strict = compiled.spec.strict
+            strict = compiled.strict_about(violation)
             self.num_schema_violations[strict] += 1
             log.log(logging.ERROR if strict else logging.INFO, "request %s/%d: structured output breaks its schema "
                     "(%s): %s", request.request_id, index, "strict" if strict else "not strict", violation)

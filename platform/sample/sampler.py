@@ -14,16 +14,14 @@ logprob, rank and top-k (k columns, never a vocabulary-wide row): every read goe
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from loraplex.grammar.budget import guarded
 from loraplex.kernels.dispatch import to_device
 from loraplex.platform.request import Logprob, Request
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -83,8 +81,8 @@ class Sampler:
         compiled = r.compiled_grammar
         if not self.json_close_window or r.grammar is None or compiled is None or not compiled.ends_in_json:
             return False
-        if r.grammar.guard is not None and r.grammar.guard.current() is not None:  # kept inside its budget exactly
-            return False
+        if guarded(r.grammar, lambda guard: guard.current() is not None, False, r.request_id):
+            return False  # kept inside its budget exactly
         window = min(max(self.json_close_window, r.params.max_tokens // 4), r.params.max_tokens // 2)
         return r.params.max_tokens - len(r.output_token_ids) <= window
 
@@ -158,19 +156,16 @@ class Sampler:
         """The picks, on the host, with each guarded row's pick (grammar/budget.py) taken back where it would leave
         more to write than the tokens left: the next of its ranking that fits instead, else its plan's next token;
         and whether any was. (None, False) where no row is guarded (the picks stay on the device)."""
-        guarded = [i for i, r in enumerate(requests) if r.grammar is not None and r.grammar.guard is not None]
-        if not guarded:
+        rows = [i for i, r in enumerate(requests) if r.grammar is not None and r.grammar.guard is not None]
+        if not rows:
             return None, False
         picks, changed = to_host(tokens), False
-        for i in guarded:
-            grammar = requests[i].grammar
-            try:
-                left = self._tokens_left(requests[i])
-                if not grammar.guard.fits((picks[i],), left):
-                    picks[i], changed = self._first_fitting(grammar.guard, ranked(i), left, picks[i]), True
-            except Exception:  # a bug in the guard must not fail the step: that sequence goes on unguarded
-                log.exception("grammar budget: the guard failed; request %s goes on unguarded", requests[i].request_id)
-                grammar.guard = None
+        for i in rows:
+            r, left = requests[i], self._tokens_left(requests[i])
+            if not guarded(r.grammar, lambda guard: guard.fits((picks[i],), left), True, r.request_id):
+                fitting = guarded(r.grammar, lambda guard: self._first_fitting(guard, ranked(i), left, picks[i]),
+                                  None, r.request_id)
+                picks[i], changed = fitting if fitting is not None else picks[i], True
         return picks, changed
 
     def _first_fitting(self, guard, scores: torch.Tensor, left: int, taken_back: int) -> int:
@@ -247,7 +242,7 @@ def filter_and_softmax(logits: torch.Tensor, requests: list[Request]) -> torch.T
     return probs
 
 
-BUDGET_CANDIDATES = 8  # a pick taken back (grammar/budget.py): the ranking's next tried before the plan's token
+BUDGET_CANDIDATES = 4  # a pick taken back (grammar/budget.py): the ranking's next tried before the plan's token
 PROMPT_LOGPROB_ROWS = 128  # prompt positions turned into logits at once (each row is vocab-sized)
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from loraplex.grammar.budget import guarded
+
 from loraplex.platform.request import Request
 from loraplex.platform.config import SpeculativeConfig
 from loraplex.platform.spec_decode.speculative import DraftState, NgramIndex, SpecCounters
@@ -71,8 +73,9 @@ class GrammarForced:
             return []
         left = req.params.max_tokens - len(req.output_token_ids)
         tokens = grammar_prefix(req.grammar, tokens[:-1][:left])
-        guard = req.grammar.guard  # an output kept inside its budget: only where the rest still fits after them
-        return tokens if not tokens or guard is None or guard.fits(tuple(tokens), left) else []
+        # an output kept inside its budget (grammar/budget.py): only where the rest still fits after them
+        fits = not tokens or guarded(req.grammar, lambda guard: guard.fits(tuple(tokens), left), True, req.request_id)
+        return tokens if fits else []
 
     def _learn(self, req: Request) -> None:
         """Where the model wrote the text of the first forced token it did not take in several tokens of its own,

@@ -144,7 +144,7 @@ def _complete(server, model: str, max_tokens: int = 3, **fields) -> str:
 def test_spans_of_a_tenants_requests_reach_the_collector_at_stop(traced, receiver):
     ids = [_complete(traced, "acme-x"),  # a first use: the adapter is read from the root
            _complete(traced, "acme-x", max_tokens=4, stream=True),
-           _complete(traced, "tiny", max_tokens=6, response_format={"type": "json_schema", "json_schema": {
+           _complete(traced, "tiny", max_tokens=16, response_format={"type": "json_schema", "json_schema": {
                "name": "n", "schema": SCHEMA}}, ignore_eos=False),
            _complete(traced, "tiny", adapters=[{"name": "acme-x", "weight": 0.5}, {"name": "acme-a", "weight": 0.5}])]
     assert receiver.posts == 0  # batched: nothing sent before the schedule or the stop

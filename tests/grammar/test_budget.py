@@ -131,17 +131,43 @@ def test_engine_outputs_end_valid_at_their_budget(tiny_model_dir, speculative):
         assert len(c.logprobs) == len(c.token_ids) and all(t in lp for t, lp in zip(c.token_ids, c.logprobs))
 
 
-def test_where_no_plan_is_found_a_roomy_budget_lets_the_token_through(manager):
-    """An optional array of 300 items: its shortest completion is past what the walk searches. With room past that
-    bound the model may open it (unguarded from there); with little room it may not."""
+def test_a_token_fits_only_where_a_completion_after_it_is_known_to_fit(manager):
+    """An optional array of 300 items: opening it fits a roomy budget (its plan is found, a long one) and not a
+    small one; an optional string of 3,000 characters does not fit 1,100 tokens though the start plan is `{}`."""
     mgr, tok = manager
     schema = {"type": "object", "additionalProperties": False,
               "properties": {"tags": {"type": "array", "minItems": 300, "items": {"enum": ["alpha", "beta"]}}}}
     grammar = mgr.new_grammar(mgr.compile(StructuredOutputs(json=schema)))
     key = tuple(tok.encode('{"tags"', add_special_tokens=False))
     assert not grammar.guard.fits(key, 50) and grammar.guard._pending is None
-    assert grammar.guard.fits(key, 100_000)
-    assert all(grammar.accept_token(t) for t in key) and grammar.guard.current() is None  # unguarded, not searched
+    assert grammar.guard.fits(key, 100_000) and len(grammar.guard._pending[1]) > 300
+    schema = {"type": "object", "additionalProperties": False, "properties": {"a": {"type": "string", "minLength": 3000}}}
+    compiled = mgr.compile(StructuredOutputs(json=schema))
+    grammar, key = mgr.new_grammar(compiled), tuple(tok.encode('{"a"', add_special_tokens=False))
+    assert mgr.shortest(compiled) == len(tok.encode("{}", add_special_tokens=False))
+    assert not grammar.guard.fits(key, 1100)
+
+
+def test_a_failing_guard_is_dropped_not_raised(manager):
+    from loraplex.grammar.budget import guarded
+
+    mgr, _ = manager
+    grammar = mgr.new_grammar(mgr.compile(StructuredOutputs(json=NESTED)))
+
+    def broken(guard):
+        raise RuntimeError("a bug in the guard")
+
+    assert guarded(grammar, broken, "otherwise", "req-1") == "otherwise" and grammar.guard is None
+    assert guarded(grammar, lambda guard: pytest.fail("no guard left to call"), 7) == 7
+
+
+def test_a_pattern_is_never_run_to_find_its_hint(monkeypatch):
+    """A client's pattern may backtrack for minutes in Python's `re`: its hint is built from the parse alone."""
+    import re
+
+    monkeypatch.setattr(re, "search", lambda *a: pytest.fail("the pattern was run"))
+    monkeypatch.setattr(re, "match", lambda *a: pytest.fail("the pattern was run"))
+    assert regex_example("(a?){34}a{34}b") == "a" * 34 + "b"
 
 
 def test_planning_never_moves_the_start_state_others_copy(manager):
