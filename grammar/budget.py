@@ -112,17 +112,19 @@ class Planner:
                 tried.clear()
             else:
                 step = self._hint(m, hints, tried)
+            # else a plain byte; else a closer as text, as the last resort
+            step = step or self._byte(m, order, used, least_used) or self._first(m, [(t,) for t in self.closers])
             if step is None:
-                chars = sorted(order, key=used.__getitem__) if least_used else order
-                char = next((c for c in chars if c in self.byte_tokens and self._eat(m, (self.byte_tokens[c],))), None)
-                if char is None:  # a closer as text, as the last resort
-                    step = self._first(m, [(t,) for t in self.closers])
-                    if step is None:
-                        return None
-                else:
-                    used[char] += 1
-                    step = (self.byte_tokens[char],)
+                return None
             out += self.tokenizer.decode_bytes(list(step))
+        return None
+
+    def _byte(self, m, order: str, used: dict, least_used: bool) -> tuple[int] | None:
+        """The first byte of `order` (the least used so far, with `least_used`) the grammar takes, taken."""
+        for char in sorted(order, key=used.__getitem__) if least_used else order:
+            if char in self.byte_tokens and self._eat(m, (self.byte_tokens[char],)):
+                used[char] += 1
+                return (self.byte_tokens[char],)
         return None
 
     def _closer(self, m) -> tuple[int] | None:
@@ -131,13 +133,11 @@ class Planner:
         after it."""
         best, best_steps = None, None
         for token in self.closers:
-            if self._eat(m, (token,)):
-                closes = self.probe is None or not self._eat(m, (self.probe,))
-                if not closes:
-                    m.rollback(1)
-                steps = self._closing_steps(m, CLOSER_LOOKAHEAD) if closes else 0
+            if self._closes(m, token):
+                self._eat(m, (token,))
+                steps = self._closing_steps(m, CLOSER_LOOKAHEAD)
                 m.rollback(1)
-                if closes and (best is None or steps < best_steps):
+                if best is None or steps < best_steps:
                     best, best_steps = token, steps
         if best is not None:
             self._eat(m, (best,))
@@ -161,13 +161,16 @@ class Planner:
         return first
 
     def _closes_next(self, m) -> bool:
-        for token in self.closers:
-            if self._eat(m, (token,)):
-                closes = self.probe is None or not self._eat(m, (self.probe,))
-                m.rollback(1 if closes else 2)
-                if closes:
-                    return True
-        return False
+        return any(self._closes(m, token) for token in self.closers)
+
+    def _closes(self, m, token: int) -> bool:
+        """Whether the grammar takes closer `token` here as a close: the text probe refused after it (`m` left as
+        it was)."""
+        if not self._eat(m, (token,)):
+            return False
+        text = self.probe is not None and self._eat(m, (self.probe,))
+        m.rollback(2 if text else 1)
+        return not text
 
     def _closing_steps(self, m, depth: int) -> int:
         """Closers alone that end the output from `m`'s state: how few, up to `depth` (depth + 1: not within it)."""
@@ -180,13 +183,8 @@ class Planner:
                 m.rollback(1)
         return best
 
-    def _first(self, m, candidates, tried: set | None = None):
-        for tokens in candidates:
-            if tried is not None:
-                tried.add(tokens)
-            if self._eat(m, tokens):
-                return tokens
-        return None
+    def _first(self, m, candidates):
+        return next((tokens for tokens in candidates if self._eat(m, tokens)), None)
 
     def _eat(self, m, tokens) -> bool:
         """Consume all of `tokens`, or none (a matcher step, counted)."""

@@ -304,9 +304,8 @@ class GrammarManager:
     def new_grammar(self, compiled: Compiled) -> Grammar:
         spec = compiled.spec
         json_like = spec.kind in ("json", "json_object") and spec.reasoning is None
-        if self.shortest(compiled) is not None:
-            return self._get(compiled.backend).new_grammar(compiled.grammar, json_like, plan=compiled.budget_plan)
-        grammar = self._get(compiled.backend).new_grammar(compiled.grammar, json_like=json_like)
+        guarded = {"plan": compiled.budget_plan} if self.shortest(compiled) is not None else {}  # llguidance only
+        grammar = self._get(compiled.backend).new_grammar(compiled.grammar, json_like=json_like, **guarded)
         if spec.reasoning is not None:
             grammar = ReasoningGate(grammar, spec.reasoning, self.close_ids, self.token_texts)
         return grammar
