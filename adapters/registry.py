@@ -1,10 +1,12 @@
-"""The adapter registry: name -> adapter; on disk -> CPU LRU (bounded by `lora_memory` bytes and
-optionally `max_cpu_loras`) -> slot (`max_loras` per batch); pins while requests use an adapter.
+"""The adapter registry: name -> adapter; its folder -> the disk tier (its prepared weights, `spill.py`) -> CPU
+LRU (bounded by `lora_memory` bytes and optionally `max_cpu_loras`) -> slot (`max_loras` per batch); pins while
+requests use an adapter; where each adapter is and what bringing it in cost (`residency`).
 
 Loading reads and validates the folder in the caller's thread (never the engine's); only the
 registration takes the lock. `unload` of a pinned adapter is refused with `AdapterInUseError`
 (the API answers 409): weights are never pulled from under a running request. Slots are filled
-by the engine thread between steps (`assign_slots`).
+by the engine thread between steps (`assign_slots`) or ahead of a step by the prefetcher's thread (`preload`),
+which never touches a slot the last step used.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from loraplex.adapters.peft_format import AdapterError, LoRAWeights, read_peft_adapter
 from loraplex.adapters.slots import LoRASlots
+from loraplex.adapters.spill import SpillStore
 from loraplex.platform.models.model_config import ModelConfig
 
 
@@ -56,13 +59,34 @@ class AdapterStatus:
     resident: bool
     in_memory: bool
     pins: int
+    tier: str = "disk"  # where it is now: "slot", "cpu", "spill" (its prepared file) or "disk" (its folder)
+    hits: int = 0  # requests (and slot fills) that found it in memory
+    misses: int = 0  # reads it needed: from its prepared file or its folder
+    bytes_read: int = 0  # bytes those reads brought into memory
+
+
+@dataclass
+class Counters:
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+
+
+def preloadable(weights: LoRAWeights) -> bool:
+    """Whether filling its slot touches LoRA factors only, which `preload` may do beside a running step (the
+    tables of biases, DoRA's factors, norms, experts and the vocabulary are the engine thread's)."""
+    return not (weights.eager or weights.embedding is not None or weights.head is not None or weights.replacements
+                or weights.tokens or weights.moe or weights.norms
+                or any(t.bias is not None or t.factor is not None or t.replacement is not None
+                       for t in weights.terms.values()))
 
 
 class AdapterRegistry:
     def __init__(self, config: ModelConfig, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None,
                  dtype: torch.dtype, lora_memory: int | None = None, device: torch.device | None = None,
-                 stacked: bool = False) -> None:
-        """`stacked`: slots are copies on `device` (the Triton kernels' layout), not pointers."""
+                 stacked: bool = False, spill: SpillStore | None = None) -> None:
+        """`stacked`: slots are copies on `device` (the Triton kernels' layout), not pointers. `spill`: the disk tier
+        (None: what the CPU cache drops is read from its folder again)."""
         # called with each adapter read for a load, before it is registered: raising refuses the load (tensor
         # parallelism refuses adapters on the vocabulary this way)
         self.verify: Callable[[AdapterInfo, LoRAWeights], None] | None = None
@@ -83,7 +107,16 @@ class AdapterRegistry:
         self.base_tokenizer = None  # the served model's, set by the engine: an adapter's own is read against it
         self._slot_of: dict[str, tuple[int, str]] = {}  # name -> (slot, content hash)
         self._slot_lru: OrderedDict[int, str | None] = OrderedDict((i, None) for i in range(max_loras))
-        self.num_slot_loads = 0
+        self._busy: set[int] = set()  # the slots the last `assign_slots` gave out: its step may be reading them
+        self._loading: set[int] = set()  # slots `preload` is filling outside the lock
+        self._loaded = threading.Condition(self._lock)  # a fill of `preload` ended
+        self.spill = spill
+        self._counters: dict[str, Counters] = {}
+        self.totals = Counters()  # over every adapter ever loaded: what /metrics counts (never goes down)
+        self.num_slot_loads = 0  # slot fills of the engine thread
+        self.num_preloads = 0  # slot fills of the prefetcher's
+        self.num_step_loads = 0  # slot fills `assign_slots` had to do itself (a step waited on them)
+        self.num_step_reads = 0  # reads `assign_slots` had to do itself (weights not in memory)
 
     # ---- registration (any thread) ----------------------------------------------------------
 
@@ -106,6 +139,8 @@ class AdapterRegistry:
                 if not replace:
                     raise AdapterError(f"adapter {name!r} is already loaded (from {self._adapters[name].path})")
                 self._check_unpinned(name)
+                if self.spill is not None:
+                    self.spill.drop(name)  # the old version's prepared file
             self._adapters[name] = info
             self._cache(weights)
         return info
@@ -116,9 +151,17 @@ class AdapterRegistry:
             self._check_unpinned(name)
             del self._adapters[name]
             self._drop(name)
+            self._counters.pop(name, None)
+            if self.spill is not None:
+                self.spill.drop(name)
             held = self._slot_of.get(name)
             if held is not None:  # a stacked slot outlives its CPU copy, not its adapter
                 self._vacate(held[0])
+
+    def close(self) -> None:
+        """Stop the disk tier's writer and remove its files."""
+        if self.spill is not None:
+            self.spill.close()
 
     def get(self, name: str) -> AdapterInfo:
         with self._lock:
@@ -167,10 +210,42 @@ class AdapterRegistry:
                 self._trim()  # pinned adapters may have pushed the cache over its budget
 
     def status(self) -> dict[str, AdapterStatus]:
-        """Each registered adapter's residency, for the console."""
+        """Each registered adapter's residency and what bringing it in cost, for the console and /v1/adapters."""
         with self._lock:
-            return {name: AdapterStatus(name in self._slot_of, name in self._cpu, self._pins[name])
-                    for name in self._adapters}
+            return {name: self._status_of(name) for name in self._adapters}
+
+    def _status_of(self, name: str) -> AdapterStatus:
+        counters = self._counters.get(name) or Counters()
+        return AdapterStatus(name in self._slot_of, name in self._cpu, self._pins[name], self._tier(name),
+                             counters.hits, counters.misses, counters.bytes_read)
+
+    def _tier(self, name: str) -> str:
+        if name in self._slot_of:
+            return "slot"
+        if name in self._cpu:
+            return "cpu"
+        info = self._adapters.get(name)
+        return "spill" if info is not None and self.spill is not None and \
+            self.spill.has(name, info.content_hash) else "disk"
+
+    def ready(self, names: tuple[str, ...]) -> bool:
+        """Whether a step could use these adapters without waiting on a copy: stacked slots hold them (an adapter
+        `preload` does not take, with more than LoRA factors, once in memory: the step fills its slot); on the CPU
+        (a slot is a pointer) their weights are in memory."""
+        with self._lock:
+            if not self._slots.stacked:
+                return all(name in self._cpu for name in names)
+            return all(self._holds_current(name) or
+                       (name in self._cpu and not preloadable(self._cpu[name])) for name in names)
+
+    def needs_slot(self, name: str) -> bool:
+        """Whether `name` holds no slot with its current weights (what the prefetcher is asked to fill)."""
+        with self._lock:
+            return name in self._adapters and not self._holds_current(name)
+
+    def _holds_current(self, name: str) -> bool:
+        held, info = self._slot_of.get(name), self._adapters.get(name)
+        return held is not None and info is not None and held[1] == info.content_hash and held[0] not in self._loading
 
     def num_pins(self, name: str | None = None) -> int:
         with self._lock:
@@ -205,7 +280,11 @@ class AdapterRegistry:
         # least recently used first, but never an adapter that requests are using
         evictable = [n for n in self._cpu if not self._pins[n] and n != keep]
         while evictable and self._over_budget():
-            self._drop(evictable.pop(0))
+            name = evictable.pop(0)
+            weights = self._cpu.get(name)
+            self._drop(name)
+            if self.spill is not None and weights is not None:
+                self.spill.keep(weights)  # written by its own thread: comes back in one read
 
     def _over_budget(self) -> bool:
         return (self.max_cpu_loras is not None and len(self._cpu) > self.max_cpu_loras) or \
@@ -230,47 +309,121 @@ class AdapterRegistry:
         return self._slots
 
     def assign_slots(self, names: set[str]) -> dict[str, int]:
-        """Give every named adapter a slot, reusing the least recently used slots that hold none
-        of them. On the CPU a slot points at the adapter's weights in the cache (no copy; stacked
-        slots copy them to the device). The
-        scheduler admits at most `max_loras` distinct adapters at once."""
+        """Give every named adapter a slot for this step (the engine thread). Those the prefetcher filled (or
+        earlier steps left) are used as they are, all marked the step's at once, so `preload` takes none of them;
+        any other takes the least recently used slot that holds none of them, filled here: the step waits on that
+        (`num_step_loads`), as it waits for a fill `preload` has under way for one of them. On the CPU a slot points
+        at the adapter's weights in the cache (no copy); stacked slots copy them to the device. The scheduler admits
+        at most `max_loras` distinct adapters at once."""
         if len(names) > self.max_loras:
             raise RuntimeError(f"{len(names)} adapters in flight, max_loras={self.max_loras}")
         with self._lock:
             wanted = {n: self._adapters[n] for n in sorted(names)}  # sorted: deterministic slots
+            self._loaded.wait_for(lambda: not any(self._slot_of.get(n, (None,))[0] in self._loading for n in wanted))
+            self._busy = {self._slot_of[n][0] for n in wanted if self._holds_current(n)}
         out = {}
         for name, info in wanted.items():
-            held = self._slot_of.get(name)
-            if held is None or held[1] != info.content_hash:
-                weights = self._weights(info)  # pinned adapters are in memory: no disk read here
-                with self._lock:
-                    slot = next(s for s, holder in self._slot_lru.items() if holder not in names)
-                    self._vacate(slot)
-                    self._slots.load(slot, weights)
-                    self._slot_of[name], self._slot_lru[slot] = (slot, info.content_hash), name
-                self.num_slot_loads += 1
             with self._lock:
-                slot = self._slot_of[name][0]
-                self._slot_lru.move_to_end(slot)
-            out[name] = slot
+                if self._holds_current(name):
+                    out[name] = self._use(name)
+                    continue
+            out[name] = self._fill_for_step(name, info, names)
         return out
 
+    def _use(self, name: str) -> int:
+        slot = self._slot_of[name][0]
+        self._slot_lru.move_to_end(slot)
+        self._busy.add(slot)
+        return slot
+
+    def _fill_for_step(self, name: str, info: AdapterInfo, names: set[str]) -> int:
+        with self._lock:
+            in_memory = name in self._cpu
+        weights = self._weights(info)  # pinned adapters are in memory: no disk read here
+        self.num_step_reads += not in_memory
+        with self._lock:
+            free = lambda: [s for s, holder in self._slot_lru.items()  # noqa: E731
+                            if holder not in names and s not in self._loading and s not in self._busy]
+            self._loaded.wait_for(free)  # every other slot is being filled by `preload`: wait for one
+            slot = free()[0]
+            held = self._slot_of.get(name)
+            if held is not None:  # an older copy elsewhere (a replaced adapter)
+                self._vacate(held[0])
+            self._vacate(slot)
+            self._slots.load(slot, weights)
+            self._slot_of[name], self._slot_lru[slot] = (slot, info.content_hash), name
+            self.num_slot_loads += 1
+            self.num_step_loads += 1
+            return self._use(name)
+
+    def preload(self, name: str, keep: set[str]) -> bool:
+        """Bring `name` into a slot ahead of the step that needs it (the prefetcher's thread): into a slot the last
+        step did not use and no adapter in `keep` holds (empty first, else least recently used); its weights read
+        into memory first if the cache dropped them. Only adapters of LoRA factors alone (`preloadable`): the
+        fill writes their tables outside the lock, beside the running step. False where no such slot is free
+        now, or it is not loaded."""
+        with self._lock:
+            info = self._adapters.get(name)
+            if info is None or self._pins[name] == 0 or self._slots.listeners:
+                return False  # unloaded, its requests gone, or slots mirrored to other ranks by the engine thread
+            if self._holds_current(name) or self._slot_of.get(name, (None,))[0] in self._loading:
+                return True
+        weights = self._weights(info)
+        if not preloadable(weights):
+            return False
+        with self._lock:
+            if info is not self._adapters.get(name) or name in self._slot_of:
+                return self._holds_current(name)
+            free = [s for s, holder in self._slot_lru.items()
+                    if s not in self._busy and s not in self._loading and holder not in keep]
+            if not free:
+                return False
+            slot = next((s for s in free if self._slot_lru[s] is None), free[0])
+            self._vacate(slot)
+            self._loading.add(slot)
+            self._slot_of[name], self._slot_lru[slot] = (slot, info.content_hash), name
+        filled = False
+        try:
+            self._slots.load_projections(slot, weights)  # outside the lock: a stacked slot is a device copy
+            filled = True
+        finally:
+            with self._lock:
+                self._loading.discard(slot)
+                self.num_preloads += filled
+                if not filled or self._adapters.get(name) is not info or self._slot_lru[slot] != name:
+                    self._vacate(slot)  # failed, or unloaded or replaced while it was copied
+                self._loaded.notify_all()
+        return True
+
     def _vacate(self, slot: int) -> None:
+        """Empty a slot (never one `preload` is filling: that one is emptied when its fill ends, if it must)."""
         holder = self._slot_lru[slot]
         if holder is not None and self._slot_of.get(holder, (None,))[0] == slot:
             del self._slot_of[holder]
         self._slot_lru[slot] = None
-        self._slots.clear(slot)
+        if slot not in self._loading:
+            self._slots.clear(slot)
 
     def _weights(self, info: AdapterInfo) -> LoRAWeights:
+        """The adapter's weights: from the CPU cache (a hit), else its prepared file, else its folder (a miss)."""
         with self._lock:
             weights = self._cpu.get(info.name)
+            counters = self._counters.setdefault(info.name, Counters()) if info.name in self._adapters else Counters()
             if weights is not None and weights.content_hash == info.content_hash:
                 self._cpu.move_to_end(info.name)
+                counters.hits += 1
+                self.totals.hits += 1
                 return weights
-        weights = self._read(info.name, info.path, info.confined)
-        if weights.content_hash != info.content_hash:
-            raise AdapterError(f"adapter {info.name!r} changed on disk since it was loaded ({info.path})")
+        weights = self.spill.read(info.name, info.content_hash, self.dtype) if self.spill is not None else None
+        if weights is None:
+            weights = self._read(info.name, info.path, info.confined)
+            if weights.content_hash != info.content_hash:
+                raise AdapterError(f"adapter {info.name!r} changed on disk since it was loaded ({info.path})")
         with self._lock:
-            self._cache(weights)
+            counters.misses += 1
+            counters.bytes_read += weights.nbytes
+            self.totals.misses += 1
+            self.totals.bytes_read += weights.nbytes
+            if info.name in self._adapters:  # not unloaded meanwhile
+                self._cache(weights)
         return weights

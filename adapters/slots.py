@@ -105,6 +105,16 @@ class LoRASlots:
         for listener in self.listeners:
             listener(slot, lora)
 
+    def load_projections(self, slot: int, lora: LoRAWeights) -> None:
+        """Point an emptied slot's projection tables at an adapter of LoRA factors alone (no extras, norms, experts,
+        vocabulary: `registry.preloadable`): what a fill beside a running step may write, touching no table
+        that other slots share."""
+        for index, layer in enumerate(self.layers):
+            for fused, table in layer.items():
+                pair = lora.projections.get((index, fused))
+                if pair is not None:
+                    table.set(slot, pair[0], pair[1], lora.scale_of((index, fused)))
+
     def _load_extras(self, slot: int, lora: LoRAWeights) -> None:
         dtype, device = self.base.dtype if self.base is not None else self.dtype, self.device or "cpu"
         put = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731

@@ -50,6 +50,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000 (with or without /v1)")
     p.add_argument("--model", default=None, help="base model id (default: the server's first model)")
     p.add_argument("--adapters", default="", help="comma-separated adapter names; each request picks one at random")
+    p.add_argument("--adapter-zipf", type=float, default=0.0, metavar="S",
+                   help="with --adapters: pick the i-th adapter with weight 1 / i^S (Zipf; 0: uniform)")
     p.add_argument("--base-fraction", type=float, default=0.0,
                    help="with --adapters: share of requests sent to the base model instead")
     p.add_argument("--num-prompts", type=int, default=100)
@@ -128,6 +130,7 @@ async def run(args) -> tuple[list[RequestResult], float]:
     rate = _rate(args.request_rate)
     rng = random.Random(args.seed)
     adapters = [a for a in args.adapters.split(",") if a]
+    weights = [1 / (i + 1) ** args.adapter_zipf for i in range(len(adapters))] if args.adapter_zipf else None
     gaps = arrival_gaps(args.num_prompts, rate, args.burstiness, np.random.default_rng(args.seed))
     limit = asyncio.Semaphore(args.max_concurrency or args.num_prompts)
     progress = None
@@ -149,7 +152,7 @@ async def run(args) -> tuple[list[RequestResult], float]:
         await asyncio.sleep(gap)
         on_base = not adapters or rng.random() < args.base_fraction
         tasks.append(asyncio.create_task(limited(make_prompt(rng, args.input_len),
-                                                 "" if on_base else rng.choice(adapters),
+                                                 "" if on_base else _pick(rng, adapters, weights),
                                                  rng.random() < args.structured_fraction)))
     results = await asyncio.gather(*tasks)
     duration = time.perf_counter() - start
@@ -157,6 +160,10 @@ async def run(args) -> tuple[list[RequestResult], float]:
         progress.close()
     await client.close()
     return results, duration
+
+
+def _pick(rng: random.Random, adapters: list[str], weights: list[float] | None) -> str:
+    return rng.choices(adapters, weights)[0] if weights else rng.choice(adapters)
 
 
 def _stats(values: list[float], name: str) -> dict[str, float]:

@@ -44,6 +44,7 @@ class ServerState:
         `ledger`: where usage is billed when not in `config.usage_db` (a Ray replica: the cluster's)."""
         tenants = TenantRegistry(config.tenants_file, (config.admin_api_key, config.metrics_api_key, config.api_key))
         metrics = ServerMetrics(client.stats, ledger or UsageLedger(config.usage_db))
+        metrics.residency.status = lambda: client.adapter_status()  # read at scrape time: building asks nothing
         adapters = AdapterDirectory(client, config, shared, lambda store: setattr(metrics.adapter_store, "store", store))
         return cls(client, config, adapters, metrics, tenants, TenantLimits(share=config.tenant_limit_share),
                    AuditLog(config.audit_log), tracing=tracing_for(config),

@@ -127,6 +127,11 @@ class EngineConfig:
                                          "bytes, or e.g. 4GiB", size=True)
     lora_cycle_steps: int = _setting(32, "steps a resident adapter keeps admitting requests while other "
                                          "adapters wait for a slot")
+    lora_max_wait_steps: int = _setting(64, "steps a request may wait for its adapters to come in while others "
+                                            "overtake it; then no adapter request behind it takes a new slot")
+    lora_spill_size: int = _setting(16 << 30, "local disk for adapters' prepared weights (what the CPU cache drops "
+                                              "comes back in one read, not a parse of its folder): bytes, or e.g. "
+                                              "8GiB; 0: none (in $TMPDIR, removed at exit)", size=True)
     grammar_backend: str = _setting("auto", "structured-output backend (auto: per spec, the first of llguidance, "
                                     "xgrammar, outlines that enforces it exactly)",
                                     choices=["auto", "llguidance", "xgrammar", "outlines"])
@@ -181,7 +186,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_lora_rank", "lora_memory",
                      "tensor_parallel_size", "grammar_cache_size",
-                     "lora_cycle_steps", "num_kv_blocks", "max_loras", "max_cpu_loras", "max_adapters_per_request"):
+                     "lora_cycle_steps", "lora_max_wait_steps", "num_kv_blocks", "max_loras", "max_cpu_loras", "max_adapters_per_request"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

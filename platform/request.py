@@ -208,6 +208,7 @@ class Request:
         self.num_cached_tokens = 0  # prefix-cache hit on first admission
         self.arrival_time = time.monotonic()
         self.queue_time_s: float | None = None  # set on first admission
+        self.queued_at_step: int | None = None  # the scheduler's step it was first queued at (its adapters' age)
         self.grammar_wait_s: tuple[float, float] | None = None  # set by the async front end (traces)
         self.pending_forks = params.n - 1 if index == 0 else 0
         self.stop_reason: str | int | None = None

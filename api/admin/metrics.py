@@ -108,6 +108,46 @@ class _StoreCollector:
                                 self.store.cache.nbytes())
 
 
+TOP_ADAPTERS = 10  # per-adapter residency series: the adapters with the most misses, never one per adapter
+
+
+class _ResidencyCollector:
+    """Where adapters are and what bringing them in cost, with label sets bounded however many are loaded: adapters
+    per tier, hits, misses and bytes read over every adapter ever loaded (the engine's totals, so an unload never
+    makes a counter go down), and the `TOP_ADAPTERS` adapters with the most misses."""
+
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self.stats = stats
+        self.status: Callable[[], dict] | None = None  # the engine client's `adapter_status`, set by the server
+
+    def collect(self):
+        if self.status is None:
+            return
+        status = self.status()
+        tiers = GaugeMetricFamily(P + "adapters", "Loaded adapters by where they are now (slot: in a slot; cpu: "
+                                  "weights in memory; spill: prepared file on local disk; disk: their folder).",
+                                  labels=["tier"])
+        for tier in ("slot", "cpu", "spill", "disk"):
+            tiers.add_metric([tier], sum(1 for a in status.values() if a.tier == tier))
+        yield tiers
+        s = self.stats()
+        for name, help in (("hits", "Adapter uses that found its weights in memory."),
+                           ("misses", "Adapter uses that read its weights (prepared file or folder)."),
+                           ("bytes_read", "Bytes of adapter weights read back into memory.")):
+            yield CounterMetricFamily(P + "adapter_" + name, help, getattr(s, "adapter_" + name))
+        top = GaugeMetricFamily(P + "adapter_misses_top", f"Misses of the {TOP_ADAPTERS} adapters with the most.",
+                                labels=["lora_name"])
+        for name, a in sorted(status.items(), key=lambda kv: (-kv[1].misses, kv[0]))[:TOP_ADAPTERS]:
+            if a.misses:
+                top.add_metric([name], a.misses)
+        yield top
+        fills = CounterMetricFamily(P + "adapter_slot_fills", "Adapter slots filled: by the prefetcher beside a "
+                                    "step, or by a step itself (which waited on it).", labels=["by"])
+        fills.add_metric(["prefetch"], s.adapter_prefetch_fills)
+        fills.add_metric(["step"], s.adapter_step_fills)
+        yield fills
+
+
 class ServerMetrics:
     def __init__(self, stats: Callable[[], EngineStats], ledger: UsageLedger | RemoteLedger | None = None) -> None:
         """`ledger`: where each answered request and each 429 is billed (in memory when None)."""
@@ -116,6 +156,8 @@ class ServerMetrics:
         self.registry.register(_EngineCollector(stats))
         self.adapter_store = _StoreCollector()
         self.registry.register(self.adapter_store)
+        self.residency = _ResidencyCollector(stats)
+        self.registry.register(self.residency)
         r = self.registry
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token.",
                               buckets=_LATENCY_BUCKETS, registry=r)

@@ -21,19 +21,42 @@ from loraplex.api.state import ServerState, state_of
 router = APIRouter()
 
 
+MAX_PAGE = 1000
+
+
 @router.get("/v1/adapters", dependencies=[Depends(require_user)])
 async def adapters(request: Request, state: ServerState = Depends(state_of)):
-    """loraplex's own: each registered adapter with its shape, where it is now, and what it
-    served (the console's adapters view); its folder only for the admin. A tenant reads its own
-    adapters with what they served it, and nothing of where they are (docs/tenants.md)."""
+    """loraplex's own: each registered adapter with its shape, where it is now (slot, CPU memory, its prepared
+    file, its folder), what bringing it in cost, and what it served (the console's adapters view); its folder only
+    for the admin. A tenant reads its own adapters with what they served it, and nothing of where they are
+    (docs/tenants.md). `?search=` (a part of the name), `?offset=` and `?limit=` page them in load order."""
     caller = caller_of(request)
-    infos = await state.adapters.infos(caller)
+    search, offset, limit = _page_query(request)
+    infos, page = fmt.adapter_page(await state.adapters.infos(caller), search, offset, limit)
     if caller.tenant is None:
-        return fmt.adapter_list(infos, state.client.adapter_status(), state.metrics.by_adapter, sees_paths(request),
-                                state.adapters.objects.origin)
+        return {**fmt.adapter_list(infos, state.client.adapter_status(), state.metrics.by_adapter, sees_paths(request),
+                                   state.adapters.objects.origin), **page}
     # named for a Ray ingress, which adds up this tenant's traffic from every replica (api/cluster/ray_serve.py)
     return {**fmt.adapter_list(infos, None, state.metrics.tenant_served(caller.tenant.name)),
-            "tenant": caller.tenant.name}
+            "tenant": caller.tenant.name, **page}
+
+
+def _page_query(request: Request) -> tuple[str, int, int | None]:
+    query = request.query_params
+    search = query.get("search", "")
+    values = {}
+    for param in ("offset", "limit"):
+        try:
+            values[param] = int(query[param]) if param in query else None
+        except ValueError:
+            raise APIError(400, f"{param} must be a whole number", param) from None
+    offset, limit = values["offset"] or 0, values["limit"]
+    if offset < 0 or (limit is not None and not 1 <= limit <= MAX_PAGE):
+        raise APIError(400, f"offset must be >= 0 and limit within 1..{MAX_PAGE}",
+                       "limit" if limit is not None and not 1 <= limit <= MAX_PAGE else "offset")
+    if len(search) > 256:
+        raise APIError(400, "search is longer than 256 characters", "search")
+    return search, offset, limit
 
 
 @router.post("/v1/load_lora_adapter", dependencies=[Depends(require_loader)])

@@ -170,6 +170,9 @@ def _summed_counts(values: list[dict[str, Counts]]) -> dict[str, Counts]:
 # ---- /v1/adapters ---------------------------------------------------------------------------
 
 
+TIERS = ("slot", "cpu", "spill", "disk")  # nearest first: a merged row says the nearest any replica has
+
+
 def merge_adapters(reply: dict, by_replica: dict[str, list[dict]]) -> dict:
     """A replica's `/v1/adapters` (every shared name) with each adapter's residency and traffic
     summed over the replicas, and `replicas`: those holding it."""
@@ -180,6 +183,8 @@ def merge_adapters(reply: dict, by_replica: dict[str, list[dict]]) -> dict:
         rows = here.values()
         data.append({**row, "replicas": list(here), "in_memory": any(r.get("in_memory") for r in rows),
                      "resident": any(r.get("resident") for r in rows), "pinned": sum(r.get("pinned", 0) for r in rows),
+                     "tier": min((r.get("tier", "disk") for r in rows), key=TIERS.index, default="disk"),
+                     **{k: sum(r.get(k, 0) for r in rows) for k in ("hits", "misses", "bytes_read")},
                      "requests": sum(r.get("requests", 0) for r in rows),
                      "generation_tokens": sum(r.get("generation_tokens", 0) for r in rows)})
     return {**reply, "data": data}

@@ -79,9 +79,22 @@ def adapter_list(adapters, status: dict | None, served: dict[str, dict[str, int]
         if status is not None:
             where = status.get(a.name)
             row.update(resident=bool(where and where.resident), in_memory=bool(where and where.in_memory),
-                       pinned=where.pins if where else 0)
+                       pinned=where.pins if where else 0, tier=where.tier if where else "disk",
+                       hits=where.hits if where else 0, misses=where.misses if where else 0,
+                       bytes_read=where.bytes_read if where else 0)
         rows.append({**row, **adapter_traffic(served.get(a.name, {}))})
     return {"object": "list", "data": rows, "base": adapter_traffic(served.get("", {}))}
+
+
+def adapter_page(adapters: list, search: str, offset: int, limit: int | None) -> tuple[list, dict]:
+    """One page of adapters in the order they were loaded: those whose name holds `search` (any case), from
+    `offset`, at most `limit` (None: all); with the list's `total`, `offset`, `limit` and `has_more` (the console
+    pages a thousand)."""
+    needle = search.casefold()
+    matching = [a for a in adapters if needle in a.name.casefold()]
+    page = matching[offset:] if limit is None else matching[offset:offset + limit]
+    return page, {"total": len(matching), "offset": offset, "limit": limit,
+                  "has_more": offset + len(page) < len(matching)}
 
 
 def adapter_traffic(counts: dict[str, int]) -> dict[str, int]:

@@ -4,7 +4,9 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = { base: "", adapters: [], samples: [], last: null, previous: null, view: "adapters", runs: 0 };
+const state = { base: "", adapters: [], samples: [], last: null, previous: null, view: "adapters", runs: 0,
+                page: { offset: 0, total: 0, search: "" } };
+const PAGE_SIZE = 50;  // adapters per page of the table (a server may hold thousands)
 
 for (const id of ["api-key", "admin-key"]) {  // kept for this browser only
   $(id).value = localStorage.getItem("loraplex:" + id) || "";
@@ -58,19 +60,30 @@ const esc = (s) => String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&
 async function refreshAdapters() {
   // with the admin key the table shows each adapter's folder too (folders are the admin's only)
   const admin = $("admin-key").value.trim() !== "";
-  const [models, table] = await Promise.all([call("/v1/models"), call("/v1/adapters", undefined, admin)]);
+  const query = new URLSearchParams({ limit: PAGE_SIZE, offset: state.page.offset, search: state.page.search });
+  const [models, table] = await Promise.all([call("/v1/models"), call("/v1/adapters?" + query, undefined, admin)]);
+  if (!table.data.length && state.page.offset > 0 && table.total > 0) {  // the page emptied (unloads): back one
+    state.page.offset = Math.max(0, state.page.offset - PAGE_SIZE);
+    return refreshAdapters();
+  }
+  state.page.total = table.total;
+  $("page-info").textContent = table.total ? `${table.offset + 1}-${table.offset + table.data.length} of ${table.total}`
+    : "none";
+  $("page-prev").disabled = table.offset === 0;
+  $("page-next").disabled = !table.has_more;
   const baseCard = models.data.find((m) => m.parent === null);  // absent for a tenant without the base model
   state.base = baseCard ? baseCard.id : (models.data.length ? models.data[0].parent : "");
   state.baseUsable = Boolean(baseCard);
   state.adapters = table.data;
   $("model-name").textContent = "on " + state.base;
   const rows = [`<tr class="base"><td><b>${esc(state.base)}</b> (base)</td><td>-</td><td>-</td><td>-</td><td>-</td>
-    <td>-</td><td>-</td><td>-</td><td>${count(table.base.requests)}</td><td>${count(table.base.generation_tokens)}</td>
+    <td>-</td><td>-</td><td>-</td><td>-</td><td>-</td><td>${count(table.base.requests)}</td><td>${count(table.base.generation_tokens)}</td>
     <td class="admin-only"></td></tr>`];
   for (const a of table.data) {
     rows.push(`<tr data-name="${esc(a.id)}"><td>${esc(a.id)}</td><td>${a.rank}</td><td>${esc((a.kind || ["lora"]).join(", "))}</td>
       <td class="targets">${esc(a.target_modules.join(", "))}</td><td class="folder" title="${esc(a.path || "")}">${a.source && a.source !== "folder" ? esc(a.source) : a.path ? esc(a.path) : '<span class="muted">(admin only)</span>'}</td>
-      <td>${yes(a.resident)}</td><td>${yes(a.in_memory)}</td><td>${count(a.pinned)}</td><td>${count(a.requests)}</td>
+      <td>${yes(a.resident)}</td><td>${yes(a.in_memory)}</td><td>${count(a.tier)}</td>
+      <td>${a.hits === undefined ? NONE : `${esc(a.hits)} / ${esc(a.misses)}`}</td><td>${count(a.pinned)}</td><td>${count(a.requests)}</td>
       <td>${count(a.generation_tokens)}</td><td class="admin-only"><button class="unload" data-name="${esc(a.id)}">Unload</button></td></tr>`);
   }
   const body = $("adapters-table").querySelector("tbody"), html = rows.join("");
@@ -80,6 +93,19 @@ async function refreshAdapters() {
   }
   refreshTargets();
 }
+
+$("adapter-search").addEventListener("input", () => {
+  state.page = { ...state.page, search: $("adapter-search").value, offset: 0 };
+  tick(refreshAdapters);
+});
+$("page-prev").addEventListener("click", () => {
+  state.page.offset = Math.max(0, state.page.offset - PAGE_SIZE);
+  tick(refreshAdapters);
+});
+$("page-next").addEventListener("click", () => {
+  state.page.offset += PAGE_SIZE;
+  tick(refreshAdapters);
+});
 
 $("adapters-table").addEventListener("click", async (event) => {
   const name = event.target.dataset && event.target.dataset.name;

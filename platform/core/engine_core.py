@@ -11,10 +11,12 @@ several. Single-threaded by design: a front end runs it on one thread.
 from __future__ import annotations
 
 import logging
+from itertools import islice
 from dataclasses import dataclass, field
 
 import torch
 
+from loraplex.adapters.prefetch import Prefetcher
 from loraplex.adapters.registry import AdapterRegistry
 from loraplex.grammar.manager import GrammarManager
 from loraplex.kernels.dispatch import to_device
@@ -48,6 +50,11 @@ class EngineStats:
     running_adapters: tuple[str, ...] = ()
     waiting_adapters: tuple[str, ...] = ()
     max_loras: int = 0
+    adapter_prefetch_fills: int = 0  # adapter slots the prefetcher filled beside a step
+    adapter_step_fills: int = 0  # ... and those a step filled itself (it waited on them)
+    adapter_hits: int = 0  # adapter uses that found its weights in memory, over every adapter ever loaded
+    adapter_misses: int = 0  # ... that read them (prepared file or folder)
+    adapter_bytes_read: int = 0  # ... and the bytes those reads brought in
     structured_checked: int = 0  # finished JSON outputs checked against their schema (the output processor's)
     schema_violations_strict: int = 0  # ... and found breaking it (strict: a bug; not strict: dropped keywords)
     schema_violations_lenient: int = 0
@@ -77,7 +84,9 @@ class EngineCore:
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
                                  reclaim_window(model.layer_windows))  # all layers sliding: old blocks freed
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                   self.max_loras, config.lora_cycle_steps, eos_token_ids, grammars.new_grammar)
+                                   self.max_loras, config.lora_cycle_steps, eos_token_ids, grammars.new_grammar,
+                                   adapters.ready if adapters.slots.stacked else None, config.lora_max_wait_steps)
+        self.prefetcher = Prefetcher(adapters)
         self.batch = InputBatch(self.kv, executor.input_device)
         if resolved.device.type == "cuda" and not config.enforce_eager:
             self.enable_graphs()
@@ -93,7 +102,8 @@ class EngineCore:
         self.executor.capture_graphs(capture)
 
     def close(self) -> None:
-        """Stop what the executor started outside this process."""
+        """Stop what the executor started outside this process, and the prefetcher's thread."""
+        self.prefetcher.close()
         self.executor.close()
 
     def _log_kv_size(self) -> None:
@@ -165,7 +175,9 @@ class EngineCore:
             prefix_cache_queries=self.kv.num_queries, prefix_cache_hits=self.kv.num_hits,
             num_preemptions=s.num_preemptions, running_adapters=tuple(sorted(s.running_adapters())),
             waiting_adapters=tuple(sorted({name for r in s.waiting for name in r.adapter_names})),
-            max_loras=self.max_loras, spec_decode=drafter.counters.copy() if drafter is not None else None,
+            max_loras=self.max_loras, adapter_prefetch_fills=self.adapters.num_preloads,
+            adapter_step_fills=self.adapters.num_step_loads, adapter_hits=self.adapters.totals.hits,
+            adapter_misses=self.adapters.totals.misses, adapter_bytes_read=self.adapters.totals.bytes_read, spec_decode=drafter.counters.copy() if drafter is not None else None,
             spec_decode_by_adapter={name: c.copy() for name, c in drafter.by_adapter.items()}
             if drafter is not None else {}, **front)
 
@@ -186,6 +198,7 @@ class EngineCore:
                 raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting")
             return []
         batch = self.batch.build(sched, self._assign_adapter_slots())
+        self._prefetch()  # beside the forward pass: the slots it fills are none of this step's
         logits, prompt_hidden = self.executor.execute(batch.inputs)
         for (req, first, slot), hidden in zip(batch.prompt_runs, prompt_hidden):
             self._add_prompt_logprobs(PromptRows(req, hidden, first, slot, self.executor.logits))
@@ -229,6 +242,18 @@ class EngineCore:
         if targets and skip >= 0:
             req.prompt_logprobs += prompt_logprobs(rows.compute_logits, rows.hidden[skip:], targets,
                                                    req.params.prompt_logprobs)
+
+    def _prefetch(self) -> None:
+        """Hand the prefetcher the adapters the first waiting requests need that hold no slot, in queue order (at
+        most `max_loras` of them, from at most 4 x `max_num_seqs` requests: bounded work per step)."""
+        names: dict[str, None] = {}
+        running = self.scheduler.running_adapters()
+        for req in islice(self.scheduler.waiting, 4 * self.config.max_num_seqs):
+            names.update((n, None) for n in req.adapter_names if n not in running)
+            if len(names) >= self.max_loras:
+                break
+        wanted = tuple(n for n in names if self.adapters.needs_slot(n))[:self.max_loras]
+        self.prefetcher.want(wanted, frozenset(names))
 
     def _assign_adapter_slots(self) -> dict[str, int]:
         names = self.scheduler.running_adapters()

@@ -14,6 +14,13 @@ has held its slot `lora_cycle_steps` steps while others wait stops admitting new
 slot frees when its running requests finish and goes to the oldest waiting adapter (LoRAX's
 adapter cycling). Within one adapter, and for KV blocks, admission stays FCFS.
 
+Residency: where slots are copies (the GPU's layout), a request is admitted once its adapters are ready
+(`ready`: the prefetcher filled their slots beside the last step), so a step never waits on a copy and base
+requests never wait behind one; requests whose adapters are ready overtake those still coming in. So that no
+request starves, one that has waited `lora_max_wait_steps` steps is admitted ready or not (its step fills the
+slot itself: the prefetcher failed or fell behind), as are requests of a step that began with nothing running
+(nothing would wait with them).
+
 Requests of several tenants share the batch by weight (`fair_share.py`): admission takes the next
 request from the tenant with the fewest seats per weight, and a tenant waiting below its share gets
 seats preempted from the one furthest above its own.
@@ -89,7 +96,9 @@ class _Urgent:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, max_loras: int = 1, lora_cycle_steps: int = 32,
-                 eos_token_ids: tuple[int, ...] = (), new_grammar: Callable | None = None) -> None:
+                 eos_token_ids: tuple[int, ...] = (), new_grammar: Callable | None = None,
+                 ready: Callable[[tuple[str, ...]], bool] | None = None, lora_max_wait_steps: int = 64) -> None:
+        """`ready(adapter names)`: whether a step may use those adapters without waiting on them (None: always)."""
         self.kv = kv
         self.eos_token_ids = frozenset(eos_token_ids)
         self.new_grammar = new_grammar  # compiled grammar -> a fresh matcher, for forked sequences
@@ -97,6 +106,9 @@ class Scheduler:
         self._finished_groups: list[list[Request]] = []
         self.max_loras = max_loras
         self.lora_cycle_steps = lora_cycle_steps
+        self.ready = ready
+        self.lora_max_wait_steps = lora_max_wait_steps
+        self._idle = True
         self._step = 0
         self._resident_since: dict[str, int] = {}  # running adapter -> step it took its slot
         self.max_num_seqs = max_num_seqs
@@ -111,6 +123,7 @@ class Scheduler:
         if request.request_id in self.groups:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.groups[request.request_id] = [request]
+        request.queued_at_step = self._step
         # after the last waiting request of its priority or a more urgent one
         self.waiting.insert(bisect_right(self.waiting, request.priority, key=_priority), request)
         self.tenanted = self.tenanted or request.tenant is not None
@@ -120,6 +133,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self._step += 1
+        self._idle = not self.running  # a slot filled in this step delays no running request
         out = SchedulerOutput()
         fair = self.tenanted and fair_share.several_tenants(self.waiting, self.running)
         if fair:
@@ -169,7 +183,7 @@ class Scheduler:
         adapters = self.running_adapters()
         admissible = partial(self._admissible, resident=adapters, yielding=self._yielding_adapters(adapters))
         by_waiting = _Urgent(r for r in takewhile(lambda r: r.priority < worst, self.waiting)
-                             if admissible(r) or self._slot_holders(r, adapters))
+                             if admissible(r) or self._ready(r) and self._slot_holders(r, adapters))
         by_prompt = _Urgent(r for r in self.running if r.num_computed_tokens < len(r.prompt_token_ids))
         displaced = [r for r in self.running if by_waiting.outranks(r)]
         return set(displaced).union(r for r in self.running if by_prompt.outranks(r)), displaced
@@ -233,8 +247,8 @@ class Scheduler:
                     i = self.waiting.index(req)
                     continue
                 break
-            if not admissible(req):
-                if self._free_slot(req, adapters, displaced, out, held):
+            if not admissible(req):  # no slot, or its adapters still coming in
+                if self._ready(req) and self._free_slot(req, adapters, displaced, out, held):
                     i = self.waiting.index(req)
                     continue
                 i += 1  # no slot for it now: base requests and resident adapters behind it go on
@@ -314,9 +328,17 @@ class Scheduler:
         first."""
         self.running.insert(bisect_right(self.running, req.priority, key=_priority), req)
 
+    def _ready(self, req: Request) -> bool:
+        """Whether a step may run `req` without waiting on its adapters, or nothing would wait with it (the step
+        began with nothing running), or it has waited long enough for them."""
+        return not req.adapter_names or self.ready is None or self._idle or self.ready(req.adapter_names) or \
+            self._step - (req.queued_at_step or 0) >= self.lora_max_wait_steps
+
     def _admissible(self, req: Request, resident: set[str], yielding: set[str]) -> bool:
-        """Whether `req` may be admitted now as far as adapter slots go (the base model always may)."""
-        return not req.adapter_names or self._slots_for(req.adapter_names, resident, yielding)
+        """Whether `req` may be admitted now as far as adapters go: a slot for each, and in it (`_ready`); the base
+        model always may. Every admission path asks this (fair share, sitting out, displacing), so a request
+        whose adapters are still coming in neither takes nor frees a seat."""
+        return not req.adapter_names or (self._slots_for(req.adapter_names, resident, yielding) and self._ready(req))
 
     def _slots_for(self, names: tuple[str, ...], resident: set[str], yielding: set[str]) -> bool:
         """Whether a request's adapters (a mix: each of them, counted once however many mixes share it) all

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 
 from loraplex.adapters.registry import AdapterRegistry
+from loraplex.adapters.heap import return_large_frees
+from loraplex.adapters.spill import SpillStore
 from loraplex.adapters.saved_norms import norm_dims
 from loraplex.grammar.compile_cache import resolve_dir
 from loraplex.grammar.manager import GrammarManager
@@ -73,8 +75,10 @@ class Engine:
         self.outputs = OutputProcessor(self.tokenizer)
 
     def close(self) -> None:
-        """Stop what the engine started outside its process (tensor parallelism's workers)."""
+        """Stop what the engine started outside its process (tensor parallelism's workers) and its threads (the
+        prefetcher, the disk tier's writer, with its files)."""
         self.core.close()
+        self.adapters.close()
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -118,9 +122,11 @@ def _registry(resolved: ResolvedConfig, on_device: bool) -> AdapterRegistry:
     """The adapter registry: its slots on the engine's device where the executor's rank serves from them, else
     on the host (the ranks keep their own shards)."""
     config, kernels = resolved.engine, resolved.kernels
+    return_large_frees()  # adapters read and dropped by the thousand: their memory goes back, not to the heap
     registry = AdapterRegistry(resolved.model, resolved.max_loras, config.max_lora_rank, config.max_cpu_loras,
                                kernels.lora_dtype, config.lora_memory,
-                               resolved.device if on_device else torch.device("cpu"), kernels.stacked_lora and on_device)
+                               resolved.device if on_device else torch.device("cpu"), kernels.stacked_lora and on_device,
+                               SpillStore(config.lora_spill_size) if config.lora_spill_size else None)
     if not on_device:
         _base_from_checkpoint(registry, resolved)
     return registry

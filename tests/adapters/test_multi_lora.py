@@ -92,7 +92,8 @@ def test_256_registered_64_in_flight(tiny_model_dir, tmp_path):
     prompts = prompts_for(64)
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=NEW, ignore_eos=True)
     batched = tokens(llm.generate([{"prompt_token_ids": p} for p in prompts], params, adapter=chosen))
-    assert len(llm.engine.core.scheduler.running) == 0 and llm.engine.adapters.num_slot_loads >= 64
+    adapters = llm.engine.adapters
+    assert len(llm.engine.core.scheduler.running) == 0 and adapters.num_slot_loads + adapters.num_preloads >= 64
     alone = [tokens(llm.generate([{"prompt_token_ids": p}], params, adapter=a))[0]
              for p, a in list(zip(prompts, chosen))[:12]]
     assert batched[:12] == alone
@@ -114,7 +115,7 @@ def test_layers_to_transform_matches_peft(tiny_model_dir, tmp_path):
 def test_more_adapters_than_memory_holds_match_peft_and_the_engine_thread_never_reads_disk(
         tiny_model_dir, tiny_adapters, names, monkeypatch):
     """lora_memory holds two adapters of the eight: every other one is evicted and re-read from
-    disk, always in the submitting thread; mixed ranks (8 and 16), two slots, peft's tokens."""
+    disk (its prepared file), never in the engine thread; mixed ranks (8 and 16), two slots, peft's tokens."""
     import threading
     from functools import reduce
 
@@ -134,9 +135,11 @@ def test_more_adapters_than_memory_holds_match_peft_and_the_engine_thread_never_
         engine.adapters.load(name, str(path))
     assert engine.adapters.memory()[0] < 8 and engine.adapters.memory()[1] <= two
     reads: list[str] = []
-    real = registry_module.read_peft_adapter
+    real, spilled = registry_module.read_peft_adapter, engine.adapters.spill.read
     monkeypatch.setattr(registry_module, "read_peft_adapter",
                         lambda *a, **k: reads.append(threading.current_thread().name) or real(*a, **k))
+    monkeypatch.setattr(engine.adapters.spill, "read",
+                        lambda *a, **k: reads.append(threading.current_thread().name) or spilled(*a, **k))
     front = AsyncEngine(engine)
     prompts = prompts_for(8)
     order = [0, 5, 2, 7, 1, 4, 3, 6]

@@ -27,8 +27,25 @@ def test_adapters_show_shape_residency_and_traffic(client, live):
     assert row["generation_tokens"] == a0["generation_tokens"] + reply.usage.completion_tokens == \
         a0["generation_tokens"] + 5
     assert row["resident"] and row["in_memory"] and row["pinned"] == 0  # it ran, so it took a slot; done, unpinned
+    assert row["tier"] == "slot" and row["hits"] + row["misses"] > a0["hits"] + a0["misses"]
     assert set(after["base"]) == {"requests", "generation_tokens"}
     assert_error(http(live, "/v1/adapters", key=None), 401)
+
+
+def test_adapters_page_and_search_for_a_console_of_thousands(live):
+    every = [a["id"] for a in http(live, "/v1/adapters")[1]["data"]]
+    status, first = http(live, "/v1/adapters?limit=1")
+    assert [a["id"] for a in first["data"]] == every[:1] and first["total"] == len(every)
+    assert first["has_more"] == (len(every) > 1)
+    last = http(live, f"/v1/adapters?limit=1&offset={len(every) - 1}")[1]
+    assert [a["id"] for a in last["data"]] == every[-1:] and not last["has_more"]
+    found = http(live, "/v1/adapters?search=A1")[1]  # any case, a part of the name
+    assert [a["id"] for a in found["data"]] == [n for n in every if "a1" in n.lower()] and found["total"] >= 1
+    for bad in ("limit=0", "limit=x", "offset=-1", "limit=100000"):
+        assert_error(http(live, f"/v1/adapters?{bad}"), 400)
+    metrics = http(live, "/metrics")[1]
+    assert 'loraplex:adapters{tier="slot"}' in metrics and "loraplex:adapter_misses_total" in metrics
+    assert 'loraplex:adapter_slot_fills_total{by="prefetch"}' in metrics
 
 
 def test_stats_move_with_traffic(client, live):

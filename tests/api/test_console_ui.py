@@ -163,6 +163,11 @@ def test_the_console_end_to_end(page):
     row = wait_for(driver, lambda d: d.execute_script(
         "const r = document.querySelector('tr[data-name=\"ex\"]'); return r && r.innerText;"), what="the loaded adapter")
     assert "8" in row and "q_proj" in row
+    assert by_id(driver, "page-info").text == "1-1 of 1" and not by_id(driver, "page-next").is_enabled()
+    type_into(driver, "adapter-search", "nothing-like-it")  # searched on the server: the page empties
+    wait_for(driver, lambda d: by_id(d, "page-info").text == "none", what="an empty search")
+    type_into(driver, "adapter-search", "E")  # a part of the name, any case
+    wait_for(driver, lambda d: by_id(d, "page-info").text == "1-1 of 1", what="the search's page")
     screenshot(driver, "adapters")
 
     by_id(driver, "tab-live").click()

@@ -77,15 +77,16 @@ def test_adapters_list_their_holders_with_residency_and_traffic_added_up():
         return {"id": name, "in_memory": True, **fields}
 
     reply = {"object": "list", "data": [{"id": "x", "rank": 4}, {"id": "nowhere", "rank": 16}]}
-    by_replica = {"rb": [held("x", resident=True, pinned=1, requests=2, generation_tokens=20)],
-                  "ra": [held("x", pinned=2, requests=1), held("stale")]}
+    by_replica = {"rb": [held("x", resident=True, pinned=1, requests=2, generation_tokens=20, tier="slot", hits=4)],
+                  "ra": [held("x", pinned=2, requests=1, tier="cpu", misses=2, bytes_read=10), held("stale")]}
     merged = merge_adapters(reply, by_replica)
     assert merged["object"] == "list"
     assert merged["data"] == [
         {"id": "x", "rank": 4, "replicas": ["ra", "rb"], "in_memory": True, "resident": True, "pinned": 3,
-         "requests": 3, "generation_tokens": 20},
+         "tier": "slot", "hits": 4, "misses": 2, "bytes_read": 10, "requests": 3, "generation_tokens": 20},
         {"id": "nowhere", "rank": 16, "replicas": [], "in_memory": False, "resident": False, "pinned": 0,
-         "requests": 0, "generation_tokens": 0}]  # only the reply's names: "stale" is no longer shared
+         "tier": "disk", "hits": 0, "misses": 0, "bytes_read": 0, "requests": 0,
+         "generation_tokens": 0}]  # only the reply's names: "stale" is no longer shared
 
 
 def test_a_tenants_adapters_carry_its_own_traffic_and_nothing_of_where_they_are():

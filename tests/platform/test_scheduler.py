@@ -202,3 +202,88 @@ def test_forks_sample_from_their_parents_row_and_the_group_ends_with_its_last_se
     s.abort("p")
     assert [g[0].request_id for g in s.pop_finished_groups()] == ["p"] and len(s.groups) == 1
     assert not s.abort("p") and s.abort("q") and not s.has_unfinished()
+
+
+def make_resident(ready: set[str], max_loras=4, wait_steps=64, max_num_seqs=8):
+    kv = KVCacheManager(256, 4, enable_caching=False)
+    return Scheduler(kv, max_num_seqs, 64, max_model_len=1024, max_loras=max_loras,
+                     ready=lambda names: set(names) <= ready, lora_max_wait_steps=wait_steps)
+
+
+def test_base_requests_never_wait_behind_an_adapter_coming_in():
+    """Counted in steps: while `y` comes in (not ready), the base request and a ready adapter's request that
+    arrived with it run in the very next step; `y` runs in the step after it is ready, never earlier."""
+    ready = {"x"}
+    s = make_resident(ready)
+    s.add(lora_req("x0", "x", max_tokens=20))
+    advance(s, s.schedule())  # something running: a new adapter now waits for its slot to be filled
+    for r in (lora_req("y0", "y"), req("base", 4), lora_req("x1", "x")):
+        s.add(r)
+    out = s.schedule()
+    assert [r.request_id for r, _ in out.scheduled] == ["x0", "base", "x1"]
+    advance(s, out)
+    assert [r.request_id for r, _ in s.schedule().scheduled] == ["x0", "base", "x1"]  # y still coming in
+    ready.add("y")
+    assert "y0" in [r.request_id for r, _ in s.schedule().scheduled]
+
+
+def test_a_request_whose_adapter_never_comes_in_runs_at_the_age_limit():
+    """The prefetcher never delivers `y`: its request is admitted (its step fills the slot itself) exactly
+    lora_max_wait_steps steps after it was queued, while base requests keep running before it."""
+    s = make_resident({"x"}, wait_steps=5)
+    s.add(lora_req("x0", "x", max_tokens=40))
+    advance(s, s.schedule())
+    s.add(lora_req("y0", "y", max_tokens=40))
+    queued_at, admitted_at = s._step, None
+    for step in range(12):
+        s.add(req(f"base{step}", 4, max_tokens=2))
+        out = s.schedule()
+        assert any(r.request_id == f"base{step}" for r, _ in out.scheduled)
+        if admitted_at is None and any(r.request_id == "y0" for r, _ in out.scheduled):
+            admitted_at = s._step
+        advance(s, out)
+    assert admitted_at == queued_at + 5
+
+
+def test_a_burst_into_an_idle_engine_runs_at_once():
+    """Nothing running: no request would wait on a slot being filled, so adapters not yet in slots run in the
+    first step (a burst's first step is not lost)."""
+    s = make_resident(set())
+    for r in (lora_req("y0", "y"), lora_req("z0", "z"), req("base", 4)):
+        s.add(r)
+    assert [r.request_id for r, _ in s.schedule().scheduled] == ["y0", "z0", "base"]
+
+
+def test_a_tenant_waiting_on_an_adapter_coming_in_does_not_stall_the_fair_share():
+    """Two tenants: the fair share's pick skipped only requests without a slot, so it kept picking the one whose
+    adapter was still coming in, forever (schedule never returned)."""
+    from loraplex.platform.core.fair_share import TenantShare
+
+    s = make_resident({"x"})
+    a0 = lora_req("a0", "x", max_tokens=20)
+    a0.tenant = TenantShare("A")
+    s.add(a0)
+    advance(s, s.schedule())
+    b0, a1 = lora_req("b0", "y"), req("a1", 4)
+    b0.tenant, a1.tenant = TenantShare("B"), TenantShare("A")
+    s.add(b0)
+    s.add(a1)
+    assert [r.request_id for r, _ in s.schedule().scheduled] == ["a0", "a1"]
+
+
+def test_an_urgent_request_whose_adapter_is_coming_in_preempts_nobody():
+    """Priority: a more urgent request still waiting for its adapter neither takes a seat nor frees one (it
+    preempted a running request every step until the age limit)."""
+    s = make_resident({"x"}, max_num_seqs=2)
+    for rid in ("x0", "x1"):
+        r = req(rid, 4, max_tokens=20, priority=1)
+        r.adapter = "x"
+        s.add(r)
+    advance(s, s.schedule())
+    u = lora_req("u", "y")
+    s.add(u)
+    for _ in range(3):
+        out = s.schedule()
+        assert not out.preempted and [r.request_id for r, _ in out.scheduled] == ["x0", "x1"]
+        advance(s, out)
+    assert s.num_preemptions == 0
