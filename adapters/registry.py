@@ -342,13 +342,18 @@ class AdapterRegistry:
         weights = self._weights(info)  # pinned adapters are in memory: no disk read here
         self.num_step_reads += not in_memory
         with self._lock:
-            free = lambda: [s for s, holder in self._slot_lru.items()  # noqa: E731
-                            if holder not in names and s not in self._loading and s not in self._busy]
-            self._loaded.wait_for(free)  # every other slot is being filled by `preload`: wait for one
-            slot = free()[0]
-            held = self._slot_of.get(name)
-            if held is not None:  # an older copy elsewhere (a replaced adapter)
-                self._vacate(held[0])
+            while True:  # a fill of `preload` may end (for this adapter too) while the step waits for a slot
+                if self._holds_current(name):
+                    return self._use(name)
+                own = self._slot_of.get(name, (None,))[0]
+                free = [s for s, holder in self._slot_lru.items() if s not in self._loading and s not in self._busy
+                        and (holder not in names or holder == name)]
+                if own not in self._loading and free:
+                    break
+                self._loaded.wait()  # a slot is under way (this adapter's, or every free one): it ends
+            slot = own if own in free else free[0]  # its own stale copy first (a replaced adapter)
+            if own is not None and own != slot:
+                self._vacate(own)
             self._vacate(slot)
             self._slots.load(slot, weights)
             self._slot_of[name], self._slot_lru[slot] = (slot, info.content_hash), name
@@ -388,11 +393,13 @@ class AdapterRegistry:
             filled = True
         finally:
             with self._lock:
-                self._loading.discard(slot)
-                self.num_preloads += filled
-                if not filled or self._adapters.get(name) is not info or self._slot_lru[slot] != name:
-                    self._vacate(slot)  # failed, or unloaded or replaced while it was copied
-                self._loaded.notify_all()
+                try:
+                    self._loading.discard(slot)
+                    self.num_preloads += filled
+                    if not filled or self._adapters.get(name) is not info or self._slot_lru[slot] != name:
+                        self._vacate(slot)  # failed, or unloaded or replaced while it was copied
+                finally:
+                    self._loaded.notify_all()  # a step may be waiting on this slot, whatever happened
         return True
 
     def _vacate(self, slot: int) -> None:

@@ -91,7 +91,7 @@ class SpillStore:
                 self._writer = threading.Thread(target=_write_queued, args=(self._queue, weakref.ref(self)),
                                                 name="loraplex-spill", daemon=True)
                 self._writer.start()
-                weakref.finalize(self, self._queue.put, None)
+                weakref.finalize(self, _stop_writer, self._queue)
             try:
                 self._queue.put_nowait(weights)
             except queue.Full:
@@ -212,6 +212,15 @@ class SpillStore:
             if oldest is None:
                 return
             self._forget(oldest)
+
+
+def _stop_writer(pending: queue.Queue) -> None:
+    """The store is gone: wake its writer (never blocking: it may be the writer that dropped the last reference,
+    and with the queue full the writer ends at its next item anyway, finding the store gone)."""
+    try:
+        pending.put_nowait(None)
+    except queue.Full:
+        pass
 
 
 def _write_queued(pending: queue.Queue, store_ref: weakref.ref) -> None:

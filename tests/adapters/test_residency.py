@@ -191,3 +191,59 @@ def test_an_engine_nobody_closes_is_still_freed_with_its_threads(tiny_model_dir,
     for thread in threads:
         thread.join(10)
     assert not any(t.is_alive() for t in threads)
+
+
+def _within(seconds: float, call) -> dict:
+    """`call()` on a thread; its result, or a failure (not a hang) where it blocks past `seconds`."""
+    import threading
+
+    got: dict = {}
+    thread = threading.Thread(target=lambda: got.update(result=call()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), "blocked: a step waiting for a slot that no fill will free"
+    return got["result"]
+
+
+def test_a_replaced_adapter_is_filled_again_into_its_own_stale_slot(tiny_model_dir, tiny_adapters, tmp_path):
+    """One slot, holding A's old version: the step's fill counted that slot as another adapter's and waited for a
+    free one forever."""
+    registry = registry_for(tiny_model_dir, tmp_path, stacked=True)
+    registry.load("A", str(tiny_adapters[0]))
+    registry.pin("A")
+    assert registry.assign_slots({"A"}) == {"A": 0}
+    registry.unpin("A")
+    registry.load("A", str(tiny_adapters[2]), replace=True)
+    registry.pin("A")
+    assert _within(30, lambda: registry.assign_slots({"A"})) == {"A": 0}
+    assert registry.ready(("A",)) and registry.num_step_loads == 2
+
+
+def test_a_step_filling_an_adapter_the_prefetcher_takes_meanwhile_uses_that_fill(tiny_model_dir, tiny_adapters,
+                                                                                  tmp_path):
+    """While the step read A's weights (the lock released), the prefetcher claimed the only slot for A: the step
+    then waited for a free slot forever. Now it waits for that fill and uses it."""
+    import threading
+
+    registry = registry_for(tiny_model_dir, tmp_path, stacked=True)
+    registry.load("A", str(tiny_adapters[0]))
+    registry.pin("A")
+    claimed, release = threading.Event(), threading.Event()
+    real_load, real_weights = registry.slots.load_projections, registry._weights
+    registry.slots.load_projections = lambda *a: (claimed.set(), release.wait(30), real_load(*a))
+
+    def weights_then_prefetcher_claims(info):
+        weights = real_weights(info)
+        if threading.current_thread().name == "step":
+            threading.Thread(target=registry.preload, args=("A", set()), daemon=True).start()
+            assert claimed.wait(30)
+            threading.Timer(0.2, release.set).start()
+        return weights
+
+    registry._weights = weights_then_prefetcher_claims
+    got: dict = {}
+    step = threading.Thread(target=lambda: got.update(registry.assign_slots({"A"})), name="step", daemon=True)
+    step.start()
+    step.join(30)
+    assert not step.is_alive() and got == {"A": 0}
+    assert registry.num_step_loads == 0 and registry.num_preloads == 1  # the step filled nothing itself
