@@ -67,7 +67,6 @@ class SpillStore:
         self._pending: dict[str, LoRAWeights] = {}  # queued for the writer, by name
         self._queue: queue.Queue = queue.Queue(maxsize=MAX_PENDING)
         self._writer: threading.Thread | None = None
-        self.num_writes = self.num_reads = 0
 
     def _ensure_folder(self) -> Path:
         if self._folder is None:
@@ -116,12 +115,16 @@ class SpillStore:
             if self._folder is not None:
                 shutil.rmtree(self._folder, ignore_errors=True)
 
+    def _still_pending(self, weights: LoRAWeights) -> bool:
+        """Not dropped, replaced or closed since it was queued (the caller holds the lock)."""
+        return self._pending.get(weights.name) is weights
+
     def _write_one(self, weights: LoRAWeights) -> None:
         try:
             with self._lock:
-                wanted = self._pending.get(weights.name) is weights  # not dropped or replaced meanwhile
+                wanted = self._still_pending(weights)
             if wanted:
-                self.write(weights, queued=True)
+                self._write(weights)
         except Exception:  # noqa: BLE001  the adapter is read from its folder instead
             log.warning("adapter %r not kept on disk", weights.name, exc_info=True)
         finally:
@@ -129,14 +132,12 @@ class SpillStore:
                 if self._pending.get(weights.name) is weights:
                     del self._pending[weights.name]
 
-    def write(self, weights: LoRAWeights, queued: bool = False) -> bool:
-        """Keep `weights`' projections on disk now (the writer's thread: a sequential write). False: not kept (not
-        spillable, larger than the whole budget, or the disk refused)."""
-        if self.max_bytes <= 0 or not spillable(weights):
-            return False
+    def _write(self, weights: LoRAWeights) -> None:
+        """Keep queued `weights`' projections on disk (the writer's thread: one sequential write), unless larger than
+        the whole budget, refused by the disk, or no longer pending once written."""
         nbytes = _projection_bytes(weights)
         if nbytes > self.max_bytes:
-            return False
+            return
         layout = tuple((key, a.shape, b.shape) for key, (a, b) in weights.projections.items())
         parts = [t.contiguous().reshape(-1).view(torch.uint8) for _, (a, b) in weights.projections.items()
                  for t in (a, b)]
@@ -144,25 +145,26 @@ class SpillStore:
             folder = self._ensure_folder()
         path = folder / f"{weights.content_hash[:16]}-{os.urandom(4).hex()}.bin"
         try:
-            torch.cat(parts).numpy().tofile(path)
+            with open(path, "wb") as out:
+                for part in parts:
+                    out.write(part.numpy())
         except OSError as exc:
             log.warning("adapter %r not kept on disk (%s); it is read from its folder when needed", weights.name, exc)
             path.unlink(missing_ok=True)
-            return False
+            return
         husk = dataclasses.replace(weights, projections={})
         with self._lock:
-            if queued and self._pending.get(weights.name) is not weights:  # dropped or replaced while written
+            if not self._still_pending(weights):  # dropped, replaced or closed while written
                 path.unlink(missing_ok=True)
-                return False
+                return
             self._forget(weights.name)
             self._files[weights.name] = Spilled(path, weights.content_hash, nbytes, layout, husk)
             self._bytes += nbytes
             self._trim(keep=weights.name)
-        self.num_writes += 1
-        return True
 
     def read(self, name: str, content_hash: str, dtype: torch.dtype) -> LoRAWeights | None:
-        """The adapter's weights back from its file (one read into fresh memory); None: not kept here."""
+        """The adapter's weights back: still queued (in memory), else a prefaulted mapping of its file; None: not kept
+        here."""
         with self._lock:
             queued = self._pending.get(name)
             if queued is not None and queued.content_hash == content_hash:
@@ -187,7 +189,6 @@ class SpillStore:
             b = flat[offset:offset + b_shape.numel()].view(b_shape)
             offset += b_shape.numel()
             projections[key] = (a, b)
-        self.num_reads += 1
         return dataclasses.replace(held.husk, projections=projections)
 
     def drop(self, name: str) -> None:

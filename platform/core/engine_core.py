@@ -197,8 +197,9 @@ class EngineCore:
                 # failing loudly beats spinning forever
                 raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting")
             return []
-        batch = self.batch.build(sched, self._assign_adapter_slots())
-        self._prefetch()  # beside the forward pass: the slots it fills are none of this step's
+        running = self.scheduler.running_adapters()
+        batch = self.batch.build(sched, self.adapters.assign_slots(running) if running else {})
+        self._prefetch(running)  # beside the forward pass: the slots it fills are none of this step's
         logits, prompt_hidden = self.executor.execute(batch.inputs)
         for (req, first, slot), hidden in zip(batch.prompt_runs, prompt_hidden):
             self._add_prompt_logprobs(PromptRows(req, hidden, first, slot, self.executor.logits))
@@ -243,18 +244,13 @@ class EngineCore:
             req.prompt_logprobs += prompt_logprobs(rows.compute_logits, rows.hidden[skip:], targets,
                                                    req.params.prompt_logprobs)
 
-    def _prefetch(self) -> None:
+    def _prefetch(self, running: set[str]) -> None:
         """Hand the prefetcher the adapters the first waiting requests need that hold no slot, in queue order (at
         most `max_loras` of them, from at most 4 x `max_num_seqs` requests: bounded work per step)."""
         names: dict[str, None] = {}
-        running = self.scheduler.running_adapters()
         for req in islice(self.scheduler.waiting, 4 * self.config.max_num_seqs):
             names.update((n, None) for n in req.adapter_names if n not in running)
             if len(names) >= self.max_loras:
                 break
         wanted = tuple(n for n in names if self.adapters.needs_slot(n))[:self.max_loras]
         self.prefetcher.want(wanted, frozenset(names))
-
-    def _assign_adapter_slots(self) -> dict[str, int]:
-        names = self.scheduler.running_adapters()
-        return self.adapters.assign_slots(names) if names else {}
