@@ -15,6 +15,7 @@ import os
 import re
 import stat
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import regex
@@ -92,9 +93,10 @@ class LoRAWeights:
     # that tensor-parallel ranks holding different shards of it agree
     eager: bool = False
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
-        """Every tensor the adapter holds, full weights included (one tensor two modules share counts once)."""
+        """Every tensor the adapter holds, full weights included (one tensor two modules share counts once). Summed
+        once (nothing changes an adapter's tensors once read): the registry asks at each cache entry and eviction."""
         pairs = [*self.projections.values(), self.embedding or (), self.head or (), *self.tokens.values(),
                  *(m.tensors() for m in self.moe.values())]
         tensors = {id(t): t for t in [*(t for pair in pairs for t in pair), *self.replacements.values()]}

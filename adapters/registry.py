@@ -319,8 +319,13 @@ class AdapterRegistry:
             raise RuntimeError(f"{len(names)} adapters in flight, max_loras={self.max_loras}")
         with self._lock:
             wanted = {n: self._adapters[n] for n in sorted(names)}  # sorted: deterministic slots
-            self._loaded.wait_for(lambda: not any(self._slot_of.get(n, (None,))[0] in self._loading for n in wanted))
-            self._busy = {self._slot_of[n][0] for n in wanted if self._holds_current(n)}
+            if self._loading:
+                self._loaded.wait_for(lambda: not any(self._slot_of.get(n, (None,))[0] in self._loading
+                                                      for n in wanted))
+            current = [n for n in wanted if self._holds_current(n)]
+            self._busy = {self._slot_of[n][0] for n in current}
+            if len(current) == len(wanted):  # every one in its slot (a decode step's usual case): one lock, one pass
+                return {n: self._use(n) for n in current}
         out = {}
         for name, info in wanted.items():
             with self._lock:

@@ -82,8 +82,8 @@ class SpillStore:
     def keep(self, weights: LoRAWeights) -> None:
         """Write `weights` in the background (the CPU cache is dropping them; cheap, never blocks: with
         `MAX_PENDING` writes queued already it is not kept, and comes from its folder when next needed)."""
-        if self.max_bytes <= 0 or not spillable(weights) or self.has(weights.name, weights.content_hash):
-            return
+        if self.max_bytes <= 0 or self.has(weights.name, weights.content_hash) or not spillable(weights):
+            return  # `has` first: a dict lookup, where `spillable` sums every projection's bytes
         with self._lock:
             if self._writer is None:
                 # the thread holds the store weakly: a store nobody closes is still freed (and its thread ends)

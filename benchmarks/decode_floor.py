@@ -1,4 +1,5 @@
-"""Batch-1 decode step floor of the default model: `python benchmarks/decode_floor.py none|q4|int8 [--adapter-rank R]`.
+"""Batch-1 decode step floor of the default model: `python benchmarks/decode_floor.py none|q4|int8 [--adapter-rank R]
+[--async-scheduling]`.
 
 One 40-token prompt decoding 40 tokens, four times, prefix cache off (with `--adapter-rank`: through a random
 adapter of that rank on every projection); prints the min, p10 and p50 decode step (ms). Short and self-contained, so that two git worktrees can be compared process by process
@@ -38,8 +39,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=40)
     parser.add_argument("--adapter-rank", type=int, default=0, help="decode through a random adapter of this rank")
+    parser.add_argument("--async-scheduling", action="store_true", help="the engine's --async-scheduling")
     args = parser.parse_args()
-    llm = LLM(str(default_model_dir()), quantization=args.quantization, enable_prefix_caching=False)
+    llm = LLM(str(default_model_dir()), quantization=args.quantization, enable_prefix_caching=False,
+              **({"async_scheduling": True} if args.async_scheduling else {}))
     adapter = None
     if args.adapter_rank:
         from many_adapters import write_adapter

@@ -14,12 +14,15 @@ budget is skipped, and the table is rewritten after every row, so a killed run s
  environment, HBM bandwidth (a device-to-device copy), kernels (Triton vs references, prefill attention
  Triton vs SDPA), parity on the 1B shape (fp32, TF32 off: vs transformers; 8 adapters in one batch vs peft),
  and speculative decoding's verify pass (greedy tokens with drafts, some wrong, vs without),
- then on the 8B shape: decode tok/s at batch 1/16/64/256 vs transformers `generate` and vs the HBM floor,
- decode graphs vs eager at batch 16, 64 distinct rank-16 adapters vs base, a profile of the decode step (base and
- with the adapters: wall vs device-busy time, graph replays, costliest kernels; whole tables in profile_*.txt),
- batch-1 decode with every draft right (k = 4, 8) vs without,
- KV blocks vs free memory, the device audit (its grammar case only where llguidance or xgrammar is installed). Timers: warm-up first, device synced before each, same prompts on both sides, prefix caching
- off.
+ then on the 8B shape: decode tok/s at batch 1/16/64/256 vs transformers `generate` and vs the HBM floor (batch 1
+ and 64 against their targets' share of it), decode graphs vs eager at batch 16, 8 and 64 distinct rank-16
+ adapters vs base at batch 16 and 64, the kernel launches of one eager decode step at batch 64 (base and 64
+ adapters: ATen ops and Triton kernels, per layer, kernels/launch_count.py), a profile of the decode step (base
+ and with the adapters: wall vs device-busy time, graph replays, costliest kernels; whole tables in
+ profile_*.txt) with the unprofiled step against its device-busy time, batch-1 decode with every draft right
+ (k = 4, 8) vs without, KV blocks vs free memory, the device audit (its grammar case only where llguidance or
+ xgrammar is installed). Timers: warm-up first, device synced before each, same prompts on both sides, prefix
+ caching off.
 """
 
 from __future__ import annotations
@@ -72,14 +75,19 @@ class Plan:
     parity_prompts: int = 8
     parity_tokens: int = 16
     parity_adapters: int = 8
-    adapters: int = 64
+    adapters: int = 64  # loaded on the large shape's engine: the most of `adapter_counts`
+    adapter_batches: tuple = (16, 64)  # adapters vs base at each; launches and the profile at the widest
+    adapter_counts: tuple = ((8, 0.9), (64, 0.8))  # (distinct adapters, target vs base at the widest batch)
+    floor_targets: tuple = ((1, 0.75), (64, 0.60))  # (batch, base decode's target share of the HBM floor)
     graph_batch: int = 16
     dtype: str = "auto"  # the speed sections' engine (bfloat16 on CUDA)
     budget_s: float = 450.0  # 7.5 minutes: what is left then is skipped
 
 
 DRY_RUN = Plan(small="tiny", large="tiny", batches=(1, 4), prompt_len=8, new_tokens=4, parity_prompts=2,
-               parity_tokens=4, parity_adapters=2, adapters=4, graph_batch=2, dtype="float32", budget_s=120.0)
+               parity_tokens=4, parity_adapters=2, adapters=4, adapter_batches=(2, 4),
+               adapter_counts=((2, 0.9), (4, 0.8)), floor_targets=((1, 0.75), (4, 0.60)), graph_batch=2,
+               dtype="float32", budget_s=120.0)
 
 
 @dataclass
@@ -261,6 +269,17 @@ def engine_decode_rate(llm, batch_prompts, new_tokens: int, adapters=None) -> fl
             counts[out.request_id] = counts.get(out.request_id, 0) + len(out.outputs[0].token_ids)
     sync(engine.device)
     return (sum(counts.values()) - first) / (time.perf_counter() - start)
+
+
+def decoding(engine, batch_prompts, adapters, params) -> None:
+    """Queue `batch_prompts` (request i on `adapters[i]`, None: the base) and step until each has its first token:
+    what follows are decode steps."""
+    tag = f"q{time.perf_counter_ns()}"
+    for i, p in enumerate(batch_prompts):
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": p}, params, adapters[i] if adapters else None)
+    started: set[str] = set()
+    while len(started) < len(batch_prompts) and engine.has_unfinished():
+        started |= {out.request_id for out in engine.step() if out.outputs[0].token_ids}
 
 
 def hf_decode_rate(model, batch_prompts, new_tokens: int, device: torch.device) -> float:
@@ -512,14 +531,15 @@ def drafting(llm, proposer, k: int = 4):
     from loraplex.platform.spec_decode.drafter import Drafter
     from loraplex.platform.config import SpeculativeConfig
 
-    engine, plain = llm.engine, llm.engine.core.drafter
+    engine, plain, ahead = llm.engine, llm.engine.core.drafter, llm.engine.core.ahead
     config = SpeculativeConfig(num_speculative_tokens=k, min_acceptance=0.0, disable_by_batch_size=256)
     engine.core.drafter = Drafter(config, engine.tokenizer, engine.max_model_len, plain.jump_forward)
     engine.core.drafter.proposers = [proposer]
+    engine.core.ahead = False  # drafts need each step's tokens on the host: --async-scheduling is off with them
     try:
         yield engine.core.drafter
     finally:
-        engine.core.drafter = plain
+        engine.core.drafter, engine.core.ahead = plain, ahead
 
 
 def section_spec_parity(check: Check, llm, batch_prompts) -> None:
@@ -592,11 +612,14 @@ def section_large_model(check: Check) -> None:
 
 def section_decode(check: Check) -> None:
     plan = check.plan
-    widest = max(max(plan.batches), plan.adapters)
+    widest = max(max(plan.batches), max(plan.adapter_batches))
+    # the CPU cache holds every adapter: no request's finish evicts one (and reads it back) inside a timed window
     llm = check.found["llm"] = engine(check, check.found["large"], max_model_len=1024, max_num_seqs=widest,
-                                      max_loras=plan.adapters, dtype=plan.dtype)
+                                      max_loras=plan.adapters, dtype=plan.dtype, async_scheduling=True,
+                                      lora_memory=max(2 << 30, plan.adapters * (128 << 20)))
     dtype = str(llm.engine.config.torch_dtype).removeprefix("torch.")
     context = plan.prompt_len + plan.new_tokens / 2
+    floor_targets = dict(plan.floor_targets)
     for batch in plan.batches:
         batch_prompts = prompts(batch, plan.prompt_len, check.found["vocab"], batch)
         engine_decode_rate(llm, prompts(batch, plan.prompt_len, check.found["vocab"], 1000 + batch), 2)  # warm
@@ -606,14 +629,22 @@ def section_decode(check: Check) -> None:
         check.report.row(f"decode tok/s, {plan.large} {dtype}, batch {batch}", f"{ours:.0f}{versus}; " +
                          floor_note(check, batch, context, ours),
                          ">= 3x transformers at 64" if batch == 64 else "")
+        if batch in floor_targets:
+            floor = hbm_floor(check, batch, context)
+            share = f"{ours:.0f} of {floor:.0f} tok/s = {ours / floor:.0%}" if floor else "no bandwidth measured"
+            check.report.row(f"base decode, batch {batch}, share of the HBM floor ({plan.large} {dtype})", share,
+                             f">= {floor_targets[batch]:.0%}")
+
+
+def hbm_floor(check: Check, batch: int, context: float) -> float | None:
+    """The large shape's decode tok/s at the HBM floor at `batch` (None: no bandwidth measured)."""
+    bandwidth = check.found.get("bandwidth")
+    return floor_tokens_per_s(check.plan.large, batch, context, bandwidth) if bandwidth else None
 
 
 def floor_note(check: Check, batch: int, context: float, ours: float) -> str:
-    bandwidth = check.found.get("bandwidth")
-    if bandwidth is None:
-        return "HBM floor: no bandwidth measured"
-    floor = floor_tokens_per_s(check.plan.large, batch, context, bandwidth)
-    return f"HBM floor {floor:.0f} = {ours / floor:.0%} of it"
+    floor = hbm_floor(check, batch, context)
+    return f"HBM floor {floor:.0f} = {ours / floor:.0%} of it" if floor else "HBM floor: no bandwidth measured"
 
 
 def section_graphs(check: Check) -> None:
@@ -633,52 +664,141 @@ def section_graphs(check: Check) -> None:
                      f"{with_graphs:.0f} vs {eager:.0f} tok/s = {with_graphs / eager:.2f}x", "> 1x")
 
 
-def section_adapters(check: Check) -> None:
+def section_async(check: Check) -> None:
+    """--async-scheduling (the speed sections' engine runs with it) against steps in order, base and with the most
+    distinct adapters at the widest adapter batch: tok/s, and the greedy tokens of both (the pinned buffers'
+    fences and the stream's order are only tested here)."""
     llm, plan = built_engine(check), check.plan
-    names = [f"m{i}" for i in range(plan.adapters)]
-    for name, folder in zip(names, check.found["large_adapters"]):
-        llm.load_adapter(name, str(folder))
-    batch_prompts = prompts(plan.adapters, plan.prompt_len, check.found["vocab"], 7)
-    engine_decode_rate(llm, batch_prompts[:2], 2, names[:2])  # warm-up: the LoRA graphs
-    base = engine_decode_rate(llm, batch_prompts, plan.new_tokens)
-    mixed = engine_decode_rate(llm, batch_prompts, plan.new_tokens, names)
-    check.found["adapter"], check.found["adapter_names"] = names[0], names
-    check.report.row(f"{plan.adapters} distinct rank-16 adapters vs base, batch {plan.adapters}",
-                     f"{mixed:.0f} vs {base:.0f} tok/s = {mixed / base:.2f}x", ">= 0.8x")
+    core, batch = llm.engine.core, max(plan.adapter_batches)
+    batch_prompts = prompts(batch, plan.prompt_len, check.found["vocab"], 24)
+    for label, adapters in (("base", None), (f"{plan.adapters} adapters", cycled(adapter_names(check), plan.adapters,
+                                                                                  batch))):
+        rates, tokens, ahead = {}, {}, core.ahead
+        for mode in (True, False):
+            core.ahead = mode
+            try:
+                rates[mode] = engine_decode_rate(llm, batch_prompts, plan.new_tokens, adapters)
+                tokens[mode] = greedy(llm, batch_prompts, plan.new_tokens, adapters)
+            finally:
+                core.ahead = ahead
+        check.report.row(f"async scheduling vs steps in order, batch {batch}, {label}",
+                         f"{rates[True]:.0f} vs {rates[False]:.0f} tok/s = {rates[True] / rates[False]:.2f}x; greedy: "
+                         f"{agreement(tokens[True], tokens[False])}", "> 1x; all equal")
+
+
+def adapter_names(check: Check) -> list[str]:
+    """The large shape's adapters, loaded into its engine once (by whichever section asks first)."""
+    if "adapter_names" not in check.found:
+        llm, names = built_engine(check), [f"m{i}" for i in range(check.plan.adapters)]
+        for name, folder in zip(names, check.found["large_adapters"]):
+            llm.load_adapter(name, str(folder))
+        check.found["adapter"], check.found["adapter_names"] = names[0], names
+    return check.found["adapter_names"]
+
+
+def cycled(names: list[str], count: int, batch: int) -> list[str]:
+    """Each of `batch` requests' adapter, going round the first `count` of `names`."""
+    return [names[i % count] for i in range(batch)]
+
+
+def section_adapters(check: Check) -> None:
+    """Distinct rank-16 adapters vs base on the same prompts: each count of `plan.adapter_counts` at each batch of
+    `plan.adapter_batches` (the requests going round the adapters, so a batch smaller than the count holds as many
+    distinct ones as requests); the targets are the widest batch's."""
+    llm, plan = built_engine(check), check.plan
+    names, widest = adapter_names(check), max(plan.adapter_batches)
+    warm = prompts(widest, plan.prompt_len, check.found["vocab"], 6)
+    engine_decode_rate(llm, warm, 2, cycled(names, len(names), widest))  # warm-up: every slot filled, LoRA graphs
+    for batch in plan.adapter_batches:
+        batch_prompts = prompts(batch, plan.prompt_len, check.found["vocab"], 7 + batch)
+        base = engine_decode_rate(llm, batch_prompts, plan.new_tokens)
+        for count, target in plan.adapter_counts:
+            mixed = engine_decode_rate(llm, batch_prompts, plan.new_tokens, cycled(names, count, batch))
+            which = f"{count} distinct" if count <= batch else f"{count} ({batch} distinct in the batch)"
+            check.report.row(f"{which} rank-16 adapters vs base, batch {batch}",
+                             f"{mixed:.0f} vs {base:.0f} tok/s = {mixed / base:.2f}x",
+                             f">= {target}x" if batch == widest else f"(the target is batch {widest}'s)")
+
+
+def section_launches(check: Check) -> None:
+    """Kernel launches of one eager decode step (graphs off for it) at the widest adapter batch, base and with the
+    most adapters: ATen ops and Triton kernels (`kernels/launch_count.py`), per decoder layer, the most launched."""
+    llm, plan = built_engine(check), check.plan
+    batch = max(plan.adapter_batches)
+    batch_prompts = prompts(batch, plan.prompt_len, check.found["vocab"], 9)
+    for label, adapters in (("base", None), (f"{plan.adapters} adapters", cycled(adapter_names(check), plan.adapters,
+                                                                                  batch))):
+        launches, per_layer = eager_step_launches(llm, batch_prompts, adapters)
+        top = ", ".join(f"{name} x{n}" for name, n in launches.by_name.most_common(6))
+        check.report.row(f"launches per eager decode step, batch {batch}, {label}",
+                         f"{launches.total}: {launches.aten} aten, {launches.triton} triton; per layer "
+                         f"{min(per_layer)}-{max(per_layer)} ({len(per_layer)} layers), outside the layers "
+                         f"{launches.total - sum(per_layer)}; top: {top}", "fewer as kernels fuse (no bound yet)")
+
+
+def eager_step_launches(llm, batch_prompts, adapters) -> tuple:
+    """The `LaunchCounter` of one decode step of `batch_prompts` run eagerly (graphs off for that step), and the
+    launches of each decoder layer in it."""
+    from loraplex.kernels.launch_count import LaunchCounter, per_module
+    from loraplex.platform import SamplingParams
+
+    engine = llm.engine
+    decoding(engine, batch_prompts, adapters, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    worker = engine.core.executor.worker
+    graphs, worker.runner.graphs = worker.runner.graphs, None
+    try:
+        sync(engine.device)
+        with LaunchCounter(engine.device) as launches, per_module(launches, list(worker.model.layers)) as per_layer:
+            engine.step()
+        sync(engine.device)
+    finally:
+        worker.runner.graphs = graphs
+    while engine.has_unfinished():
+        engine.step()
+    return launches, per_layer
 
 
 def section_profile(check: Check) -> None:
-    """Where a decode step's time goes at the adapters section's batch, base and with its distinct adapters:
+    """Where a decode step's time goes at the widest adapter batch, base and with the most distinct adapters:
     wall time against the device's busy time, which graphs replayed, the costliest kernels (the whole table
-    beside gpu_check.md)."""
+    beside gpu_check.md); and the same requests' step unprofiled (just before) against that busy time."""
     llm, plan = built_engine(check), check.plan
-    batch_prompts = prompts(plan.adapters, plan.prompt_len, check.found["vocab"], 8)
-    for label, adapters in (("base", None), (f"{plan.adapters} adapters", check.found.get("adapter_names"))):
-        wall, busy, replays, top = profiled_decode(llm, batch_prompts, adapters, 4,
-                                                   check.report.path.with_name(f"profile_{label.split()[-1]}.txt"))
-        check.report.row(f"decode step profile, batch {plan.adapters}, {label}",
+    batch = max(plan.adapter_batches)
+    batch_prompts = prompts(batch, plan.prompt_len, check.found["vocab"], 8)
+    for label, adapters in (("base", None), (f"{plan.adapters} adapters", cycled(adapter_names(check), plan.adapters,
+                                                                                  batch))):
+        unprofiled, wall, busy, replays, top = profiled_decode(
+            llm, batch_prompts, adapters, 4, check.report.path.with_name(f"profile_{label.split()[-1]}.txt"))
+        check.report.row(f"decode step profile, batch {batch}, {label}",
                          f"{wall:.1f} ms per step (profiled), device busy {busy:.1f} ms; graph replays {replays}; "
                          f"top kernels: {top}")
+        rate = f"{unprofiled:.2f} ms per step ({batch * 1000 / unprofiled:.0f} tok/s)"
+        check.report.row(f"unprofiled decode step vs device busy, batch {batch}, {label}",
+                         f"{rate} vs busy {busy:.2f} ms = {unprofiled / busy:.2f}x" if busy else
+                         f"{rate}; no device time measured (CPU)", "<= 1.1x")
 
 
-def profiled_decode(llm, batch_prompts, adapters, steps: int, path: Path) -> tuple[float, float, dict, str]:
+def profiled_decode(llm, batch_prompts, adapters, steps: int, path: Path) -> tuple[float, float, float, dict, str]:
+    """Decode steps of `batch_prompts` once each has its first token: the ms per step of 2 x `steps` unprofiled,
+    then of `steps` under the profiler, the device's busy ms per step there, graph replays, the costliest kernels
+    (the profiler's table written to `path`)."""
     from torch.profiler import ProfilerActivity, profile
 
     from loraplex.platform import SamplingParams
 
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
-    tag = f"p{time.perf_counter_ns()}"
-    for i, p in enumerate(batch_prompts):
-        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": p}, params, adapters[i] if adapters else None)
-    started: set[str] = set()
-    while len(started) < len(batch_prompts) and engine.has_unfinished():
-        started |= {out.request_id for out in engine.step() if out.outputs[0].token_ids}
+    decoding(engine, batch_prompts, adapters, SamplingParams(temperature=0, max_tokens=3 * steps + 4, ignore_eos=True))
+    sync(engine.device)
+    start = time.perf_counter()
+    for _ in range(2 * steps):
+        engine.step()
+    sync(engine.device)
+    unprofiled = (time.perf_counter() - start) * 1000 / (2 * steps)
     graphs = engine.core.executor.worker.runner.graphs
     before = dict(graphs.num_replays) if graphs is not None else {}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
     sync(engine.device)
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_stack=True) as prof:
         start = time.perf_counter()
         for _ in range(steps):
             engine.step()
@@ -698,7 +818,10 @@ def profiled_decode(llm, batch_prompts, adapters, steps: int, path: Path) -> tup
     top = "; ".join(f"{e.key[:48]} {device_us(e) / 1000 / steps:.2f} ms x{e.count // steps}" for e in kernels[:5])
     path.write_text(events.table(sort_by="self_cuda_time_total" if engine.device.type == "cuda" else
                                  "self_cpu_time_total", row_limit=30))
-    return wall, busy, replays, top
+    # the host side by Python stack: where a step's time goes that the device does not hide
+    path.with_name(path.stem + "_stacks.txt").write_text(
+        prof.key_averages(group_by_stack_n=6).table(sort_by="self_cpu_time_total", row_limit=40))
+    return unprofiled, wall, busy, replays, top
 
 
 def section_kv_memory(check: Check) -> None:
@@ -732,17 +855,20 @@ def section_audit(check: Check) -> None:
     if grammar:
         cases.append(SamplingParams(temperature=0, max_tokens=24, structured=StructuredOutputs(json=schema)))
     adapter = check.found.get("adapter")  # one the adapters section loaded, if it ran
-    for i, params in enumerate(cases):
-        engine_.add_request(f"audit-{i}", {"prompt_token_ids": prompts(1, 16, check.found["vocab"], i)[0]}, params,
-                            adapter if i == 1 else None)
+    # first plain requests alone (greedy and seeded: their steps run ahead under --async-scheduling), then the mix
+    plain = [SamplingParams(temperature=0, max_tokens=8), SamplingParams(temperature=0.8, seed=2, max_tokens=8)]
     audit = DeviceAudit(engine_.device)
-    with audit:
-        for _ in range(200):
-            if not engine_.has_unfinished():
-                break
-            engine_.step()
-    what = "sampling, logprobs, forks, grammar, adapter" if grammar else \
-        "sampling, logprobs, forks, adapter; no grammar backend installed"
+    for phase, batch in enumerate((plain, cases)):
+        for i, params in enumerate(batch):
+            engine_.add_request(f"audit-{phase}-{i}", {"prompt_token_ids": prompts(1, 16, check.found["vocab"], i)[0]},
+                                params, adapter if i == 1 else None)
+        with audit:
+            for _ in range(200):
+                if not engine_.has_unfinished():
+                    break
+                engine_.step()
+    what = "sampling, logprobs, forks, grammar, adapter, steps ahead" if grammar else \
+        "sampling, logprobs, forks, adapter, steps ahead; no grammar backend installed"
     check.report.row(f"device audit over a mixed workload ({what})",
                      f"{len(audit.found)} host tensors fed to device ops" +
                      (f": {'; '.join(sorted(set(audit.found))[:3])}" if audit.found else ""), "0")
@@ -754,10 +880,9 @@ def grammar_backend_installed() -> bool:
 
 # (name, seconds it needs at least on the real check: skipped when fewer are left in the budget)
 SECTIONS = [(section_environment, 0), (section_bandwidth, 5), (section_kernels, 40), (section_parity, 60),
-            (section_large_model, 90), (section_decode, 60), (section_graphs, 20), (section_adapters, 30),
-            (section_profile, 20), (section_speculative, 15), (section_deterministic, 20), (section_tensor_parallel, 40),
-            (section_kv_memory, 0),
-            (section_audit, 10)]
+            (section_large_model, 90), (section_decode, 60), (section_graphs, 20), (section_adapters, 45),
+            (section_launches, 10), (section_profile, 25), (section_speculative, 15), (section_async, 25),
+            (section_deterministic, 20), (section_tensor_parallel, 40), (section_kv_memory, 0), (section_audit, 10)]
 
 
 def run_sections(check: Check, sections=SECTIONS) -> None:

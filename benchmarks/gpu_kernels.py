@@ -1,11 +1,13 @@
 """GPU check for the Triton kernels, in one command (needs CUDA and triton):
 
-    python benchmarks/gpu_kernels.py
+    python benchmarks/gpu_kernels.py [--tune-lora]
 
 1. Correctness on CUDA: SGMV shrink/expand and paged attention (decode and prefill chunks)
    against the PyTorch references, bf16 and fp16.
 2. SGMV speed: achieved bandwidth against the bytes each call must move (x, the used slots'
-   A/B, the output), for 1 / 8 / 64 adapters at T = 16 / 256 / 4096.
+   A/B, the output), for 1 / 8 / 64 adapters at T = 16 / 256 / 4096; the fused decode delta (shrink + expand
+   as the engine runs them) on each Llama-8B projection, 64 and 8 adapters; with --tune-lora, the block sizes
+   (`kernels/lora_tiles.LoRATune`) timed one field at a time and the best printed as this card's entry.
 3. Paged attention speed against SDPA over the same K/V laid out contiguously (decode: no mask; a fresh
    prompt: `is_causal`, SDPA's flash backend; a chunk after cached context: SDPA's lower-right causal bias).
 4. Prefill attention for fresh prompts: the paged Triton kernel vs the engine's SDPA path
@@ -95,6 +97,8 @@ def sgmv_bytes(num_tokens, used, n, rank, hidden, widths, elt) -> tuple[int, int
 
 
 def bench_sgmv(flush: torch.Tensor | None = None) -> list[dict]:
+    """The shrink and the expand alone, the whole K in one share (the raw entry points' layout)."""
+    from loraplex.kernels.lora_tiles import LoRATiles
     from loraplex.kernels.sgmv_triton import sgmv_expand_triton, sgmv_shrink_triton
 
     hidden, rank, widths, dtype = 4096, 16, [4096, 1024, 1024], torch.bfloat16
@@ -105,13 +109,14 @@ def bench_sgmv(flush: torch.Tensor | None = None) -> list[dict]:
         for num_tokens in (16, 256, 4096):
             x, a, b, ranks, scales, batch, offsets = sgmv_case(num_tokens, num_adapters, rank, hidden, widths, dtype)
             n = len(widths)
+            tiles = LoRATiles.plan(hidden, offsets, rank, split=False)
             h = torch.zeros(num_tokens, a.shape[1], device="cuda")
             y = torch.zeros(num_tokens, offsets[-1], device="cuda", dtype=dtype)
             ranks_t = torch.tensor(ranks, device="cuda", dtype=torch.int32)
             scales_t = torch.tensor(scales, device="cuda")
             offsets_t = torch.tensor(offsets, device="cuda", dtype=torch.int32)  # as the engine keeps it
-            t_s = cuda_time(lambda: sgmv_shrink_triton(x, a, ranks_t, batch, h, n), flush=flush)
-            t_e = cuda_time(lambda: sgmv_expand_triton(h, b, ranks_t, scales_t, batch, y, offsets, offsets_t),
+            t_s = cuda_time(lambda: sgmv_shrink_triton(x, a, ranks_t, batch, h, tiles), flush=flush)
+            t_e = cuda_time(lambda: sgmv_expand_triton(h, b, ranks_t, scales_t, batch, y, offsets_t, tiles),
                             flush=flush)
             shrink_bytes, expand_bytes = sgmv_bytes(num_tokens, min(num_adapters, num_tokens), n, rank, hidden,
                                                     widths, 2)
@@ -120,6 +125,74 @@ def bench_sgmv(flush: torch.Tensor | None = None) -> list[dict]:
             rows.append({"adapters": num_adapters, "tokens": num_tokens, "shrink_gbs": shrink_bytes / t_s / 1e9,
                          "expand_gbs": expand_bytes / t_e / 1e9})
     return rows
+
+
+# Llama-3.1-8B's LoRA projections: (in features, slice widths)
+LORA_PROJECTIONS = {"qkv": (4096, [4096, 1024, 1024]), "o": (4096, [4096]), "gate_up": (4096, [14336, 14336]),
+                    "down": (14336, [4096])}
+
+
+def decode_lora_case(num_adapters: int, batch: int, in_features: int, widths: list[int], tune, device="cuda"):
+    """A decode step's delta on one projection as the engine runs it: stacked rank-16 slots, tokens grouped on
+    the device as the decode graphs group them, a token per adapter in turn."""
+    from loraplex.kernels.lora_tiles import LoRATiles
+    from loraplex.kernels.sgmv import StackedLoRA
+
+    offsets = [0]
+    for w in widths:
+        offsets.append(offsets[-1] + w)
+    table = StackedLoRA.empty(num_adapters, offsets, in_features, 16, torch.bfloat16, torch.device(device))
+    g = torch.Generator(device=device).manual_seed(0)
+    table.a.normal_(generator=g)
+    table.b.normal_(generator=g)
+    table.ranks[:num_adapters] = 16
+    table.scales[:num_adapters] = 0.5
+    table.tiles = LoRATiles.plan(in_features, offsets, 16, tune)
+    slots = torch.arange(batch, device=device, dtype=torch.int32) % num_adapters
+    lora_batch = LoRABatch.grouped(slots, num_adapters)
+    x = torch.randn(batch, in_features, device=device, dtype=torch.bfloat16, generator=g)
+    y = torch.zeros(batch, offsets[-1], device=device, dtype=torch.bfloat16)
+    used = min(num_adapters, batch)
+    nbytes = used * 16 * 2 * (len(widths) * in_features + offsets[-1]) + batch * 2 * (in_features + 2 * offsets[-1])
+    return table, lora_batch, x, y, nbytes
+
+
+def bench_lora_decode(flush: torch.Tensor | None = None, tune=None, cases=((64, 64), (8, 64), (8, 16))) -> list[dict]:
+    """Shrink + expand of a decode step on each 8B projection: device time and the bandwidth of the bytes it
+    must move (the used adapters' A and B, x, y read and written)."""
+    from loraplex.kernels.lora_tiles import tune_for
+    from loraplex.kernels.sgmv import sgmv_lora_stacked_triton
+
+    tune = tune or tune_for(torch.cuda.get_device_name())  # what the engine runs on this card
+    rows = []
+    for num_adapters, batch in cases:
+        for name, (in_features, widths) in LORA_PROJECTIONS.items():
+            table, lora_batch, x, y, nbytes = decode_lora_case(num_adapters, batch, in_features, widths, tune)
+            t = cuda_time(lambda: sgmv_lora_stacked_triton(x, table, lora_batch, y), iters=50, flush=flush)
+            rows.append({"adapters": num_adapters, "batch": batch, "projection": name, "us": t * 1e6,
+                         "gbs": nbytes / t / 1e9})
+    return rows
+
+
+TUNE_CANDIDATES = dict(k_share=(512, 1024, 2048), max_splits=(4, 8, 16), block_n=(64, 128, 256),
+                       segment_programs=(8, 16, 32, 64, 128))
+
+
+def tune_lora(flush: torch.Tensor | None = None) -> tuple[object, float]:
+    """Each candidate `LoRATune` (one field varied at a time from this card's entry) timed on the decode cases: the
+    one with the least total device time, and that time (us per layer, all four projections, summed over the
+    cases). Its repr is the `TUNED` entry for this card (`kernels/lora_tiles.py`)."""
+    import dataclasses
+
+    from loraplex.kernels.lora_tiles import tune_for
+
+    start = tune_for(torch.cuda.get_device_name())
+    candidates = [start] + [dataclasses.replace(start, **{field: value})
+                            for field, values in TUNE_CANDIDATES.items() for value in values
+                            if getattr(start, field) != value]
+    timed = [(sum(r["us"] for r in bench_lora_decode(flush, tune)), tune) for tune in candidates]
+    best_us, best = min(timed, key=lambda pair: pair[0])
+    return best, best_us
 
 
 def attention_case(batch, q_len, ctx, heads, kv_heads, dim, block_size, dtype, device="cuda"):
@@ -215,6 +288,12 @@ def main() -> int:
         check_attention(dtype)
     flush = flush_buffer()
     bench_sgmv(flush)
+    for row in bench_lora_decode(flush):
+        print(f"LoRA decode, {row['adapters']} adapters, batch {row['batch']}, {row['projection']}: "
+              f"{row['us']:.1f} us, {row['gbs']:.0f} GB/s")
+    if "--tune-lora" in sys.argv:
+        best, best_us = tune_lora(flush)
+        print(f"best LoRA tiles on {torch.cuda.get_device_name()}: {best!r} ({best_us:.0f} us over the cases)")
     bench_attention(flush)
     bench_prefill(flush)
     return 0

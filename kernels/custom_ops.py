@@ -1,6 +1,6 @@
 """Fused ops as modules that pick their implementation once, in `__init__`, from the model's `KernelConfig`
 (vLLM's `CustomOp`): `forward_native` (PyTorch ops), `forward_cpu` (our C kernels, where they take the
-model's dtypes) and `forward_cuda` (Triton; PyTorch ops where there is no Triton kernel). The model files
+model's dtypes) and `forward_cuda` (Triton: `layer_triton.py`, one launch per op). The model files
 (`platform/models/`) build these and name no kernel."""
 
 from __future__ import annotations
@@ -43,12 +43,26 @@ def _in_chunks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> t
     return torch.cat([fn(chunk) for chunk in padded.split(POINTWISE_CHUNK)])[:n].view(x.shape)
 
 
+def layer_triton_kernel(name: str) -> Callable:
+    """A kernel of `layer_triton.py`, imported when an op is built for the Triton backend: Triton stays
+    optional on CPU installs (as `kv_writer` imports its kernels)."""
+    from loraplex.kernels import layer_triton
+
+    return getattr(layer_triton, name)
+
+
 class CustomOp(nn.Module):
+    """`TRITON_KERNEL`: the name of the op's kernel in `layer_triton.py`, bound as `self.kernel` on the Triton
+    backend (its rows are independent: batch-invariant, --deterministic included)."""
+
+    TRITON_KERNEL = ""
+
     def __init__(self, config: KernelConfig) -> None:
         super().__init__()
         if config.backend == Backend.CPU and self.cpu_kernel_takes(config):
             self.forward = self.forward_cpu
         elif config.backend == Backend.TRITON:
+            self.kernel = layer_triton_kernel(self.TRITON_KERNEL)
             self.forward = self.forward_cuda
         else:
             self.forward = self.forward_native
@@ -56,18 +70,21 @@ class CustomOp(nn.Module):
     def cpu_kernel_takes(self, config: KernelConfig) -> bool:
         return config.dtype in LAYER_DTYPES
 
-    def forward_cuda(self, *args):
-        return self.forward_native(*args)
-
 
 class RMSNorm(CustomOp):
     """RMSNorm(x); with `residual`: (RMSNorm(residual + x), residual + x), the sum written into `residual`
     (vLLM's fused add: the layer's residual add and the next norm in one pass)."""
 
+    TRITON_KERNEL = "rms_norm_triton"
+
     def __init__(self, dim: int, eps: float, config: KernelConfig) -> None:
         super().__init__(config)
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+
+    def forward_cuda(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        out = self.kernel(x, self.weight, self.eps, residual)
+        return out if residual is None else (out, residual)
 
     def forward_cpu(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         out = cpu_kernels.add_rms_norm_c(x, self.weight, self.eps, residual)
@@ -90,12 +107,38 @@ class RMSNorm(CustomOp):
 class SiluAndMul(CustomOp):
     """[..., 2I] -> silu(gate) * up [..., I]."""
 
+    TRITON_KERNEL = "act_and_mul_triton"
+
     def forward_cpu(self, gate_up: torch.Tensor) -> torch.Tensor:
         return cpu_kernels.silu_mul_c(gate_up)
 
     def forward_native(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def forward_cuda(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.kernel(gate_up, gelu=False)
+
+
+class GeluTanhAndMul(CustomOp):
+    """[..., 2I] -> gelu(gate, tanh approximation) * up [..., I]: Gemma's GeGLU (no C kernel: PyTorch ops on
+    CPU, through `pointwise_op` under --deterministic)."""
+
+    TRITON_KERNEL = "act_and_mul_triton"
+
+    def __init__(self, config: KernelConfig) -> None:
+        super().__init__(config)
+        self.gelu = pointwise_op(config, functools.partial(F.gelu, approximate="tanh"))
+
+    def cpu_kernel_takes(self, config: KernelConfig) -> bool:
+        return False
+
+    def forward_native(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.gelu(gate) * up
+
+    def forward_cuda(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.kernel(gate_up, gelu=True)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -106,6 +149,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class RopeKVWrite(CustomOp):
     """The fused qkv rows [T, (Hq + 2 Hkv) D] -> rotated q [T, Hq, D]; rotated k and v written into the caches
     at the step's slot mapping."""
+
+    TRITON_KERNEL = "rope_kv_write_triton"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, config: KernelConfig) -> None:
         super().__init__(config)
@@ -131,6 +176,9 @@ class RopeKVWrite(CustomOp):
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         self.write_kv(k, v.view(-1, self.num_kv_heads, self.head_dim), k_cache, v_cache, meta.slot_mapping)
         return q
+
+    def forward_cuda(self, qkv, rope, k_cache, v_cache, meta: PagedAttentionMetadata) -> torch.Tensor:
+        return self.kernel(qkv, *rope, self.num_heads, self.num_kv_heads, meta.slot_mapping, k_cache, v_cache)
 
 
 # auto's pick: the paged kernel until benchmarks/gpu_check.py ("prefill attention") measures SDPA faster

@@ -75,28 +75,24 @@ class LoRABatch:
         return first
 
     @staticmethod
-    def per_token(token_order: torch.Tensor, seg_starts: torch.Tensor, token_slots: torch.Tensor) -> "LoRABatch":
-        """Every token its own segment (BGMV), over persistent buffers: a decode batch's shape no
-        longer depends on which adapters it holds, so one captured CUDA graph serves any mix.
-        `token_slots` [N] int32 (the null slot for tokens without an adapter), `token_order`
-        arange(N), `seg_starts` arange(N + 1) int32. Triton kernels only (no host copy)."""
-        n = len(token_order)
-        return LoRABatch(token_order, token_slots, seg_starts, token_slots, 1 if n else 0, [], [], [], n, n)
-
-    @staticmethod
     def grouped(token_slots: torch.Tensor, num_slots: int) -> "LoRABatch":
-        """Tokens grouped by slot on the device with capture-safe ops (a stable sort and a search, no host
-        read), for the decode graphs: called inside the captured forward, it regroups each replay's slots, so
-        a segment's A and B are read once per adapter rather than once per token (vLLM's punica wrapper
-        sorts its token-to-LoRA mapping the same way). One segment per slot value, the null slot
-        `num_slots` (rank 0) included, empty ones too: the launch's shape depends only on the batch size.
+        """Tokens grouped by slot on the device with capture-safe ops (a stable sort, a scan and a search, no
+        host read), for the decode graphs: called inside the captured forward, it regroups each replay's slots,
+        so a segment's A and B are read once per adapter rather than once per token (vLLM's punica wrapper
+        sorts its token-to-LoRA mapping the same way). The segments are the slots present, in slot order (the
+        null slot `num_slots`, rank 0, among them), then empty ones up to min(N, slots + 1): the launch's shape
+        depends only on the batch size and never holds more segments than tokens.
         `token_slots` [N] int32 in [0, num_slots]. Triton kernels only (no host copy)."""
         n = len(token_slots)
         order_slots, token_order = torch.sort(token_slots, stable=True)
-        values = torch.arange(num_slots + 2, dtype=token_slots.dtype, device=token_slots.device)
-        seg_starts = torch.searchsorted(order_slots, values, out_int32=True)  # [S + 2]: slot v's rows start
-        return LoRABatch(token_order, order_slots, seg_starts, values[:-1].to(torch.int32), n, [], [], [],
-                         num_slots + 1, n)
+        first = torch.ones(n, dtype=torch.int32, device=token_slots.device)
+        first[1:] = order_slots[1:] != order_slots[:-1]
+        segment_of = torch.cumsum(first, 0)  # [N]: 1 + the segment of each token in the order
+        num_segments = min(n, num_slots + 1)
+        bounds = torch.arange(1, num_segments + 2, dtype=segment_of.dtype, device=token_slots.device)
+        seg_starts = torch.searchsorted(segment_of, bounds, out_int32=True)  # segment g's first token; N past the last
+        seg_slots = order_slots.gather(0, seg_starts[:-1].clamp(max=n - 1).long()).to(torch.int32)
+        return LoRABatch(token_order, order_slots, seg_starts, seg_slots, n, [], [], [], num_segments, n)
 
     def segments(self):
         """(slot, token indices) per segment, for the PyTorch path."""

@@ -9,8 +9,8 @@ That stacked layout is what the Triton kernels read (CUDA). On the CPU, adapters
 into stacked slots: a `LoRATable` points at each adapter's own compact weights, which the C kernel
 (`cpu_kernels.py`, decode-shaped batches, float32 or bfloat16) or per-segment GEMMs read in place.
 Tokens are grouped into segments of one slot through a sorted index list (`LoRABatch`, `lora_batch.py`),
-so the batch itself is never reordered; each Triton program works on one segment, and a rank block
-beyond the slot's own rank exits at once, so mixed ranks cost what their ranks cost.
+so the batch itself is never reordered; each Triton program works on its segments' tokens, and a rank block
+beyond a slot's own rank is skipped, so mixed ranks cost what their ranks cost.
 Layouts: A [S, n_slices * R, in], B [S, sum(out_i), R], ranks [S] int32, scales [S] float.
 A request that mixes adapters (`platform/adapter_mix.py`) gives its tokens a weight per pass: the batch's
 `order_weights` multiply each token's delta (every path: C kernel, GEMMs, Triton, reference), and a step
@@ -19,7 +19,6 @@ runs one weighted pass per adapter of its largest mix (`LoRABatch.passes`).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +27,7 @@ import torch
 from loraplex.kernels import cpu_kernels
 from loraplex.kernels.dispatch import Backend, KernelConfig
 from loraplex.kernels.lora_batch import LoRABatch
+from loraplex.kernels.lora_tiles import LoRATiles, tune_for
 
 
 # ---- PyTorch path (reference, and the CPU implementation) -------------------------------------
@@ -157,8 +157,7 @@ def lora_kernel(config: KernelConfig):
     if config.stacked_lora:
         if config.backend != Backend.TRITON:
             return sgmv_lora_stacked_reference
-        return functools.partial(sgmv_lora_stacked_triton, split_k=False) if config.deterministic else \
-            sgmv_lora_stacked_triton
+        return sgmv_lora_stacked_triton  # split-K by the input width only: batch-invariant, --deterministic too
     c_pair = config.dtype in cpu_kernels.SGMV_DTYPES and (config.dtype, config.lora_dtype) in cpu_kernels.SGMV_KINDS
     if config.backend != Backend.CPU or not c_pair:
         return sgmv_lora_table_torch
@@ -215,7 +214,8 @@ class StackedLoRA:
     """One fused projection's slots as persistent device tensors: A [S, n_slices * R, in],
     B [S, out_total, R], ranks [S + 1] int32 and scales [S + 1] float32 (entry S is the null slot,
     rank 0, for tokens without an adapter), slice offsets [n_slices + 1] int32. Loading a slot
-    copies the adapter in, padded to R; nothing is created per step, so CUDA graphs stay valid."""
+    copies the adapter in, padded to R; nothing is created per step, so CUDA graphs stay valid.
+    `tiles`: the Triton launches' shape, decided here once from the shapes and the card."""
 
     offsets: list[int]
     a: torch.Tensor
@@ -225,17 +225,21 @@ class StackedLoRA:
     offsets_t: torch.Tensor
     host_ranks: list[int]  # the same ranks and scales on the host, for the reference path
     host_scales: list[float]
+    tiles: LoRATiles
 
     @staticmethod
     def empty(num_slots: int, offsets: list[int], in_features: int, max_rank: int, dtype: torch.dtype,
               device: torch.device) -> "StackedLoRA":
         n = len(offsets) - 1
+        device = torch.device(device)
+        tune = tune_for(torch.cuda.get_device_name(device) if device.type == "cuda" else "")
         return StackedLoRA(
             list(offsets), torch.zeros(num_slots, n * max_rank, in_features, dtype=dtype, device=device),
             torch.zeros(num_slots, offsets[-1], max_rank, dtype=dtype, device=device),
             torch.zeros(num_slots + 1, dtype=torch.int32, device=device),
             torch.zeros(num_slots + 1, dtype=torch.float32, device=device),
-            torch.tensor(offsets, dtype=torch.int32, device=device), [0] * (num_slots + 1), [0.0] * (num_slots + 1))
+            torch.tensor(offsets, dtype=torch.int32, device=device), [0] * (num_slots + 1), [0.0] * (num_slots + 1),
+            LoRATiles.plan(in_features, list(offsets), max_rank, tune))
 
     @property
     def num_slices(self) -> int:
@@ -264,17 +268,16 @@ class StackedLoRA:
         self.host_ranks[slot], self.host_scales[slot] = 0, 0.0
 
 
-def sgmv_lora_stacked_triton(x: torch.Tensor, table: StackedLoRA, batch: LoRABatch, y: torch.Tensor,
-                             split_k: bool = True) -> torch.Tensor:
-    """Shrink into an fp32 buffer, expand into y. Both read only the columns below each token's rank that the
-    shrink wrote: no memset of the buffer (but under split-K, whose shares add into it). `split_k` False
-    (--deterministic): never split, so no atomics sum a token's shares in an order of their own."""
-    from loraplex.kernels.paged_attention_triton import sm_count
+def sgmv_lora_stacked_triton(x: torch.Tensor, table: StackedLoRA, batch: LoRABatch, y: torch.Tensor) -> torch.Tensor:
+    """Shrink into fp32 planes (one per K share), expand into y: two launches for every slice of the projection.
+    Both read only what the shrink wrote (the columns below each token's rank, the rows of tokens with an
+    adapter): no memset."""
     from loraplex.kernels.sgmv_triton import sgmv_expand_triton, sgmv_shrink_triton
 
-    h = torch.empty(x.shape[0], table.a.shape[1], dtype=torch.float32, device=x.device)
-    sgmv_shrink_triton(x, table.a, table.ranks, batch, h, table.num_slices, sm_count(x.device) if split_k else 0)
-    return sgmv_expand_triton(h, table.b, table.ranks, table.scales, batch, y, table.offsets, table.offsets_t)
+    tiles = table.tiles
+    h = torch.empty(tiles.split_k, x.shape[0], table.a.shape[1], dtype=torch.float32, device=x.device)
+    sgmv_shrink_triton(x, table.a, table.ranks, batch, h, tiles)
+    return sgmv_expand_triton(h, table.b, table.ranks, table.scales, batch, y, table.offsets_t, tiles)
 
 
 def sgmv_lora_stacked_reference(x: torch.Tensor, table: StackedLoRA, batch: LoRABatch, y: torch.Tensor
@@ -287,10 +290,13 @@ def sgmv_lora_stacked_reference(x: torch.Tensor, table: StackedLoRA, batch: LoRA
 # ---- entry points on raw stacked weights (tests, benchmarks): Triton where the config says, else the reference ----
 
 def sgmv_shrink(config: KernelConfig, x, lora_a, ranks, batch: LoRABatch, out, num_slices: int = 1):
+    """`out` [T, num_slices x R]: the whole K in one share."""
     if config.backend == Backend.TRITON:
         from loraplex.kernels.sgmv_triton import sgmv_shrink_triton
 
-        return sgmv_shrink_triton(x, lora_a, _as_tensor(ranks, torch.int32, x.device), batch, out, num_slices)
+        max_rank = lora_a.shape[1] // num_slices
+        tiles = LoRATiles.plan(x.shape[1], list(range(num_slices + 1)), max_rank, split=False)
+        return sgmv_shrink_triton(x, lora_a, _as_tensor(ranks, torch.int32, x.device), batch, out, tiles)
     return sgmv_shrink_reference(x, lora_a, ranks, batch, out, num_slices)
 
 
@@ -298,8 +304,10 @@ def sgmv_expand(config: KernelConfig, h, lora_b, ranks, scales, batch: LoRABatch
     if config.backend == Backend.TRITON:
         from loraplex.kernels.sgmv_triton import sgmv_expand_triton
 
+        tiles = LoRATiles.plan(1, slice_offsets, lora_b.shape[2], split=False)
         return sgmv_expand_triton(h, lora_b, _as_tensor(ranks, torch.int32, y.device),
-                                  _as_tensor(scales, torch.float32, y.device), batch, y, slice_offsets)
+                                  _as_tensor(scales, torch.float32, y.device), batch, y,
+                                  _as_tensor(slice_offsets, torch.int32, y.device), tiles)
     return sgmv_expand_reference(h, lora_b, ranks, scales, batch, y, slice_offsets)
 
 

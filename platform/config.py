@@ -109,6 +109,11 @@ class EngineConfig:
                                               "measures SDPA faster", choices=list(PrefillAttention))
     enforce_eager: bool = _setting(False, "CUDA: no CUDA graphs (decode batches are captured per padded batch "
                                           "size by default)")
+    async_scheduling: bool = _setting(False, "schedule and launch step N+1 before step N's sampled tokens are read "
+                                             "back (their ids gathered on the device), so the host's work of a "
+                                             "step hides behind the device's; steps with grammars, logprobs or "
+                                             "prompt logprobs, penalties, min_tokens still ahead or n > 1 sample "
+                                             "in order; not with --speculative-config")
     enable_prefix_caching: bool = _setting(True, "reuse the KV of shared prompt prefixes")
     seed: int = _setting(0, "seed for requests that bring none")
     scheduling_policy: str = _setting("fcfs", "fcfs: requests in arrival order (a request's priority other than 0 "

@@ -213,6 +213,9 @@ class Request:
         self.pending_forks = params.n - 1 if index == 0 else 0
         self.stop_reason: str | int | None = None
         self.spec_token_ids: list[int] = []  # drafts computed (and verified) with its next token this step
+        # --async-scheduling: tokens sampled on the device whose ids the host has not read yet (0 or 1); the
+        # next step computes their position already, its input id gathered on the device
+        self.num_pending = 0
         self.draft_state = None  # the drafter's: its n-gram index and recent acceptance (`speculative.py`)
         self.generator: torch.Generator | None = None
         if params.seed is not None:  # any int64 seed, any index: wraps into the generator's uint64 range
@@ -257,6 +260,17 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        """The tokens a step may compute: the known ones and those sampled on the device not read back yet."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def ends_with_pending(self) -> bool:
+        """Its pending token is its last (max_tokens): no step computes past it. (A max_model_len end is the
+        scheduler's to see.)"""
+        return self.num_pending > 0 and len(self.output_token_ids) + self.num_pending >= self.params.max_tokens
 
     @property
     def finish_reason(self) -> str | None:

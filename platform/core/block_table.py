@@ -7,8 +7,8 @@ list from the KV manager, so its row is written whole once. Rows of requests who
 given back at the next step.
 
 `commit` gathers the step's rows, in batch order, into a pinned staging buffer and copies them to the
-device in one copy. The staging buffer is reused: each step reads the sampled tokens back before the next
-one is built, so the previous copy has landed before its source is written again.
+device in one copy. The staging buffer is reused: the previous copy out of it is waited for (`CopyFence`: a
+step may be built before the last one's tokens are read back) before it is written again.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.platform.core.block_pool import NULL_BLOCK, Block
+from loraplex.platform.device import CopyFence
 from loraplex.platform.request import Request
 
 
@@ -53,6 +54,7 @@ class BlockTable:
             self.host[:old.shape[0], :old.shape[1]] = old
         self._view = self.host.numpy()  # element writes through numpy: no tensor per write
         self.staging = torch.zeros(rows, width, dtype=torch.int32, device="cpu", pin_memory=pin) if pin else None
+        self._fence = CopyFence(self.device)
         self.device_table = torch.zeros(rows, width, dtype=torch.int32, device=self.device)
         taken = {row.index for row in self._rows.values()}
         self._free = [i for i in range(rows - 1, -1, -1) if i not in taken]  # popped lowest first
@@ -137,6 +139,8 @@ class BlockTable:
         if self.staging is None:  # CPU: the device is the host, gathered straight into the target
             torch.index_select(self.host, 0, index, out=target)
         else:
+            self._fence.wait()  # the previous step's copy out of `staging` has run
             torch.index_select(self.host, 0, index, out=self.staging[:n])
             target.copy_(self.staging[:n], non_blocking=True)
+            self._fence.record()
         return target

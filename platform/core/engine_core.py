@@ -6,6 +6,11 @@ queries beside them (`has_unfinished`, `unfinished_request_ids`, `abort_running`
 
 It never asks how many ranks run the model: the executor (`platform/executor/`) answers the same calls for one or
 several. Single-threaded by design: a front end runs it on one thread.
+
+With --async-scheduling (`_step_ahead`) a step whose sequences are all `Sampler.plain` leaves its sampled ids on
+the device (`InFlight`): the next step is scheduled, built and launched with those ids gathered on the device,
+and only then are they read and appended, so the host's work hides behind the device's. A sequence that the
+landed token ends has one more position computed, which is dropped. Any other step samples in order.
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ from loraplex.adapters.prefetch import Prefetcher
 from loraplex.adapters.registry import AdapterRegistry
 from loraplex.grammar.manager import GrammarManager
 from loraplex.kernels.dispatch import to_device
+from loraplex.platform.core.in_flight import InFlight
 from loraplex.platform.core.input_batch import InputBatch, PromptRows
 from loraplex.platform.core.kv_cache_manager import KVCacheManager, reclaim_window
-from loraplex.platform.core.scheduler import Scheduler
+from loraplex.platform.core.scheduler import Scheduler, SeqDelta
 from loraplex.platform.executor.abstract import Executor
 from loraplex.platform.request import Request
 from loraplex.platform.resolve import ResolvedConfig
@@ -93,6 +99,12 @@ class EngineCore:
         self.sampler = Sampler(model.vocab_size, eos_token_ids, config.seed, grammars, config.json_close_window,
                                resolved.device, self.max_model_len)
         self.drafter = Drafter(config.speculative, tokenizer, self.max_model_len, config.jump_forward)
+        self._in_flight: InFlight | None = None
+        # read at each step: may be switched between steps with nothing in flight (the GPU check times both)
+        self.ahead = config.async_scheduling and executor.in_process and config.speculative is None
+        if config.async_scheduling and not self.ahead:
+            log.warning("--async-scheduling needs one rank in the engine's process and no --speculative-config: "
+                        "steps run in order")
         self._log_kv_size()
 
     def enable_graphs(self, capture: Capture | None = None) -> None:
@@ -151,6 +163,10 @@ class EngineCore:
         """After a step that raised: abort every request in the running batch (their state may be
         half-updated); waiting requests are untouched. Returns the aborted request ids."""
         ids = list(dict.fromkeys(r.request_id for r in self.scheduler.running))
+        if self._in_flight is not None:  # its ids are lost with the step: none of its sequences waits on them
+            for seq in self._in_flight.seqs:  # (a waiting one, preempted meanwhile, computes its token again)
+                seq.num_pending = 0
+            self._in_flight = None
         for request_id in ids:
             self.abort(request_id)
         return ids
@@ -161,7 +177,7 @@ class EngineCore:
                 self.adapters.unpin(name)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def unfinished_request_ids(self) -> list[str]:
         return list(self.scheduler.groups)
@@ -184,19 +200,65 @@ class EngineCore:
     # ---- one step ----------------------------------------------------------------------------
 
     def step(self) -> list:
-        """One step: the per-sequence deltas (`scheduler.SeqDelta`) of the sequences it advanced."""
-        deltas = self._step()
+        """One step: the per-sequence deltas (`scheduler.SeqDelta`) of the sequences it advanced (--async-scheduling:
+        those of the step before too, whose ids land now)."""
+        deltas = self._step_ahead() if self.ahead else self._step()
         self._release_finished()
         return deltas
+
+    def _step_ahead(self) -> list:
+        """Schedule and launch this step with the previous one's ids still on the device, then land those. The
+        previous step stays `_in_flight` until it has landed: a step that raises before leaves it for
+        `abort_running`, which clears its sequences' pending ids."""
+        prev = self._in_flight
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return self._land() if prev is not None else self._idle()
+        running = self.scheduler.running_adapters()
+        batch = self.batch.build(sched, self.adapters.assign_slots(running) if running else {},
+                                 prev.rows if prev is not None else None)
+        batch.inputs.previous_tokens = prev.tokens if prev is not None else None
+        self._prefetch(running)
+        logits, prompt_hidden = self.executor.execute(batch.inputs)
+        for (req, first, slot), hidden in zip(batch.prompt_runs, prompt_hidden):
+            self._add_prompt_logprobs(PromptRows(req, hidden, first, slot, self.executor.logits))
+        rows, seqs = self.scheduler.sampling_batch(sched)
+        if seqs and len(rows) == len(batch.sampled) and all(self.sampler.plain(seq) for seq in seqs):
+            in_flight = InFlight.start(seqs, self.sampler.on_device(logits, seqs))
+            deltas = self._land() if prev is not None else []
+            for seq in seqs:
+                seq.num_pending += 1
+            self._in_flight = in_flight
+            return deltas
+        landed = self._land() if prev is not None else []
+        live = [(row, seq) for row, seq in zip(rows, seqs) if not seq.status.finished]  # the landed ids ended some
+        return merged(landed, self._sample(logits, [row for row, _ in live], [seq for _, seq in live],
+                                           len(batch.sampled)))
+
+    def _land(self) -> list:
+        """Append the in-flight step's ids (a sequence that ended meanwhile drops its own)."""
+        prev = self._in_flight
+        tokens = prev.read()
+        self._in_flight = None
+        for seq in prev.seqs:
+            seq.num_pending -= 1
+        deltas = []
+        for seq, token in zip(prev.seqs, tokens):
+            if not seq.status.finished:
+                deltas += self.scheduler.update([seq], [token], [None], self._accept_forced)
+        return deltas
+
+    def _idle(self) -> list:
+        """Nothing scheduled: admission guarantees any one request fits an empty pool, so waiting requests with
+        nothing running are a bug, and failing loudly beats spinning forever."""
+        if self.scheduler.waiting and not self.scheduler.running:
+            raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting")
+        return []
 
     def _step(self) -> list:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            if self.scheduler.waiting and not self.scheduler.running:
-                # admission guarantees any one request fits an empty pool: this is a bug, and
-                # failing loudly beats spinning forever
-                raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.waiting)} waiting")
-            return []
+            return self._idle()
         running = self.scheduler.running_adapters()
         batch = self.batch.build(sched, self.adapters.assign_slots(running) if running else {})
         self._prefetch(running)  # beside the forward pass: the slots it fills are none of this step's
@@ -204,13 +266,18 @@ class EngineCore:
         for (req, first, slot), hidden in zip(batch.prompt_runs, prompt_hidden):
             self._add_prompt_logprobs(PromptRows(req, hidden, first, slot, self.executor.logits))
         rows, seqs = self.scheduler.sampling_batch(sched)
+        return self._sample(logits, rows, seqs, len(batch.sampled))
+
+    def _sample(self, logits: torch.Tensor, rows: list[int], seqs: list[Request], num_rows: int) -> list:
+        """Sample (or verify the drafts of) `seqs` from their `rows` of the step's `num_rows` logits, append, then
+        the next drafts."""
         if not seqs:
             return []
         if any(seq.spec_token_ids for seq in seqs):
             deltas = self._verify(logits, rows, seqs)
         else:
             # forks repeat their parent's row; without them the logits are already one row each
-            if len(rows) != len(batch.sampled):
+            if len(rows) != num_rows:
                 logits = logits[to_device(torch.tensor(rows, dtype=torch.long, device="cpu"), logits.device)]
             sampled = self.sampler(logits, seqs)
             deltas = self.scheduler.update(seqs, sampled.token_ids, sampled.logprobs, self._accept_forced)
@@ -254,3 +321,20 @@ class EngineCore:
                 break
         wanted = tuple(n for n in names if self.adapters.needs_slot(n))[:self.max_loras]
         self.prefetcher.want(wanted, frozenset(names))
+
+
+def merged(landed: list[SeqDelta], sampled: list[SeqDelta]) -> list[SeqDelta]:
+    """One delta per sequence and step, as the front end reads them: a sequence whose landed id and this step's
+    pick both came now gets them in one delta, in order, with the later finish."""
+    by_seq = {(d.request_id, d.index): d for d in landed}
+    out = list(landed)
+    for delta in sampled:
+        first = by_seq.get((delta.request_id, delta.index))
+        if first is None:
+            out.append(delta)
+            continue
+        first.new_token_ids += delta.new_token_ids
+        if first.new_logprobs is not None and delta.new_logprobs is not None:
+            first.new_logprobs += delta.new_logprobs
+        first.finish_reason, first.stop_reason = delta.finish_reason, delta.stop_reason
+    return out

@@ -53,8 +53,11 @@ class InputBatch:
         max_blocks = -(-max_model_len // self.block_size)
         self.block_table = BlockTable(max_num_seqs, max_blocks, self.block_size, self.device, max_width=max_blocks)
 
-    def build(self, sched: SchedulerOutput, adapter_slots: dict[str, int]) -> StepBatch:
-        """`adapter_slots` maps each scheduled request's adapter to its slot."""
+    def build(self, sched: SchedulerOutput, adapter_slots: dict[str, int],
+              in_flight: dict[Request, int] | None = None) -> StepBatch:
+        """`adapter_slots` maps each scheduled request's adapter to its slot; `in_flight` (--async-scheduling) each
+        request with a pending token to its row in the previous step's sampled ids: its input there is gathered
+        on the device (`ModelInput.pending`)."""
         bs = self.block_size
         token_ids: list[int] = []
         positions: list[int] = []
@@ -66,12 +69,16 @@ class InputBatch:
         prompt_rows: list[tuple[int, int]] = []
         prompt_runs: list[tuple[Request, int, int]] = []
         lora_slots = _lora_slots(sched, adapter_slots)
+        pending: list[tuple[int, int]] = []
         for req, num_new in sched.scheduled:
             begin = req.num_computed_tokens
             end = begin + num_new
             blocks = self.kv.req_blocks[req.seq_id]
             known = min(end, req.num_tokens)
             token_ids += req.token_slice(begin, known) + req.spec_token_ids[:end - known]  # drafts after the known
+            if end > known and req.num_pending:  # its one pending token, last: an id the device has
+                pending.append((len(token_ids), in_flight[req]))
+                token_ids.append(0)
             positions += range(begin, end)
             slots += [blocks[p // bs].block_id * bs + p % bs for p in range(begin, end)]
             seq_lens.append(end)
@@ -80,13 +87,13 @@ class InputBatch:
             if req.prompt_logprobs is not None and begin < predicting:
                 prompt_rows.append((starts[-2], starts[-2] + predicting - begin))
                 prompt_runs.append((req, begin + 1, lora_slots[starts[-2]] if lora_slots else -1))
-            if end == req.num_tokens + len(req.spec_token_ids):  # the chunk completes the known tokens: sample
+            if end == req.num_tokens_with_pending + len(req.spec_token_ids):  # the chunk completes the known tokens
                 last_rows += range(starts[-1] - 1 - len(req.spec_token_ids), starts[-1])  # a row per draft more
                 sampled.append(req)
         rows = self.block_table.update(self.kv.req_blocks, [req for req, _ in sched.scheduled])
         inputs = ModelInput(token_ids, positions, slots, TableRows(self.block_table, rows), seq_lens, starts,
                             max(num_new for _, num_new in sched.scheduled), last_rows, prompt_rows, lora_slots,
-                            _mix_passes(sched, adapter_slots), list(sched.block_copies))
+                            _mix_passes(sched, adapter_slots), list(sched.block_copies), pending=pending)
         return StepBatch(inputs, sampled, prompt_runs)
 
 

@@ -155,10 +155,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < self.max_num_seqs:
             req = self.running[i]
-            if req in sitting:
+            if req in sitting or self._ends_with_pending(req):
                 i += 1
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens_with_pending - req.num_computed_tokens, budget)
             while self.kv.allocate_slots(req, num_new) is None:
                 victim = self.running.pop()  # worst priority, newest first
                 self._preempt(victim)
@@ -172,6 +172,11 @@ class Scheduler:
                 continue
             break  # req itself was preempted: nothing less urgent or newer is left to schedule
         return budget
+
+    def _ends_with_pending(self, req: Request) -> bool:
+        """--async-scheduling: the token the device sampled for it ends it (max_tokens, max_model_len) once read:
+        nothing more to compute."""
+        return req.ends_with_pending or (req.num_pending > 0 and req.num_tokens_with_pending >= self.max_model_len)
 
     def _sitting_out(self) -> tuple[set[Request], list[Request]]:
         """The running requests that sit this step out, each outranked by an urgent one (running, still in its
@@ -382,7 +387,7 @@ class Scheduler:
         row = 0
         for req, num_new in out.scheduled:
             req.num_computed_tokens += num_new
-            if req.num_computed_tokens == req.num_tokens + len(req.spec_token_ids):
+            if req.num_computed_tokens == req.num_tokens_with_pending + len(req.spec_token_ids):
                 for seq in [req, *self._fork(req)]:
                     rows.append(row)
                     batch.append(seq)

@@ -23,6 +23,9 @@ class Executor(ABC):
     # whether the ranks serve from the engine's own adapter slots (its registry's, on the device); else the slots
     # are the engine's bookkeeping on the host and each rank follows them (`ModelInput.slot_changes`)
     uses_engine_slots: bool
+    # whether rank 0 runs in the engine's process, so a step may read the engine's device tensors (the previous
+    # step's sampled ids: --async-scheduling)
+    in_process: bool = False
     input_device: torch.device  # where a step's block tables are put for the ranks to read
 
     @abstractmethod

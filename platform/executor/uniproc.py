@@ -16,6 +16,7 @@ from loraplex.platform.worker.worker import Worker
 
 class UniprocExecutor(Executor):
     uses_engine_slots = True
+    in_process = True
 
     def __init__(self, resolved: ResolvedConfig, adapters: AdapterRegistry,
                  memory_start: MemorySnapshot | None = None) -> None:

@@ -7,16 +7,15 @@ through its format. The model knows no adapters: LoRA layers wrap its modules (`
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from loraplex.kernels.custom_ops import PagedAttention, RMSNorm, RopeKVWrite, SiluAndMul, pointwise_op
+from loraplex.kernels.custom_ops import (GeluTanhAndMul, PagedAttention, RMSNorm, RopeKVWrite, SiluAndMul,
+                                        pointwise_op)
 from loraplex.kernels.dispatch import KernelConfig
 from loraplex.kernels.linear_methods import tile_table_into_head
 from loraplex.kernels.paged_attention import PagedAttentionMetadata
@@ -67,18 +66,6 @@ class Attention(nn.Module):
         q = self.q_norm(q.contiguous().view(-1, self.num_heads, self.head_dim))  # the norm reads contiguous rows
         k = self.k_norm(k.contiguous().view(-1, self.num_kv_heads, self.head_dim))
         return torch.cat([q.flatten(1), k.flatten(1), v], dim=-1)
-
-
-class GeluTanhAndMul(nn.Module):
-    """[..., 2I] -> gelu(gate, tanh approximation) * up [..., I]: Gemma's GeGLU, in PyTorch ops."""
-
-    def __init__(self, kernels: KernelConfig) -> None:
-        super().__init__()
-        self.gelu = pointwise_op(kernels, functools.partial(F.gelu, approximate="tanh"))
-
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.gelu(gate) * up
 
 
 def activation_and_mul(name: str, kernels: KernelConfig) -> nn.Module:

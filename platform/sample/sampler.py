@@ -69,6 +69,26 @@ class Sampler:
                 logprobs[i] = entry
         return SamplerOutput(picked if picked is not None else to_host(tokens), logprobs)
 
+    @staticmethod
+    def plain(r: Request) -> bool:
+        """Sampled from its logits alone, whatever its tokens so far (no grammar, penalties over them, min_tokens
+        still ahead, logprobs, forks or drafts): its pick may stay on the device while the next step is launched
+        (--async-scheduling), and `on_device` picks it as `__call__` would."""
+        p = r.params
+        return (r.grammar is None and p.logprobs is None and p.prompt_logprobs is None and p.n == 1
+                and not r.spec_token_ids and p.repetition_penalty == 1.0
+                and not (p.presence_penalty or p.frequency_penalty) and len(r.output_token_ids) >= p.min_tokens)
+
+    def on_device(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """The picks of `plain` requests [R], on the device (nothing read back): `__call__`'s numbers."""
+        if self.argmax_only(requests):
+            return argmax(logits)
+        logits = logits.float()
+        if any(r.params.logit_bias for r in requests):
+            logits = logits.clone()
+            self._apply_logit_bias(logits, requests)
+        return self._sample(logits, requests)[0]
+
     def argmax_only(self, requests: list[Request]) -> bool:
         return all(r.params.greedy and r.params.logprobs is None and r.grammar is None
                    and not _edits_logits(r.params, len(r.output_token_ids)) for r in requests)

@@ -12,8 +12,10 @@ tokens without one: `LoRABatch.grouped`). Steps with adapter mixes of up to `mix
 of their own, one grouped pass per adapter of a mix with each token's weight (a gather on the device), unused
 passes on the null slot; larger mixes run eagerly.
 Padding rows write no KV (slot -1) and attend to one cached position (their table rows hold
-whatever valid block ids an earlier step left). The staging buffers are reused: each step reads
-its sampled tokens back before the next one is built, so the last copy has landed by then.
+whatever valid block ids an earlier step left). The staging buffers are reused: the last copy out of
+them is waited for before they are written again (`CopyFence`), since under --async-scheduling a step is
+built before the previous one's tokens are read back; those tokens' ids are gathered into the input ids
+on the device (`gather_pending`).
 The capture itself is a parameter: `CudaCapture` on CUDA, `FakeCapture` on CPU, which replays by
 running the function again and refuses host syncs while capturing, as a real capture does.
 """
@@ -27,9 +29,10 @@ from enum import StrEnum
 import numpy as np
 import torch
 
+from loraplex.kernels.dispatch import to_device
 from loraplex.kernels.paged_attention import PagedAttentionMetadata
 from loraplex.kernels.lora_batch import LoRABatch
-from loraplex.platform.device import NoHostSync
+from loraplex.platform.device import CopyFence, NoHostSync
 
 Capture = Callable[[Callable[[], None]], Callable[[], None]]  # forward -> replay
 # the largest mix with graphs: every pass costs each projection its launches, used or not
@@ -120,6 +123,7 @@ class DecodeGraphs:
         self.pass_weights = torch.zeros(self.mix_passes, largest, dtype=torch.float32, device=device)
         self._pass_staging = torch.zeros(2, self.mix_passes, largest, dtype=torch.float32, device="cpu",
                                          pin_memory=pin)
+        self._fence = CopyFence(device)  # the last step's copies out of the staging buffers
         self.num_replays: Counter[tuple[int, GraphMode]] = Counter()
         self._graphs: dict[tuple[int, GraphMode], Callable[[], None]] = {}
         modes = tuple(GraphMode) if self.mix_passes else \
@@ -167,10 +171,12 @@ class DecodeGraphs:
         n = len(step.token_ids)
         size = padded_size(self.sizes, n)
         with_lora = step.lora_slots is not None
+        self._fence.wait()
         staged = self._staging.numpy()  # written in place: no host tensor per input and step
         staged[:, :n] = (step.token_ids, step.positions, step.slots, step.seq_lens)
         staged[:, n:size] = PADDING
         self.inputs.copy_(self._staging, non_blocking=True)
+        gather_pending(self.input_ids, step)
         step.table.commit(self.block_tables)
         mode = GraphMode.MIX if step.mix_passes is not None else GraphMode.LORA if with_lora else GraphMode.BASE
         if mode == GraphMode.MIX:
@@ -180,6 +186,7 @@ class DecodeGraphs:
             slots[:n] = [self.null_slot if s < 0 else s for s in step.lora_slots]
             slots[n:size] = self.null_slot
             self.lora_slots.copy_(self._lora_staging, non_blocking=True)
+        self._fence.record()
         self._graphs[size, mode]()
         self.num_replays[size, mode] += 1
         return self.hidden[:n]
@@ -194,6 +201,18 @@ class DecodeGraphs:
             staged[1, k, :n] = weights
         self.pass_slots.copy_(self._pass_staging[0], non_blocking=True)  # float32 holds slot ids exactly
         self.pass_weights.copy_(self._pass_staging[1], non_blocking=True)
+
+
+def gather_pending(input_ids: torch.Tensor, step) -> None:
+    """--async-scheduling: the input ids of `step.pending`'s tokens from the previous step's sampled ids, still
+    on the device (`step.previous_tokens`): one gather, no host read."""
+    if not step.pending:
+        return
+    index, rows = zip(*step.pending)
+    device = input_ids.device
+    index = to_device(torch.tensor(index, dtype=torch.long, device="cpu"), device)
+    rows = to_device(torch.tensor(rows, dtype=torch.long, device="cpu"), device)
+    input_ids.index_copy_(0, index, step.previous_tokens.index_select(0, rows).to(input_ids.dtype))
 
 
 # A padding row of (token id, position, KV slot, sequence length): no KV written, one cached position read

@@ -20,7 +20,7 @@ from loraplex.kernels.dispatch import to_device
 from loraplex.kernels.paged_attention import PagedAttentionMetadata
 from loraplex.kernels.lora_batch import LoRABatch
 from loraplex.platform.models.model_config import ModelConfig
-from loraplex.platform.worker.cuda_graphs import Capture, DecodeGraphs, capture_sizes
+from loraplex.platform.worker.cuda_graphs import Capture, DecodeGraphs, capture_sizes, gather_pending
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -132,6 +132,10 @@ class ModelInput:
     mix_passes: list[tuple[list[int], list[float]]] | None = None  # with adapter mixes: (slots, weights) per pass
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) before the step
     slot_changes: list[tuple[int, bytes | None]] = field(default_factory=list)  # a worker's own slots: see worker.py
+    # --async-scheduling (in the engine's process only): (token index, row) of each input whose id is the previous
+    # step's sampled token at that row of `previous_tokens`, a device tensor the host has not read yet
+    pending: list[tuple[int, int]] = field(default_factory=list)
+    previous_tokens: torch.Tensor | None = None
 
     @property
     def row_slots(self) -> list[int] | None:
@@ -209,8 +213,10 @@ class ModelRunner:
             batch = LoRABatch.build_passes(step.mix_passes, self.device)
         else:
             batch = LoRABatch.build(step.lora_slots, self.device) if step.lora_slots is not None else None
+        input_ids = put(step.token_ids)
+        gather_pending(input_ids, step)
         with self.lora.mapping(batch=batch):
-            return self.model(put(step.token_ids), put(step.positions), self.kv_caches, meta)
+            return self.model(input_ids, put(step.positions), self.kv_caches, meta)
 
     def logits(self, hidden: torch.Tensor, slots: list[int] | None) -> torch.Tensor:
         """The model's logits of these rows (model dtype), each through its adapter's head where it changes it

@@ -52,6 +52,7 @@ def test_every_engine_setting_is_a_serve_flag():
              "grammar_compile_workers": 2, "jump_forward": False, "finish_within_budget": False,
              "json_close_window": 8, "pack_weights": False, "kv_cache_dtype": "float16",
              "quantization": "int8", "device": "cuda:1", "gpu_memory_utilization": 0.5, "enforce_eager": True,
+             "async_scheduling": True,
              "lora_dtype": "bfloat16", "prefill_attention": "sdpa", "max_adapters_per_request": 3,
              "deterministic": True, "speculative_config": '{"method": "ngram", "num_speculative_tokens": 6}',
              "tensor_parallel_size": 2, "scheduling_policy": "priority", "grammar_cache_dir": "off",
@@ -68,7 +69,7 @@ def test_every_engine_setting_is_a_serve_flag():
             "--json-close-window", "8",
             "--no-pack-weights", "--kv-cache-dtype", "float16", "--quantization", "int8", "--lora-dtype", "bfloat16",
             "--device", "cuda:1",
-            "--gpu-memory-utilization", "0.5", "--enforce-eager", "--prefill-attention", "sdpa",
+            "--gpu-memory-utilization", "0.5", "--enforce-eager", "--async-scheduling", "--prefill-attention", "sdpa",
             "--max-adapters-per-request", "3", "--deterministic", "--tensor-parallel-size", "2",
             "--scheduling-policy", "priority", "--grammar-cache-dir", "off", "--grammar-cache-size", "7MiB",
             "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 6}']

@@ -176,95 +176,143 @@ def test_contiguous_segments_add_in_place_and_match_the_reference():
     torch.testing.assert_close(got, reference(x, a, b, ranks, scales, offsets, s, y0), atol=1e-5, rtol=1e-5)
 
 
-def test_shrink_plan_splits_k_for_small_batches_only():
-    """Batch 1 through a qkv projection of 4096 inputs at rank 16: 3 programs without split-K; with it each
-    slice's K is shared out; prefill-sized batches and 16-bit outputs (no fp32 atomics) are not split."""
-    from loraplex.kernels.sgmv_triton import shrink_plan
+def test_tiles_split_k_by_the_input_width_only():
+    """Split-K shares follow the projection's width (never the batch): whole K tiles, none empty, at most
+    `max_splits`; a narrow input is one share. A decode step's short segments are one program each, a long
+    prefill segment blocks of `tokens_per_program`."""
+    from loraplex.kernels.lora_tiles import LoRATiles
 
-    one = shrink_plan(1, 1, 3, 16, 4096, torch.float32)
-    assert one.split_k > 1 and one.grid == (1, 1, 3 * one.split_k) and one.k_share * one.split_k >= 4096
-    assert one.k_share * (one.split_k - 1) < 4096  # no empty share
-    assert shrink_plan(1, 1, 3, 16, 4096, torch.float32, num_sms=3).split_k == 1
-    assert shrink_plan(64, 32, 3, 16, 4096, torch.float32).split_k == 1
-    assert shrink_plan(1, 1, 3, 16, 4096, torch.bfloat16).split_k == 1
-    assert shrink_plan(1, 1, 1, 16, 200, torch.float32).split_k == 1  # too few features to share
-
-
-@pytest.mark.parametrize("tokens,dtype", [(1, torch.float32), (1, torch.bfloat16), (5, torch.float16)])
-def test_split_k_shrink_matches_reference(monkeypatch, tokens, dtype):
-    """Small batches through wide inputs (1,000 features, qkv slices, mixed ranks): the shares' atomic sums
-    equal the reference, and the launch was split."""
-    from loraplex.kernels import sgmv_triton
-
-    grids = []
-    monkeypatch.setattr(sgmv_triton, "_shrink_kernel", RecordGrid(sgmv_triton._shrink_kernel, grids))
-    s, ranks, x, a, b, scales, offsets = case(20 + tokens, tokens, 3, 16, 1000, [64, 32, 32], dtype, none_frac=0.0)
-    y0 = torch.randn(tokens, 128).to(dtype)
-    h_ref, y_ref = run("torch", s, ranks, x, a, b, scales, offsets, y0)
-    h_tri, y_tri = run("triton", s, ranks, x, a, b, scales, offsets, y0)
-    assert grids and grids[0][2] > 3 * 1  # slices x rank blocks x shares: more than one share
-    torch.testing.assert_close(h_tri, h_ref, **TOL[torch.float32 if dtype == torch.float32 else torch.float16])
-    torch.testing.assert_close(y_tri.float(), y_ref.float(), **TOL[dtype])
+    qkv = LoRATiles.plan(4096, [0, 4096, 5120, 6144], 16)
+    assert (qkv.split_k, qkv.k_share, qkv.num_slices, qkv.n_blocks) == (8, 512, 3, 32)
+    down = LoRATiles.plan(14336, [0, 4096], 16)
+    assert down.split_k == 8 and down.k_share % down.block_k == 0 and down.k_share * 7 < 14336 <= down.k_share * 8
+    assert LoRATiles.plan(1000, [0, 64], 8).split_k == 1 and LoRATiles.plan(4096, [0, 64], 8, split=False).split_k == 1
+    assert qkv.token_blocks(1) == (16, 1) and qkv.token_blocks(64) == (64, 1) and qkv.token_blocks(2048) == (64, 32)
 
 
-def test_split_k_under_the_graph_layout(monkeypatch):
-    """The decode graphs' per-token batch (every token its own segment, the null slot for base tokens) on
-    stacked slots: batch 1 and 3 split K (grids recorded: 2 slices x more than one share) and match the
-    grouped reference."""
+def stacked(ranks, a, b, scales, offsets, in_features, max_rank, **tune):
+    """The case's adapters in stacked slots, tiled with `tune`'s sizes (small shares: several at small widths)."""
+    import dataclasses
+
+    from loraplex.kernels.lora_tiles import LoRATiles, LoRATune
+    from loraplex.kernels.sgmv import StackedLoRA
+
+    n = len(offsets) - 1
+    table = StackedLoRA.empty(len(ranks), offsets, in_features, max_rank, a.dtype, DEVICE)
+    for slot, r in enumerate(ranks):
+        table.set(slot, a[slot].view(n, max_rank, -1)[:, :r].reshape(n * r, -1), b[slot, :, :r].T, scales[slot])
+    return dataclasses.replace(table, tiles=LoRATiles.plan(in_features, offsets, max_rank, LoRATune(**tune)))
+
+
+@pytest.mark.parametrize("tokens,slots,dtype", [(1, 3, torch.float32), (16, 16, torch.bfloat16),
+                                                (150, 2, torch.float32)])
+def test_stacked_kernels_over_k_shares_match_the_reference(monkeypatch, tokens, slots, dtype):
+    """Batch 1, a decode batch with one token per adapter (ranks 8 / 16 / 64, base tokens on no slot), a
+    prefill of two long segments: the shrink's K shares summed by the expand equal the reference. Recorded
+    grids: every slice and share in one launch, one program per segment while segments are short."""
     from lora_case import reference
 
     from loraplex.kernels import sgmv_triton
-    from loraplex.kernels.sgmv import StackedLoRA, sgmv_lora_stacked_triton
+    from loraplex.kernels.sgmv import sgmv_lora_stacked_triton
+
+    grids = {"shrink": [], "expand": []}
+    monkeypatch.setattr(sgmv_triton, "_shrink_kernel", RecordGrid(sgmv_triton._shrink_kernel, grids["shrink"]))
+    monkeypatch.setattr(sgmv_triton, "_expand_kernel", RecordGrid(sgmv_triton._expand_kernel, grids["expand"]))
+    s, ranks, x, a, b, scales, offsets = case(40 + tokens, tokens, slots, 64, 256, [48, 16, 16], dtype,
+                                              none_frac=0.1, rank_choices=[8, 16, 64])
+    if tokens == 16:
+        s = [t if t % 5 else -1 for t in range(16)]  # one token per adapter, every fifth on no adapter
+    table = stacked(ranks, a, b, scales, offsets, 256, 64, k_share=64, block_k=32, block_n=32)
+    assert table.tiles.split_k == 4
+    y0 = torch.randn(tokens, 80).to(dtype)
+    got = sgmv_lora_stacked_triton(x.to(DEVICE), table, LoRABatch.build(s, DEVICE), y0.clone().to(DEVICE)).cpu()
+    torch.testing.assert_close(got.float(), reference(x, a, b, ranks, scales, offsets, s, y0).float(), **TOL[dtype])
+    segments = len({t for t in s if t >= 0})
+    blocks = 1 if tokens <= 64 else 2  # two segments of ~75 tokens: two blocks of 64 each
+    assert grids["shrink"] == [(segments, blocks, 3 * 1 * 4)] and grids["expand"] == [(segments, blocks, 3 * 2)]
+
+
+def test_rank_blocks_k_shares_and_segment_loop_together():
+    """Ranks past one rank block (8 / 65 / 128 of 128: two blocks), four K shares and two programs along the
+    segment axis walking six segments: the reference's numbers. Tiles that are no power of two are refused."""
+    from lora_case import reference
+
+    from loraplex.kernels.lora_tiles import LoRATune
+    from loraplex.kernels.sgmv import sgmv_lora_stacked_triton
+
+    s, ranks, x, a, b, scales, offsets = case(60, 24, 6, 128, 256, [32], torch.float32, none_frac=0.1,
+                                              rank_choices=[8, 65, 128])
+    table = stacked(ranks, a, b, scales, offsets, 256, 128, k_share=64, block_k=32, block_n=32, segment_programs=2)
+    assert (table.tiles.rank_blocks, table.tiles.split_k, table.tiles.segment_columns(6)) == (2, 4, 2)
+    y0 = torch.randn(24, 32)
+    got = sgmv_lora_stacked_triton(x, table, LoRABatch.build(s, DEVICE), y0.clone())
+    torch.testing.assert_close(got, reference(x, a, b, ranks, scales, offsets, s, y0), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="power of two"):
+        LoRATune(block_k=96)
+    with pytest.raises(ValueError, match="multiple of block_k"):
+        LoRATune(k_share=200)
+
+
+def test_decode_graph_batch_of_64_adapters_and_a_mix(monkeypatch):
+    """The decode graphs' layout: 64 tokens on 64 slots (and the null slot), grouped on the device, mixed
+    ranks; then a two-adapter mix's weighted passes. Equal to the reference; 64 segments on 32 programs along
+    the segment axis (each walking two), one program per segment's tokens."""
+    from lora_case import reference
+
+    from loraplex.kernels import sgmv_triton
+    from loraplex.kernels.sgmv import sgmv_lora_stacked_triton
 
     grids = []
-    monkeypatch.setattr(sgmv_triton, "_shrink_kernel", RecordGrid(sgmv_triton._shrink_kernel, grids))
-
-    s, ranks, x, a, b, scales, offsets = case(30, 3, 2, 8, 768, [48, 16], torch.float32, none_frac=0.0)
-    s = [1, -1, 0]
-    table = StackedLoRA.empty(2, offsets, 768, 8, torch.float32, DEVICE)
-    for slot in range(2):
-        r = ranks[slot]
-        table.set(slot, a[slot].view(2, 8, -1)[:, :r].reshape(2 * r, -1), b[slot, :, :r].T, scales[slot])
-    y0 = torch.randn(3, 64)
-    for n in (1, 3):
-        slots = torch.tensor([2 if t < 0 else t for t in s[:n]], dtype=torch.int32)  # 2: the null slot
-        batch = LoRABatch.per_token(torch.arange(n), torch.arange(n + 1, dtype=torch.int32), slots)
-        got = sgmv_lora_stacked_triton(x[:n], table, batch, y0[:n].clone())
-        torch.testing.assert_close(got, reference(x[:n], a, b, ranks, scales, offsets, s[:n], y0[:n]),
-                                   atol=1e-4, rtol=1e-4)
-    assert [g[:2] for g in grids] == [(1, 1), (3, 1)] and all(g[2] > 2 for g in grids)
+    monkeypatch.setattr(sgmv_triton, "_expand_kernel", RecordGrid(sgmv_triton._expand_kernel, grids))
+    s, ranks, x, a, b, scales, offsets = case(50, 64, 64, 16, 64, [32, 32], torch.float32, none_frac=0.0,
+                                              rank_choices=[8, 16])
+    s = [t if t % 9 else -1 for t in range(64)]
+    table = stacked(ranks, a, b, scales, offsets, 64, 16, k_share=32, block_k=16, block_n=32)
+    slots = torch.tensor([64 if t < 0 else t for t in s], dtype=torch.int32, device=DEVICE)  # 64: the null slot
+    y0 = torch.randn(64, 64)
+    got = sgmv_lora_stacked_triton(x, table, LoRABatch.grouped(slots, 64), y0.clone())
+    torch.testing.assert_close(got, reference(x, a, b, ranks, scales, offsets, s, y0), atol=1e-4, rtol=1e-4)
+    assert grids == [(32, 1, 2)]
+    # a mix: every token 0.25 of slot 3 and 0.75 of slot 7, as two weighted grouped passes
+    first, second = (LoRABatch.grouped(torch.full((4,), slot, dtype=torch.int32), 64) for slot in (3, 7))
+    first.order_weights, second.order_weights = torch.full((4,), 0.25), torch.full((4,), 0.75)
+    got = sgmv_lora_stacked_triton(x[:4], table, second, sgmv_lora_stacked_triton(x[:4], table, first, y0[:4].clone()))
+    want = y0[:4] + 0.25 * (reference(x[:4], a, b, ranks, scales, offsets, [3] * 4, y0[:4]) - y0[:4]) + \
+        0.75 * (reference(x[:4], a, b, ranks, scales, offsets, [7] * 4, y0[:4]) - y0[:4])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_graph_batch_grouped_by_slot_on_device():
-    """The decode graphs' slots grouped on the device without a host read (as under a capture): one segment
-    per slot with its tokens in order, and the kernels on it (split-K at this size) match the reference."""
+    """The decode graphs' slots grouped on the device without a host read (as under a capture): the slots
+    present in order, their tokens in order, then empty segments up to min(tokens, slots + 1)."""
     from lora_case import reference
 
-    from loraplex.kernels.sgmv import StackedLoRA, sgmv_lora_stacked_triton
+    from loraplex.kernels.sgmv import sgmv_lora_stacked_triton
     from loraplex.platform.device import NoHostSync
 
-    s, ranks, x, a, b, scales, offsets = case(31, 6, 3, 8, 512, [48, 16], torch.float32, none_frac=0.0)
+    s, ranks, x, a, b, scales, offsets = case(31, 6, 5, 8, 512, [48, 16], torch.float32, none_frac=0.0)
     s = [2, -1, 0, 2, -1, 2]
-    table = StackedLoRA.empty(3, offsets, 512, 8, torch.float32, DEVICE)
-    for slot in range(3):
-        r = ranks[slot]
-        table.set(slot, a[slot].view(2, 8, -1)[:, :r].reshape(2 * r, -1), b[slot, :, :r].T, scales[slot])
-    slots = torch.tensor([3 if t < 0 else t for t in s], dtype=torch.int32)  # 3: the null slot
+    table = stacked(ranks, a, b, scales, offsets, 512, 8)
+    slots = torch.tensor([5 if t < 0 else t for t in s], dtype=torch.int32)  # 5: the null slot
     y0 = torch.randn(6, 64)
     with NoHostSync():
-        batch = LoRABatch.grouped(slots.to(DEVICE), 3)
-    assert batch.token_order.tolist() == [2, 0, 3, 5, 1, 4] and batch.seg_starts.tolist() == [0, 1, 1, 4, 6]
-    assert batch.seg_slots.tolist() == [0, 1, 2, 3] and batch.num_segments == 4 and batch.max_seg_len == 6
+        batch = LoRABatch.grouped(slots.to(DEVICE), 5)
+    assert batch.token_order.tolist() == [2, 0, 3, 5, 1, 4] and batch.seg_starts.tolist() == [0, 1, 4, 6, 6, 6, 6]
+    assert batch.seg_slots.tolist()[:3] == [0, 2, 5] and batch.num_segments == 6 and batch.max_seg_len == 6
+    assert LoRABatch.grouped(torch.tensor([1], dtype=torch.int32), 5).num_segments == 1
     got = sgmv_lora_stacked_triton(x.to(DEVICE), table, batch, y0.clone().to(DEVICE)).cpu()
     torch.testing.assert_close(got, reference(x, a, b, ranks, scales, offsets, s, y0), atol=1e-4, rtol=1e-4)
 
 
-def test_split_k_shrink_compiles_for_the_gpu():
-    """The split-K shrink (fp32 atomics) builds to a cubin for sm_90, beside the interpreter runs above."""
+@pytest.mark.parametrize("kernel", ["_shrink_kernel", "_expand_kernel"])
+def test_lora_kernels_compile_for_the_gpu(kernel):
+    """Both kernels (token loops, K-share planes) build to a cubin for sm_90, beside the interpreter runs."""
     pytest.importorskip("triton.backends.nvidia.compiler")
     from compile_case import compile_for_sm90
 
-    constants = dict(BLOCK_M=16, BLOCK_R=16, BLOCK_K=128, FP32_DOT=False, PRECISION="tf32", SPLIT_K=True)
-    pointers = {"out_ptr": "*fp32", "ranks_ptr": "*i32", "order_ptr": "*i64", "starts_ptr": "*i32",
-                "slots_ptr": "*i32", "a_ptr": "*bf16", "x_ptr": "*bf16"}
-    assert compile_for_sm90("loraplex.kernels.sgmv_triton", "_shrink_kernel", constants, pointers)[-1] == "cubin"
+    constants = dict(BLOCK_M=16, BLOCK_R=16, FP32_DOT=False, PRECISION="tf32")
+    constants.update(BLOCK_K=128) if kernel == "_shrink_kernel" else constants.update(BLOCK_N=128, HAS_WEIGHTS=True)
+    pointers = {"part_ptr": "*fp32", "ranks_ptr": "*i32", "order_ptr": "*i64", "starts_ptr": "*i32",
+                "slots_ptr": "*i32", "offsets_ptr": "*i32", "scales_ptr": "*fp32", "weights_ptr": "*fp32",
+                "a_ptr": "*bf16", "x_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16"}
+    assert compile_for_sm90("loraplex.kernels.sgmv_triton", kernel, constants, pointers)[-1] == "cubin"

@@ -54,7 +54,7 @@ def test_profiling_pass_runs_the_largest_step(tiny_model_dir):
 
 def _workload(engine, adapters):
     """Requests touching every per-step path: sampling filters, seeds, penalties, bias, min
-    tokens, logprobs, prompt logprobs, n > 1 (forks, copy-on-write), grammars, adapters."""
+    tokens, logprobs, prompt logprobs, n > 1 (forks, copy-on-write), grammars, adapters, a plain greedy one."""
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     shared = list(range(5, 40))
     cases = [
@@ -65,21 +65,25 @@ def _workload(engine, adapters):
         SamplingParams(temperature=0, max_tokens=12, structured=StructuredOutputs(json=schema)),
         SamplingParams(temperature=0.7, max_tokens=10, min_tokens=2,
                        structured=StructuredOutputs(choice=["yes", "no"])),
+        SamplingParams(temperature=0, max_tokens=16),  # plain, and last alone: its steps run ahead when they may
     ]
     for i, params in enumerate(cases):
         engine.add_request(f"r{i}", {"prompt_token_ids": shared + [i + 3]}, params, adapters[i % len(adapters)])
 
 
-@pytest.mark.parametrize("kernels", ["triton", "auto"])
-def test_no_step_tensor_without_a_device(tiny_model_dir, tiny_adapters, kernels):
+@pytest.mark.parametrize("kernels,ahead", [("triton", True), ("auto", False)])
+def test_no_step_tensor_without_a_device(tiny_model_dir, tiny_adapters, kernels, ahead):
     """Under the audit tensors made without `device=` land on `meta` and raise. `triton`: the
-    CUDA engine's code path (Triton kernels, stacked adapter slots, decode graphs) on CPU;
-    `auto`: the CPU engine's (C kernels, adapters read in place)."""
+    CUDA engine's code path (Triton kernels, stacked adapter slots, decode graphs) on CPU, with
+    --async-scheduling (steps of plain sequences run ahead, their pending ids gathered on the device; the
+    workload's others sample in order, as without it); `auto`: the CPU engine's (C kernels, adapters read in
+    place)."""
     from loraplex.platform.worker.cuda_graphs import FakeCapture
 
     with forced_kernels(kernels):
         llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32", num_kv_blocks=64, max_num_seqs=8,
-                  max_loras=2, lora_modules={"a0": str(tiny_adapters[0]), "a1": str(tiny_adapters[1])})
+                  max_loras=2, lora_modules={"a0": str(tiny_adapters[0]), "a1": str(tiny_adapters[1])},
+                  async_scheduling=ahead)
         engine = llm.engine
         if kernels == "triton":
             engine.core.enable_graphs(FakeCapture())  # max_num_seqs 8

@@ -46,7 +46,9 @@ def test_dry_run_writes_the_table_and_records_a_failing_section(bench, tokenizer
         raise RuntimeError("made to fail")
 
     sections = [(gpu_check.section_environment, 0), (section_boom, 0), (gpu_check.section_bandwidth, 0),
-                (gpu_check.section_large_model, 0), (gpu_check.section_decode, 0), (gpu_check.section_kv_memory, 0)]
+                (gpu_check.section_large_model, 0), (gpu_check.section_decode, 0), (gpu_check.section_adapters, 0),
+                (gpu_check.section_launches, 0), (gpu_check.section_profile, 0), (gpu_check.section_async, 0),
+                (gpu_check.section_kv_memory, 0)]
     out = tmp_path / "out"
     assert gpu_check.main(["--dry-run", "--out", str(out), "--tokenizer", str(tokenizer_dir)], sections) == 0
     text = table(out)
@@ -56,6 +58,14 @@ def test_dry_run_writes_the_table_and_records_a_failing_section(bench, tokenizer
     # the sections after the failure ran: a checkpoint written by transformers, loaded by the engine, timed
     assert "| tiny bf16 checkpoint and 4 adapters written; transformers measured | batches [1, 4] |" in text
     assert "| decode tok/s, tiny float32, batch 4 | " in text and "HBM floor" in text
+    assert "| base decode, batch 4, share of the HBM floor (tiny float32) | " in text and "| >= 60% |" in text
+    # adapters vs base at each batch and count (the targets at the widest batch), launches, unprofiled vs busy
+    assert "| 2 distinct rank-16 adapters vs base, batch 2 | " in text
+    assert "| 4 (2 distinct in the batch) rank-16 adapters vs base, batch 2 | " in text
+    assert "| 4 distinct rank-16 adapters vs base, batch 4 | " in text and "| >= 0.8x |" in text
+    assert "| launches per eager decode step, batch 4, 4 adapters | " in text and "aten" in text
+    assert "| unprofiled decode step vs device busy, batch 4, base | " in text and "| <= 1.1x |" in text
+    assert "| async scheduling vs steps in order, batch 4, 4 adapters | " in text
     assert "KV blocks" in text and "total time" in text
 
 
