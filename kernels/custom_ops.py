@@ -14,7 +14,7 @@ from torch import nn
 
 from loraplex.kernels import cpu_kernels
 from loraplex.kernels.dispatch import Backend, KernelConfig, PrefillAttention
-from loraplex.kernels.paged_attention import PagedAttentionMetadata, attention_kernel, kv_writer
+from loraplex.kernels.paged_attention import PagedAttentionMetadata, attention_kernel, write_kv_reference
 from loraplex.kernels.sgmv import lora_kernel
 
 LAYER_DTYPES = (torch.float32, torch.bfloat16)  # what the C layer ops read and write
@@ -45,7 +45,7 @@ def _in_chunks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> t
 
 def layer_triton_kernel(name: str) -> Callable:
     """A kernel of `layer_triton.py`, imported when an op is built for the Triton backend: Triton stays
-    optional on CPU installs (as `kv_writer` imports its kernels)."""
+    optional on CPU installs (as `attention_kernel` imports its kernel)."""
     from loraplex.kernels import layer_triton
 
     return getattr(layer_triton, name)
@@ -155,7 +155,6 @@ class RopeKVWrite(CustomOp):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, config: KernelConfig) -> None:
         super().__init__(config)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.write_kv = kv_writer(config)
 
     def cpu_kernel_takes(self, config: KernelConfig) -> bool:
         """The model's kind in the caches, float16 caches under a float32 model where F16C converts, or float8
@@ -174,7 +173,7 @@ class RopeKVWrite(CustomOp):
         # q and k rotate together: one pass over both instead of one each
         qk = apply_rope(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        self.write_kv(k, v.view(-1, self.num_kv_heads, self.head_dim), k_cache, v_cache, meta.slot_mapping)
+        write_kv_reference(k, v.view(-1, self.num_kv_heads, self.head_dim), k_cache, v_cache, meta.slot_mapping)
         return q
 
     def forward_cuda(self, qkv, rope, k_cache, v_cache, meta: PagedAttentionMetadata) -> torch.Tensor:

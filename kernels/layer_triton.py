@@ -10,8 +10,9 @@ token's slot (slot -1: nothing written).
 Numbers: each kernel rounds where the PyTorch ops round in the model's dtype (the normalized row before the
 weight multiply, the activation before the multiply by up, each RoPE product before their sum), so bf16 / fp16
 outputs equal `forward_native`'s or differ by a unit in the last place where float32 sums in another order
-tip a rounding (in the interpreter; a GPU's approximate exp / rsqrt may tip one more, so two at most there). A row's numbers depend on its row alone, and the launch shape on the widths alone, never on
-the number of rows: the kernels are batch-invariant as `--deterministic` needs.
+tip a rounding (in the interpreter; a GPU's approximate exp / rsqrt may tip one more, so two at most there).
+A row's numbers depend on its row alone, and the launch shape on the widths alone, never on the number of
+rows: the kernels are batch-invariant as `--deterministic` needs.
 """
 
 from __future__ import annotations

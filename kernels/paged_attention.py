@@ -1,7 +1,8 @@
 """Paged attention: KV write at a slot mapping and attention over block tables.
 
-This file holds the PyTorch reference and the choice a model makes once (`attention_kernel`, `kv_writer`):
-Triton kernels (`paged_attention_triton.py`) on CUDA; on CPU, requests with short query chunks
+This file holds the PyTorch reference (the KV write's too: on the Triton backend the write is fused into RoPE,
+`layer_triton.py`) and the choice a model makes once (`attention_kernel`): the Triton kernel
+(`paged_attention_triton.py`) on CUDA; on CPU, requests with short query chunks
 (decode, jump-forward) take the C kernel (`cpu_kernels.py`), which reads blocks in place, and
 prefill chunks take the reference, whose SDPA wins there. The reference gathers each request's
 blocks into a padded [batch, context] view and runs one SDPA call with a lower-right causal
@@ -186,16 +187,6 @@ def softcapped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
     weights = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
     return (weights @ values[:, :, None]).view(batch, num_heads, num_queries, head_dim)
-
-
-def kv_writer(config: KernelConfig):
-    """`(key, value, k_cache, v_cache, slot_mapping) -> None` for a model's backend, chosen once (tests and
-    benchmarks call it the same way, on a config they build)."""
-    if config.backend == Backend.TRITON:
-        from loraplex.kernels.paged_attention_triton import write_kv_triton
-
-        return write_kv_triton
-    return write_kv_reference
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""Triton paged attention and KV write; `paged_attention.py` holds the PyTorch reference and
-the dispatch.
+"""Triton paged attention (the KV write is fused into RoPE: `layer_triton.py`); `paged_attention.py` holds the
+PyTorch reference and the dispatch.
 
 Layout (vLLM's unified attention): one program per (request, row block, KV head[, KV split]). The query
 heads that share a KV head are packed into the rows with the request's query tokens (GQA packing: row r is
@@ -39,20 +39,6 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return DEFAULT_NUM_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, row_size, block_size,
-                     stride_kt, stride_vt, stride_cb, stride_cs, BLOCK: tl.constexpr):
-    t = tl.program_id(0)
-    slot = tl.load(slots_ptr + t)
-    if slot >= 0:
-        offs = tl.arange(0, BLOCK)
-        mask = offs < row_size
-        dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + offs
-        dtype = k_cache_ptr.dtype.element_ty  # a float16 cache stores rounded copies
-        tl.store(k_cache_ptr + dst, tl.load(k_ptr + t * stride_kt + offs, mask=mask).to(dtype), mask=mask)
-        tl.store(v_cache_ptr + dst, tl.load(v_ptr + t * stride_vt + offs, mask=mask).to(dtype), mask=mask)
 
 
 @triton.jit
@@ -206,19 +192,6 @@ def attention_constants(dtype: torch.dtype, head_dim: int, launch: LaunchPlan, s
     return dict(BLOCK_M=launch.block_m, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
                 FP32_DOT=dot_in_fp32(dtype), PRECISION="ieee" if ieee_fp32(dtype) else "tf32",
                 WINDOW=sliding_window is not None, SOFTCAP=softcap is not None, SPLIT=launch.num_splits > 1)
-
-
-def write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> None:
-    num_tokens, num_heads, head_dim = key.shape
-    assert key.stride(2) == 1 and key.stride(1) == head_dim and value.stride(1) == head_dim
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.stride() == v_cache.stride()
-    row = num_heads * head_dim
-    _write_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping, row, k_cache.shape[1],
-        key.stride(0), value.stride(0), k_cache.stride(0), k_cache.stride(1),
-        BLOCK=triton.next_power_of_2(row),
-    )
 
 
 def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -193,8 +193,9 @@ SYNCING_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_selec
 
 class CopyFence:
     """The last non-blocking copy out of a reused pinned staging buffer: `wait()` before the host writes the buffer
-    again, since until that copy has run the DMA may still read it (a step launched before the previous one's
-    tokens were read back: --async-scheduling). Nothing to wait for off CUDA, where such copies are synchronous."""
+    again, since until that copy has run the DMA may still read it: a step launched before the previous one's
+    tokens were read back (--async-scheduling), or after a step that sampled nothing (a prefill chunk), which
+    read nothing back. Nothing to wait for off CUDA, where such copies are synchronous."""
 
     def __init__(self, device: torch.device) -> None:
         self.event = torch.cuda.Event() if device.type == "cuda" else None

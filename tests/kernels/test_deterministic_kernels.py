@@ -71,15 +71,12 @@ def test_triton_matmul_is_a_matmul_over_tails_of_every_dimension():
     assert invariant_matmul_triton(x[:, :0], w).shape == (3, 0, 70)
 
 
-def test_triton_launches_keep_one_tiling_whatever_the_batch():
+def test_triton_attention_keeps_one_tiling_and_never_splits():
     pytest.importorskip("triton")
     from loraplex.kernels.paged_attention_triton import DETERMINISTIC_BLOCK_M, plan
-    from loraplex.kernels.lora_tiles import LoRATiles
 
     decode = plan(1, 8, 2, 1, 4096)  # one request, a long context: split across SMs normally
     assert decode.num_splits > 1
     for args in ((1, 8, 2, 1, 4096), (3, 8, 2, 57, 4096), (64, 32, 8, 1, 100)):
         launch = plan(*args, deterministic=True)
         assert launch.num_splits == 1 and launch.block_m == DETERMINISTIC_BLOCK_M
-    # the LoRA shrink splits K by the projection's width alone: one order of a token's sums whatever its batch
-    assert LoRATiles.plan(4096, [0, 4096, 5120, 6144], 16).split_k > 1

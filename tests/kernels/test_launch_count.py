@@ -15,8 +15,7 @@ tl = triton.language
 
 # one eager decode step on the Triton backend, per decoder layer: its 4 projections (1 each), the fused
 # add + RMSNorm twice, RoPE + KV write, paged attention, SiLU-and-mul (1 each). A CPU whose weight format is our C
-# kernel (AMX, plain float32 rows) runs its projections through ctypes, where no ATen op is seen: fewer. Before the
-# fused kernels (#67) this was 27: 6-op norms, RoPE in 5 ops, separate residual adds, SiLU and its multiply.
+# kernel (AMX, plain float32 rows) runs its projections through ctypes, where no ATen op is seen: fewer.
 BASE_PER_LAYER = 9
 # with adapters in the step (on stacked slots, SGMV): a Triton shrink and expand per projection, 4 projections
 LORA_PER_LAYER = 8

@@ -11,7 +11,7 @@ from loraplex.kernels import cpu_kernels
 from loraplex.kernels.custom_ops import PagedAttention
 from loraplex.kernels.dispatch import KernelConfig
 from loraplex.kernels import paged_attention_triton
-from loraplex.kernels.paged_attention import (PagedAttentionMetadata, attention_kernel, kv_writer,
+from loraplex.kernels.paged_attention import (PagedAttentionMetadata, attention_kernel, write_kv_reference,
                                                paged_attention_reference)
 from kernel_case import configured
 from paged_case import dense_attention, make_case, poison_before_window
@@ -25,18 +25,6 @@ TOL = {torch.float32: dict(atol=2e-3, rtol=2e-3), torch.float16: dict(atol=1e-2,
 
 def attend(backend, query, k_cache, v_cache, meta, scale):
     return attend_with(backend, query, k_cache, v_cache, meta, scale, None, None)
-
-
-def write_both(key, value, slots, dtype):
-    """(k_cache, v_cache) after the KV write of each backend: torch first, then triton."""
-    out = []
-    for backend in ("torch", "triton"):
-        write = kv_writer(configured(backend, DEVICE, key.dtype, kv_dtype=dtype))
-        kc = torch.zeros(2, 16, 2, 16, dtype=dtype, device=DEVICE)
-        vc = torch.zeros_like(kc)
-        write(key.to(DEVICE), value.to(DEVICE), kc, vc, slots.to(DEVICE))
-        out.append((kc.cpu(), vc.cpu()))
-    return out
 
 
 CASES = [
@@ -74,13 +62,14 @@ def test_reference_is_lower_right_causal_attention():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_write_kv_skips_negative_slots(dtype):
+    """The reference KV write (the CPU and PyTorch paths'; Triton's is fused into RoPE: test_layer_triton.py)."""
     g = torch.Generator().manual_seed(0)
     key = torch.randn(6, 2, 16, generator=g).to(dtype)
     value = torch.randn(6, 2, 16, generator=g).to(dtype)
-    slots = torch.tensor([3, -1, 17, 0, -1, 31])
-    (kr, vr), (kt, vt) = write_both(key, value, slots, dtype)
-    assert torch.equal(kr, kt) and torch.equal(vr, vt)
-    assert torch.equal(kr.view(-1, 2, 16)[17], key[2]) and int((kr != 0).any(-1).any(-1).sum()) == 4
+    kc, vc = torch.zeros(2, 16, 2, 16, dtype=dtype), torch.zeros(2, 16, 2, 16, dtype=dtype)
+    write_kv_reference(key, value, kc, vc, torch.tensor([3, -1, 17, 0, -1, 31]))
+    assert torch.equal(kc.view(-1, 2, 16)[17], key[2]) and torch.equal(vc.view(-1, 2, 16)[31], value[5])
+    assert int((kc != 0).any(-1).any(-1).sum()) == 4
 
 
 def test_write_kv_from_a_strided_qkv_split():
@@ -88,10 +77,9 @@ def test_write_kv_from_a_strided_qkv_split():
     qkv = torch.randn(5, 3 * 2 * 16)
     _, k, v = qkv.split([32, 32, 32], dim=-1)
     k, v = k.view(5, 2, 16), v.view(5, 2, 16)
-    slots = torch.tensor([0, 1, 2, 20, 21])
-    (kr, vr), (kt, vt) = write_both(k, v, slots, torch.float32)
-    assert torch.equal(kr, kt) and torch.equal(vr, vt)
-    assert torch.equal(kr.view(-1, 2, 16)[20], k[3])
+    kc, vc = torch.zeros(2, 16, 2, 16), torch.zeros(2, 16, 2, 16)
+    write_kv_reference(k, v, kc, vc, torch.tensor([0, 1, 2, 20, 21]))
+    assert torch.equal(kc.view(-1, 2, 16)[20], k[3]) and torch.equal(vc.view(-1, 2, 16)[21], v[4])
 
 
 WINDOW_CASES = [

@@ -4,8 +4,6 @@ the next step is launched with them gathered there, and they land after. The tok
 meanwhile (a stop token, max_tokens, an abort, a preemption), with steps that must sample in order between
 (logprobs, a grammar), adapters, and decode graphs; no KV block is left held."""
 
-import pytest
-
 from conftest import forced_kernels
 
 from loraplex.platform import LLM, SamplingParams
