@@ -242,11 +242,9 @@ class EngineCore:
         self._in_flight = None
         for seq in prev.seqs:
             seq.num_pending -= 1
-        deltas = []
-        for seq, token in zip(prev.seqs, tokens):
-            if not seq.status.finished:
-                deltas += self.scheduler.update([seq], [token], [None], self._accept_forced)
-        return deltas
+        live = [(seq, token) for seq, token in zip(prev.seqs, tokens) if not seq.status.finished]
+        return self.scheduler.update([seq for seq, _ in live], [token for _, token in live], [None] * len(live),
+                                     self._accept_forced)
 
     def _idle(self) -> list:
         """Nothing scheduled: admission guarantees any one request fits an empty pool, so waiting requests with

@@ -208,10 +208,8 @@ def gather_pending(input_ids: torch.Tensor, step) -> None:
     on the device (`step.previous_tokens`): one gather, no host read."""
     if not step.pending:
         return
-    index, rows = zip(*step.pending)
-    device = input_ids.device
-    index = to_device(torch.tensor(index, dtype=torch.long, device="cpu"), device)
-    rows = to_device(torch.tensor(rows, dtype=torch.long, device="cpu"), device)
+    pairs = torch.tensor(list(zip(*step.pending)), dtype=torch.long, device="cpu")  # [2, n]: one copy
+    index, rows = to_device(pairs, input_ids.device)
     input_ids.index_copy_(0, index, step.previous_tokens.index_select(0, rows).to(input_ids.dtype))
 
 
