@@ -20,6 +20,26 @@ if not torch.cuda.is_available():
 # disk cache, tests/grammar/test_compile_cache.py, give their own folders).
 os.environ["LORAPLEX_GRAMMAR_CACHE"] = "off"
 
+# `make test` runs two xdist workers on CI's two cores. torch's default of a thread per core in each
+# puts four OpenMP threads on two cores, whose waiting threads spin: the suite ran about twice as long.
+# So one thread per worker and per process it starts (the C kernels share torch's OpenMP runtime);
+# `every_core` gives a test the machine's threads back.
+CORES = torch.get_num_threads()
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+
+@pytest.fixture
+def every_core():
+    """The machine's threads for one test: a kernel's work split across threads is what it checks."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(CORES)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -10,6 +10,12 @@ what it cannot express is where a new adapter should go and when a holder is too
   requests, counting this one); then to the least-loaded replica, which becomes a holder too.
 A hot adapter thus spreads over several replicas and a cold one stays on one. Loads are what
 this router sent and has not seen finish: with one ingress that is every request.
+
+A request for a held adapter is offered to its holder alone for its first `HOLDER_TRIES`
+choices. Ray probes the replica it is offered (a queue-length call with a 0.1 s deadline, doubled
+on each retry) and goes to the next one offered when the probe is late; a holder busy for a moment
+would otherwise send the request to a replica that must read the adapter, and make it a holder.
+Past those tries (the holder full, or not answering) every replica is offered.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ UNDISPATCHED_S = 30.0  # a choice never dispatched (its client left first) stops
 BYTES_PER_TOKEN = 4  # a prompt's tokens, estimated from its body's length
 DEFAULT_OUTPUT_TOKENS = 16  # a request's output without max_tokens, for its estimate
 PARSED_BODY_BYTES = 1 << 16  # longer bodies are estimated by length alone, not parsed again
+HOLDER_TRIES = 3  # choices that offer a held adapter's holder alone: probe deadlines 0.1 + 0.2 + 0.4 s
 
 
 @dataclass
@@ -45,6 +52,7 @@ class _Flight:
     tokens: int
     since: float
     dispatched: bool = False
+    tries: int = 1  # how often Ray has asked where to send it
 
 
 class Placement:
@@ -83,14 +91,20 @@ class Placement:
 
     def choose(self, request_id: str, adapter: str | None, tokens: int) -> list[str]:
         """The replicas to try for a request, best first (the rest least-loaded first, for when
-        the best cannot take it)."""
+        the best cannot take it); only the best while it holds the adapter and tries are left.
+        Ray asks again for a request none of them took: its earlier choice is no load then."""
+        earlier = self.flights.pop(request_id, None)
+        tries = earlier.tries + 1 if earlier is not None else 1
         loads = self.loads()
         order = sorted(loads, key=lambda r: (loads[r].key(), r))
         if not order:
             return []
         best = self._pick(adapter, loads, order)
-        self.flights[request_id] = _Flight(best, tokens, self.clock())
+        held = adapter is not None and best in self.holders(adapter)
+        self.flights[request_id] = _Flight(best, tokens, self.clock(), tries=tries)
         self._note_placed(adapter, best)
+        if held and tries <= HOLDER_TRIES:
+            return [best]
         return [best, *(r for r in order if r != best)]
 
     def _pick(self, adapter: str | None, loads: dict[str, ReplicaLoad], order: list[str]) -> str:

@@ -58,16 +58,30 @@ class _Wake:
     pass
 
 
+@dataclass
+class _Unread:
+    """The outputs of one API call published for its reader and taken by it. Each count has one
+    writer (the engine thread, the reader), and outputs still on their way to an event loop's
+    queue count as unread, which the queue's size does not."""
+    published: int = 0
+    taken: int = 0
+
+    @property
+    def count(self) -> int:
+        return self.published - self.taken
+
+
 class _Stream:
     """One request's outputs. The engine thread puts; a thread or an event loop reads. The
     requests of one API call may share one asyncio queue, each item tagged with its prompt."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None, items: asyncio.Queue | None = None,
-                 tag: int | None = None) -> None:
+                 tag: int | None = None, unread: _Unread | None = None) -> None:
         self.loop = loop
         self.items: asyncio.Queue | queue.Queue = items if items is not None else \
             asyncio.Queue() if loop else queue.Queue()
         self.tag = tag
+        self.unread = unread if unread is not None else _Unread()  # shared by the streams of one queue
 
     def put(self, item, pending: dict | None = None) -> None:
         """`pending`: a step's deliveries, gathered per event loop (one wake-up per loop and step)."""
@@ -193,6 +207,7 @@ class AsyncEngine:
                     return
                 if isinstance(item, BaseException):
                     raise item
+                stream.unread.taken += 1
                 yield item
         finally:
             self._streams.pop(request_id, None)
@@ -226,11 +241,11 @@ class AsyncEngine:
                 request.grammar_wait_s = (waited - request.arrival_time, time.monotonic() - request.arrival_time)
                 self.inputs.check_budget(request)
         items: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
+        loop, unread = asyncio.get_running_loop(), _Unread()
         remaining: set[int] = set()
         try:
             for i, request in enumerate(requests):
-                self._enqueue(request, loop, items, i)
+                self._enqueue(request, loop, items, i, unread)
                 remaining.add(i)
             while remaining:
                 i, item = await items.get()
@@ -240,6 +255,7 @@ class AsyncEngine:
                     remaining.discard(i)
                     raise item
                 else:
+                    unread.taken += 1
                     yield i, item
         finally:
             for i in remaining:
@@ -270,10 +286,10 @@ class AsyncEngine:
             raise QueueFullError(f"{limit} requests are already waiting (max_waiting_requests); retry later")
 
     def _enqueue(self, request: Request, loop: asyncio.AbstractEventLoop | None, items: asyncio.Queue | None = None,
-                 tag: int | None = None) -> _Stream:
+                 tag: int | None = None, unread: _Unread | None = None) -> _Stream:
         if request.request_id in self._streams:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        stream = self._streams[request.request_id] = _Stream(loop, items, tag)
+        stream = self._streams[request.request_id] = _Stream(loop, items, tag, unread)
         with self._lock:
             self._num_queued += request.params.n
         self._commands.put(_Add(request))
@@ -365,12 +381,13 @@ class AsyncEngine:
         stream = self._streams.get(out.request_id)
         if stream is None:
             return
-        if not out.finished and stream.items.qsize() >= self.max_unread_outputs:
+        if not out.finished and stream.unread.count >= self.max_unread_outputs:
             # a client that stopped reading (but did not disconnect) must not grow memory forever
             self.engine.abort(out.request_id)
             stream.put(ClientTooSlowError(f"more than {self.max_unread_outputs} outputs were left unread; "
                                           f"the request was aborted"), pending)
             return
+        stream.unread.published += 1
         stream.put(out, pending)
         if out.finished:
             stream.put(_DONE, pending)

@@ -8,8 +8,8 @@ import random
 
 import numpy as np
 
-from loraplex.api.cluster.placement import (DEFAULT_OUTPUT_TOKENS, LOAD_EPSILON, PLACED_GRACE_S, UNDISPATCHED_S, Placement,
-                                    request_tokens)
+from loraplex.api.cluster.placement import (DEFAULT_OUTPUT_TOKENS, HOLDER_TRIES, LOAD_EPSILON, PLACED_GRACE_S,
+                                            UNDISPATCHED_S, Placement, request_tokens)
 
 
 class Clock:
@@ -112,6 +112,24 @@ def test_choices_list_every_replica_best_first_and_a_retry_elsewhere_keeps_count
     assert "r2" in p.holders("a")
     p.finished("x", "r2")
     assert p.loads()["r2"].running == 0
+
+
+def test_a_held_adapter_is_offered_its_holder_alone_until_its_tries_run_out():
+    """Ray offers a request to the replicas chosen, in order, and asks again when none took it (a
+    probe past its deadline, a full queue): a held adapter's holder is offered alone for its
+    first tries, so a holder late to answer once does not make another replica read the adapter.
+    Ray asking again does not count the request twice."""
+    p, _ = placement(("r1", "r2", "r3"))
+    holder = run(p, "first", "a")
+    for _ in range(HOLDER_TRIES):
+        assert p.choose("again", "a", 10) == [holder]
+        assert sum(load.running for load in p.loads().values()) == 1
+    order = p.choose("again", "a", 10)
+    assert order[0] == holder and sorted(order) == ["r1", "r2", "r3"]
+    p.dispatched("again", order[1], "a")
+    assert p.flights["again"].replica == order[1] and order[1] in p.holders("a")
+    p.finished("again", order[1])
+    assert len(p.choose("base", None, 10)) == 3 and len(p.choose("new", "b", 10)) == 3  # nothing held to keep
 
 
 def test_a_choice_never_dispatched_stops_counting_and_a_gone_replica_forgets_its_requests():

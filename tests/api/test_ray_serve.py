@@ -52,10 +52,13 @@ def expected(default_model_dir, adapter_root):
 @pytest.fixture(scope="module")
 def cluster(default_model_dir, adapter_root, expected):
     """One Ray cluster for the module (after the single server is gone): 2 replicas, 8 adapters
-    given at start-up, admin loads from the adapter root."""
+    given at start-up, admin loads from the adapter root. Load epsilon 1: with two replicas a
+    holder's bound, ceil(2 x (running + 1) / 2), is never below its own load plus one, so no
+    request leaves its adapter's holder for load and the test can ask affinity of every request
+    (bounded loads spilling: tests/api/test_placement.py)."""
     modules = [f"{name}={adapter_root / name}" for name in ADAPTERS]
     with ray_serving(default_model_dir, "--dtype", "float32", "--replicas", "2", "--replica-cpus", "1",
-                     "--lora-modules", *modules, "--adapter-root", str(adapter_root)) as url:
+                     "--load-epsilon", "1", "--lora-modules", *modules, "--adapter-root", str(adapter_root)) as url:
         wait_ready(url)
         yield url
 
@@ -159,13 +162,15 @@ def test_two_replicas_route_by_adapter(cluster, expected):
     assert list(texts) == [expected[r] for r in requests]  # greedy: what one server says, whichever replica
     assert all(replicas) and len(set(replicas)) == 2, replicas  # both replicas served
 
-    # affinity: after each adapter's first request, its requests find it already read
+    # affinity: after each adapter's first request, its requests go where it was read. Ray offers a
+    # request to the holder alone three times (probe deadlines 0.1 + 0.2 + 0.4 s) before any
+    # replica: a holder that answers none of them, on a loaded machine, may lose one
     later = cache[len(ADAPTERS):]  # the first 8 are each adapter's first
-    assert sum(c == "hit" for c in later) >= 0.9 * len(later), list(zip(requests, replicas, cache))
+    assert later.count("miss") <= 1 and set(later) <= {"hit", "miss"}, list(zip(requests, replicas, cache))
     served_by = defaultdict(set)
     for (adapter, _, _), replica in zip(requests, replicas):
         served_by[adapter].add(replica)
-    assert sum(len(s) for s in served_by.values()) <= len(ADAPTERS) + 2, dict(served_by)
+    assert sum(len(s) for s in served_by.values()) <= len(ADAPTERS) + later.count("miss"), dict(served_by)
 
     # the cluster's view: models, metrics per replica
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
@@ -210,11 +215,18 @@ def test_admin_loads_spread_over_replicas_and_their_requests_follow(cluster, exp
     later = cache[len(LOADED):]  # after each adapter's first request: read already (loaded there)
     assert sum(c == "hit" for c in later) >= 0.9 * len(later), list(zip(requests, replicas, cache))
 
-    time.sleep(1)  # a heartbeat or two: the replicas' views reach the catalog
     served_by = defaultdict(set)
     for (adapter, *_), replica in zip(requests, replicas):
         served_by[adapter].add(replica)
-    holders = {row["id"]: row for row in get_json(url, "/v1/adapters")["data"]}
+
+    def reported() -> dict | None:  # the replicas' heartbeats (twice a second) reach the catalog
+        rows = {row["id"]: row for row in get_json(url, "/v1/adapters")["data"]}
+        return rows if all(rows.get(name, {}).get("requests") == 6 for name in LOADED) else None
+
+    deadline = time.monotonic() + 30
+    while (holders := reported()) is None and time.monotonic() < deadline:
+        time.sleep(0.25)
+    holders = holders or {row["id"]: row for row in get_json(url, "/v1/adapters")["data"]}
     for name in LOADED:
         assert served_by[name] <= set(holders[name]["replicas"]), (name, holders[name])
         assert holders[name]["requests"] == 6

@@ -11,6 +11,8 @@ from conftest import tuned
 from kernel_case import configured
 from paged_case import make_case
 
+pytestmark = pytest.mark.usefixtures("every_core")  # the kernels split work over every thread
+
 needs_kernel = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler here")
 
 CASES = [

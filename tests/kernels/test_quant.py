@@ -14,6 +14,8 @@ from loraplex.kernels.cpu_kernels import CpuCaps
 from loraplex.kernels.quant import (concat, dequantize, from_gguf, quantize, quantized_matmul, reference_matmul,
                                     rows)
 
+pytestmark = pytest.mark.usefixtures("every_core")  # the kernels split work over every thread
+
 FORMATS = [("q4", None), ("q8", None), ("q8", 32)]
 
 
