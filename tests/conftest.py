@@ -10,7 +10,16 @@ import threading
 from pathlib import Path
 
 import pytest
-import torch
+
+# `make test` runs two xdist workers on CI's two cores. torch's default of a thread per core in each
+# puts four OpenMP threads on two cores, whose waiting threads spin: the suite ran about twice as long.
+# So one thread per worker (every thread of it: set before torch loads OpenMP, which the C kernels
+# share) and per process it starts; `every_core` gives a test the machine's threads back.
+CORES = len(os.sched_getaffinity(0))
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+import torch  # noqa: E402  (after the thread count it reads)
 
 # Without a GPU the Triton kernels run in Triton's interpreter; it must be chosen before any
 # kernel module is imported.
@@ -20,25 +29,19 @@ if not torch.cuda.is_available():
 # disk cache, tests/grammar/test_compile_cache.py, give their own folders).
 os.environ["LORAPLEX_GRAMMAR_CACHE"] = "off"
 
-# `make test` runs two xdist workers on CI's two cores. torch's default of a thread per core in each
-# puts four OpenMP threads on two cores, whose waiting threads spin: the suite ran about twice as long.
-# So one thread per worker and per process it starts (the C kernels share torch's OpenMP runtime);
-# `every_core` gives a test the machine's threads back.
-CORES = torch.get_num_threads()
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    torch.set_num_threads(1)
-    os.environ["OMP_NUM_THREADS"] = "1"
-
 
 @pytest.fixture
-def every_core():
-    """The machine's threads for one test: a kernel's work split across threads is what it checks."""
+def every_core(monkeypatch):
+    """The machine's threads for one test and the processes it starts: a kernel's work split across
+    threads, or bits that must not depend on it, is what it checks."""
     before = torch.get_num_threads()
     torch.set_num_threads(CORES)
+    monkeypatch.setenv("OMP_NUM_THREADS", str(CORES))
     try:
         yield
     finally:
         torch.set_num_threads(before)
+
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [

@@ -15,7 +15,9 @@ A request for a held adapter is offered to its holder alone for its first `HOLDE
 choices. Ray probes the replica it is offered (a queue-length call with a 0.1 s deadline, doubled
 on each retry) and goes to the next one offered when the probe is late; a holder busy for a moment
 would otherwise send the request to a replica that must read the adapter, and make it a holder.
-Past those tries (the holder full, or not answering) every replica is offered.
+Past those tries (the holder full, or not answering) every replica is offered. A choice places
+its adapter at once, so that loads sent together spread; one Ray asks about again, or sent to
+another replica, takes that placement back (nothing was read there).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ UNDISPATCHED_S = 30.0  # a choice never dispatched (its client left first) stops
 BYTES_PER_TOKEN = 4  # a prompt's tokens, estimated from its body's length
 DEFAULT_OUTPUT_TOKENS = 16  # a request's output without max_tokens, for its estimate
 PARSED_BODY_BYTES = 1 << 16  # longer bodies are estimated by length alone, not parsed again
-HOLDER_TRIES = 3  # choices that offer a held adapter's holder alone: probe deadlines 0.1 + 0.2 + 0.4 s
+HOLDER_TRIES = 3  # choices that offer a held adapter's holder alone (Ray probes it for 0.1, 0.2, 0.4 s)
 
 
 @dataclass
@@ -53,6 +55,8 @@ class _Flight:
     since: float
     dispatched: bool = False
     tries: int = 1  # how often Ray has asked where to send it
+    placed: str | None = None  # the adapter this choice placed on its replica (held there from then on)
+    ended: bool = False  # an end came before the dispatch: a refused attempt's, or this run's own
 
 
 class Placement:
@@ -93,17 +97,20 @@ class Placement:
         """The replicas to try for a request, best first (the rest least-loaded first, for when
         the best cannot take it); only the best while it holds the adapter and tries are left.
         Ray asks again for a request none of them took: its earlier choice is no load then."""
+        self._forget_undispatched()
         earlier = self.flights.pop(request_id, None)
-        tries = earlier.tries + 1 if earlier is not None else 1
+        if earlier is not None:
+            self._unplace(earlier)  # nothing was sent there: it holds nothing for this choice
         loads = self.loads()
         order = sorted(loads, key=lambda r: (loads[r].key(), r))
         if not order:
             return []
         best = self._pick(adapter, loads, order)
         held = adapter is not None and best in self.holders(adapter)
-        self.flights[request_id] = _Flight(best, tokens, self.clock(), tries=tries)
-        self._note_placed(adapter, best)
-        if held and tries <= HOLDER_TRIES:
+        flight = self.flights[request_id] = _Flight(best, tokens, self.clock(),
+                                                    tries=earlier.tries + 1 if earlier is not None else 1)
+        flight.placed = adapter if self._note_placed(adapter, best) else None
+        if held and flight.tries <= HOLDER_TRIES:
             return [best]
         return [best, *(r for r in order if r != best)]
 
@@ -126,20 +133,44 @@ class Placement:
         flight = self.flights.get(request_id)
         if flight is None:
             return
+        if flight.replica != replica:
+            self._unplace(flight)
         flight.replica, flight.dispatched = replica, True
         self.served[replica] = self.served.get(replica, 0) + flight.tokens
         self._note_placed(adapter, replica)
+        if flight.ended:
+            del self.flights[request_id]
 
     def finished(self, request_id: str, replica: str | None = None) -> None:
         """The request ended (or was refused) on `replica`; a retry meanwhile on another replica
-        keeps counting."""
+        keeps counting. An end before the dispatch (Ray ends a refused attempt, maybe after it
+        asked again for the same replica) ends the flight when it is dispatched: its tries count
+        on, and it cannot be left running forever."""
         flight = self.flights.get(request_id)
-        if flight is not None and (replica is None or flight.replica == replica):
+        if flight is None or (replica is not None and flight.replica != replica):
+            return
+        if flight.dispatched or replica is None:
             del self.flights[request_id]
+        else:
+            flight.ended = True
 
-    def _note_placed(self, adapter: str | None, replica: str) -> None:
-        if adapter is not None and adapter not in self.reported.get(replica, ()):
-            self.placed.setdefault((adapter, replica), self.clock())
+    def _note_placed(self, adapter: str | None, replica: str) -> bool:
+        """Whether this placed `adapter` on `replica` (not held there, nor placed before)."""
+        if adapter is None or adapter in self.reported.get(replica, ()) or (adapter, replica) in self.placed:
+            return False
+        self.placed[(adapter, replica)] = self.clock()
+        return True
+
+    def _unplace(self, flight: _Flight) -> None:
+        if flight.placed is not None:
+            self.placed.pop((flight.placed, flight.replica), None)
+            flight.placed = None
+
+    def _forget_undispatched(self) -> None:
+        """Choices never dispatched (their client left while Ray routed them) stop counting after
+        `UNDISPATCHED_S`; they are dropped here."""
+        now = self.clock()
+        self.flights = {rid: f for rid, f in self.flights.items() if f.dispatched or now - f.since < UNDISPATCHED_S}
 
     def holds(self, replica: str) -> set[str]:
         """The adapters `replica` holds: as Ray reports them, and placed there since."""

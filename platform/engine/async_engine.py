@@ -60,9 +60,11 @@ class _Wake:
 
 @dataclass
 class _Unread:
-    """The outputs of one API call published for its reader and taken by it. Each count has one
-    writer (the engine thread, the reader), and outputs still on their way to an event loop's
-    queue count as unread, which the queue's size does not."""
+    """The outputs of one API call published for its reader and taken by it, and how many may be
+    left unread (`max_unread_outputs` a sequence of the call). Each count has one writer (the
+    engine thread, the reader), and outputs still on their way to an event loop's queue count as
+    unread, which the queue's size does not."""
+    limit: int
     published: int = 0
     taken: int = 0
 
@@ -75,13 +77,13 @@ class _Stream:
     """One request's outputs. The engine thread puts; a thread or an event loop reads. The
     requests of one API call may share one asyncio queue, each item tagged with its prompt."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop | None, items: asyncio.Queue | None = None,
-                 tag: int | None = None, unread: _Unread | None = None) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop | None, unread: _Unread, items: asyncio.Queue | None = None,
+                 tag: int | None = None) -> None:
         self.loop = loop
         self.items: asyncio.Queue | queue.Queue = items if items is not None else \
             asyncio.Queue() if loop else queue.Queue()
         self.tag = tag
-        self.unread = unread if unread is not None else _Unread()  # shared by the streams of one queue
+        self.unread = unread  # shared by the streams of one queue
 
     def put(self, item, pending: dict | None = None) -> None:
         """`pending`: a step's deliveries, gathered per event loop (one wake-up per loop and step)."""
@@ -241,7 +243,7 @@ class AsyncEngine:
                 request.grammar_wait_s = (waited - request.arrival_time, time.monotonic() - request.arrival_time)
                 self.inputs.check_budget(request)
         items: asyncio.Queue = asyncio.Queue()
-        loop, unread = asyncio.get_running_loop(), _Unread()
+        loop, unread = asyncio.get_running_loop(), _Unread(self.max_unread_outputs * sum(sp.n for sp in params))
         remaining: set[int] = set()
         try:
             for i, request in enumerate(requests):
@@ -289,7 +291,8 @@ class AsyncEngine:
                  tag: int | None = None, unread: _Unread | None = None) -> _Stream:
         if request.request_id in self._streams:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        stream = self._streams[request.request_id] = _Stream(loop, items, tag, unread)
+        unread = unread or _Unread(self.max_unread_outputs * request.params.n)
+        stream = self._streams[request.request_id] = _Stream(loop, unread, items, tag)
         with self._lock:
             self._num_queued += request.params.n
         self._commands.put(_Add(request))
@@ -381,10 +384,10 @@ class AsyncEngine:
         stream = self._streams.get(out.request_id)
         if stream is None:
             return
-        if not out.finished and stream.unread.count >= self.max_unread_outputs:
+        if not out.finished and stream.unread.count >= stream.unread.limit:
             # a client that stopped reading (but did not disconnect) must not grow memory forever
             self.engine.abort(out.request_id)
-            stream.put(ClientTooSlowError(f"more than {self.max_unread_outputs} outputs were left unread; "
+            stream.put(ClientTooSlowError(f"more than {stream.unread.limit} outputs were left unread; "
                                           f"the request was aborted"), pending)
             return
         stream.unread.published += 1

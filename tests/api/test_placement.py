@@ -132,12 +132,42 @@ def test_a_held_adapter_is_offered_its_holder_alone_until_its_tries_run_out():
     assert len(p.choose("base", None, 10)) == 3 and len(p.choose("new", "b", 10)) == 3  # nothing held to keep
 
 
+def test_a_choice_sent_elsewhere_or_asked_again_leaves_no_holder_behind():
+    """A choice places its adapter at once (so loads sent together spread), but a request Ray sent
+    to another replica, or asks about again, was never read there: no holder is left there."""
+    p, _ = placement(epsilon=1.0)
+    assert p.choose("A", "a", 10) == ["r1", "r2"]  # no holder yet: every replica offered
+    p.dispatched("A", "r2", "a")  # r1 did not answer in time
+    assert p.holders("a") == {"r2"} and p.choose("B", "a", 10) == ["r2"]
+    assert p.choose("D", "d", 10) == p.choose("D", "d", 10) == ["r1", "r2"]  # its own first choice held nothing
+    assert p.holders("d") == {"r1"}
+
+
+def test_a_refused_attempts_end_keeps_the_tries_and_never_leaves_a_flight():
+    """Ray ends a refused attempt (the replica full) after it may have asked again for the same
+    replica: the tries go on counting, and the flight, once dispatched, ends."""
+    p, _ = placement()
+    holder = run(p, "first", "a")
+    assert p.choose("C", "a", 10) == [holder]
+    p.finished("C", holder)  # the refusal's end, before Ray asks again
+    for _ in range(HOLDER_TRIES - 1):
+        assert p.choose("C", "a", 10) == [holder]
+        p.finished("C", holder)  # or after: refused again
+    assert len(p.choose("C", "a", 10)) == 2  # tries spent: every replica
+    p.finished("C", holder)  # a late end of the last refusal, before the dispatch
+    p.dispatched("C", holder, "a")
+    assert "C" not in p.flights
+
+
 def test_a_choice_never_dispatched_stops_counting_and_a_gone_replica_forgets_its_requests():
     p, clock = placement()
     p.choose("left", None, 10)
     assert p.loads()["r1"].running == 1
     clock.now += UNDISPATCHED_S + 1
     assert p.loads()["r1"].running == 0
+    p.choose("next", None, 10)
+    assert "left" not in p.flights  # dropped, not kept for ever
+    p.finished("next")
     run(p, "on-r1", None, finish=False)
     p.sync({"r2": set()})
     assert p.flights == {} and list(p.loads()) == ["r2"]

@@ -11,6 +11,8 @@ from loraplex.kernels.custom_ops import POINTWISE_CHUNK, pointwise_op
 from loraplex.kernels.dispatch import Backend, KernelConfig
 from loraplex.kernels.linear_methods import InvariantLinear, batch_invariant_matmul, linear_method
 
+pytestmark = pytest.mark.usefixtures("every_core")  # the kernels split work over every thread
+
 needs_c = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler: no C kernels")
 
 

@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from loraplex.kernels import cpu_kernels
 from loraplex.kernels.paged_attention import write_kv_reference
 
+pytestmark = pytest.mark.usefixtures("every_core")  # the kernels split work over every thread
+
 needs_kernel = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler here")
 DTYPES = [torch.float32, torch.bfloat16]
 # float32: summation order only; bfloat16: at most one unit in the last place where that order

@@ -17,6 +17,8 @@ from kernel_case import configured
 from paged_case import dense_attention, make_case, poison_before_window
 from compile_case import RecordGrid
 
+pytestmark = pytest.mark.usefixtures("every_core")  # the kernels split work over every thread
+
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(atol=2e-3, rtol=2e-3), torch.float16: dict(atol=1e-2, rtol=1e-2),

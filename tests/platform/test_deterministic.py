@@ -16,6 +16,8 @@ from conftest import FAMILY_CLASSES, assert_all_blocks_free, make_tiny_model
 from loraplex.grammar.backend import StructuredOutputs
 from loraplex.platform import LLM, SamplingParams
 
+pytestmark = pytest.mark.usefixtures("every_core")  # bits that must not depend on how work splits over threads
+
 DTYPES = ("float32", "bfloat16")
 _rng = random.Random(0)
 PROMPT = [_rng.randrange(5, 440) for _ in range(45)]  # crosses two block boundaries

@@ -252,38 +252,51 @@ def test_bad_kv_cache_dtype_is_refused(tiny_model_dir, monkeypatch):
         Engine(EngineConfig(model=str(tiny_model_dir), kv_cache_dtype="fp8", num_kv_blocks=8))
 
 
-# awaiting: the reader's loop runs and takes each delivery into the queue; blocked: its loop runs
-# nothing, so what the engine publishes waits on the way to the queue (a busy event loop), where it
-# must count as unread too (it did not: the engine generated all 300)
-@pytest.mark.parametrize("stall", ["awaiting", "blocked"])
-def test_a_reader_that_stops_reading_is_aborted_not_buffered_forever(tiny_model_dir, stall):
+def unread_after_a_stall(model_dir, prompts: int, blocked: bool, limit_message: str) -> list:
+    """One call of `prompts` 300-token requests on an AsyncEngine that lets 8 outputs a sequence
+    wait: its first output read, then none while the engine goes on; the outputs read after (its
+    error raised). `blocked`: the reader's loop runs nothing meanwhile (a busy event loop), so what
+    the engine publishes waits on its way to the queue, where it counts as unread too."""
     import asyncio
 
     from loraplex.platform.engine.async_engine import ClientTooSlowError
 
-    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64)
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=64)
     front = AsyncEngine(llm.engine, max_unread_outputs=8)
+    params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
 
     async def read_one_then_stall():
-        outputs = front.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
+        outputs = front.generate_many(PROMPTS[:prompts], [params] * prompts, [None] * prompts)
         await anext(outputs)
         for _ in range(300):  # the client stops reading; the engine goes on generating
             if not llm.engine.has_unfinished():
                 break
-            await asyncio.sleep(0.02) if stall == "awaiting" else time.sleep(0.02)
+            time.sleep(0.02) if blocked else await asyncio.sleep(0.02)
         items = []
-        with pytest.raises(ClientTooSlowError, match="left unread"):
-            async for out in outputs:
+        with pytest.raises(ClientTooSlowError, match=limit_message):
+            async for _, out in outputs:
                 items.append(out)
         return items
 
     try:
         unread = asyncio.run(read_one_then_stall())
-        assert len(unread) <= 8  # what was buffered before the abort
-        assert sum(len(o.outputs[0].token_ids) for o in unread) < 299
     finally:
         front.shutdown()
     assert_all_blocks_free(llm.engine)
+    return unread
+
+
+# blocked: the engine generated all 300 while the queue's size, which the bound read, stayed 0
+@pytest.mark.parametrize("blocked", [False, True])
+def test_a_reader_that_stops_reading_is_aborted_not_buffered_forever(tiny_model_dir, blocked):
+    unread = unread_after_a_stall(tiny_model_dir, 1, blocked, "more than 8 outputs were left unread")
+    assert len(unread) <= 8  # what was buffered before the abort
+    assert sum(len(o.outputs[0].token_ids) for o in unread) < 299
+
+
+def test_the_unread_bound_of_a_call_counts_each_of_its_sequences(tiny_model_dir):
+    """Three prompts in one call: 3 x 8 outputs may wait unread (one step gives three), not 8."""
+    assert 8 < len(unread_after_a_stall(tiny_model_dir, 3, True, "more than 24 outputs")) <= 24
 
 
 @pytest.mark.parametrize("args", [dict(num_kv_blocks=128, max_num_batched_tokens=16),  # chunked, cache warm
