@@ -155,6 +155,28 @@ def streamed(chunks) -> tuple[str, dict[int, list[str]], list[str]]:
     return content, calls, finishes
 
 
+class HeldSteps:
+    """Installed as the engine's step (the engine thread calls it through the instance): once `count` requests run
+    and each has a token out, the next step waits for `release` (or a minute, a safety net), so none can finish
+    before the test has done what it does while they run."""
+
+    def __init__(self, engine, count: int) -> None:
+        self.engine, self.count, self._step = engine, count, engine.step
+        self.holding, self.release = threading.Event(), threading.Event()
+        engine.step = self
+
+    def __call__(self):
+        running = self.engine.core.scheduler.running
+        if not self.release.is_set() and len(running) >= self.count and all(r.output_token_ids for r in running):
+            self.holding.set()
+            self.release.wait(60)
+        return self._step()
+
+    def remove(self) -> None:
+        self.release.set()
+        self.engine.step = self._step
+
+
 class StepCounter:
     """Counts the engine's steps while installed (the engine thread calls `engine.step` through the instance): a
     measure of work and waiting that a busy machine does not stretch, as it stretches seconds."""

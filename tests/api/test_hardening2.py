@@ -26,8 +26,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import assert_all_blocks_free
-from live_server import (ADMIN_KEY, USER_KEY, StepCounter, assert_error, http, live, start_server,  # noqa: F401
-                         wait_idle)
+from live_server import (ADMIN_KEY, USER_KEY, HeldSteps, StepCounter, assert_error, http, live,  # noqa: F401
+                         start_server, wait_idle)
 from loraplex.api.server import ServerConfig
 
 READ_TIMEOUT_S, STALL_TIMEOUT_S = 1.0, 0.5
@@ -312,11 +312,10 @@ def test_bad_adapter_files_are_400s_naming_the_tensor(live, tiny_adapters):
 def test_a_409_logs_one_line_not_a_traceback(live, caplog):
     uvicorn_log = logging.getLogger("uvicorn.error")
     uvicorn_log.addHandler(caplog.handler)
+    held = HeldSteps(live.engine, 1)  # running until the unloads are answered, however fast the machine
     sock = stalled_stream_on(live, "a1")
     try:
-        deadline = time.monotonic() + 60  # a safety net
-        while not live.engine.adapters.num_pins() and time.monotonic() < deadline:
-            time.sleep(0.02)
+        assert held.holding.wait(60), "the request never ran"
         with caplog.at_level(logging.INFO):
             caplog.clear()
             for _ in range(3):
@@ -325,6 +324,7 @@ def test_a_409_logs_one_line_not_a_traceback(live, caplog):
         assert len(records) == 3 and not any(r.exc_info for r in records), [r.getMessage() for r in records]
         assert not [r for r in caplog.records if "Exception in ASGI" in r.getMessage()]
     finally:
+        held.remove()
         uvicorn_log.removeHandler(caplog.handler)
         sock.close()
         wait_idle(live.engine)

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from conftest import assert_all_blocks_free
-from live_server import (ADMIN_KEY, SCHEMA, USER_KEY, assert_error, client, http, live,  # noqa: F401
+from live_server import (ADMIN_KEY, SCHEMA, USER_KEY, HeldSteps, assert_error, client, http, live,  # noqa: F401
                          wait_idle)
 
 MSG = [{"role": "user", "content": "Hello world, hello adapters"}]
@@ -303,10 +303,14 @@ def test_adapter_paths_outside_the_root_missing_or_corrupt_are_refused(live, tin
 
 
 def test_unload_of_an_adapter_in_use_is_409(live, client):
-    stream = client.completions.create(model="a1", prompt="Hello", max_tokens=300, stream=True,
-                                       extra_body={"ignore_eos": True})
-    next(iter(stream))
-    assert_error(http(live, "/v1/unload_lora_adapter", {"lora_name": "a1"}, key=ADMIN_KEY), 409, "in use")
+    held = HeldSteps(live.engine, 1)  # running until the unload is answered, however fast the machine
+    try:
+        stream = client.completions.create(model="a1", prompt="Hello", max_tokens=300, stream=True,
+                                           extra_body={"ignore_eos": True})
+        next(iter(stream))
+        assert_error(http(live, "/v1/unload_lora_adapter", {"lora_name": "a1"}, key=ADMIN_KEY), 409, "in use")
+    finally:
+        held.remove()
     stream.close()
     assert_clean(live)
     assert "a1" in {a.name for a in live.engine.adapters.list()}

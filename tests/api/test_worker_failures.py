@@ -30,7 +30,7 @@ import jsonschema
 import pytest
 
 from conftest import assert_all_blocks_free
-from live_server import SCHEMA, assert_error, http, start_server, wait_idle
+from live_server import SCHEMA, HeldSteps, assert_error, http, start_server, wait_idle
 from loraplex.api.server import ServerConfig
 
 CHAT = "/v1/chat/completions"
@@ -236,23 +236,6 @@ def test_a_killed_zygote_is_started_again_with_its_workers(grammar_server):
 
 
 # ---- a tensor-parallel worker ------------------------------------------------------------------
-
-
-class HeldSteps:
-    """Installed as the engine's step (the engine thread calls it through the instance): once `count` requests run
-    and each has a token out, the next step waits for `release`, so none can finish before the kill."""
-
-    def __init__(self, engine, count: int) -> None:
-        self.engine, self.count, self._step = engine, count, engine.step
-        self.holding, self.release = threading.Event(), threading.Event()
-        engine.step = self
-
-    def __call__(self):
-        running = self.engine.core.scheduler.running
-        if not self.release.is_set() and len(running) >= self.count and all(r.output_token_ids for r in running):
-            self.holding.set()
-            self.release.wait(SAFETY_S)
-        return self._step()
 
 
 @pytest.fixture(scope="module")
