@@ -293,10 +293,20 @@ def test_a_dropped_stream_bills_its_prompt_and_every_token_it_was_sent(tenanted,
     """billed uses only its own adapter, so its totals and the adapter's move together; the token bucket holds
     exactly what /v1/usage billed."""
     before, level = _usage(tenanted), _bucket(tenanted, "billed")
-    received = _stream_and_drop(tenanted, BILLED, "tiny:billed-a", 5)
-    deadline = time.monotonic() + 30
-    while _limits(tenanted).running("billed") and time.monotonic() < deadline:  # the server sees the drop
-        time.sleep(0.05)
+    step = tenanted.engine.step
+
+    def slowed():  # the 480 tokens outlast the server's noticing the drop, however fast the machine
+        time.sleep(0.01)
+        return step()
+
+    tenanted.engine.step = slowed
+    try:
+        received = _stream_and_drop(tenanted, BILLED, "tiny:billed-a", 5)
+        deadline = time.monotonic() + 30
+        while _limits(tenanted).running("billed") and time.monotonic() < deadline:  # the server sees the drop
+            time.sleep(0.05)
+    finally:
+        tenanted.engine.step = step
     assert _limits(tenanted).running("billed") == 0
     status, served = _complete(tenanted, BILLED, [5, 6, 7], max_tokens=7, model="tiny:billed-a",
                                stop=["zzzz-never"])
