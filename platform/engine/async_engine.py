@@ -291,7 +291,8 @@ class AsyncEngine:
                  tag: int | None = None, unread: _Unread | None = None) -> _Stream:
         if request.request_id in self._streams:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        unread = unread or _Unread(self.max_unread_outputs * request.params.n)
+        if unread is None:  # a call of one request
+            unread = _Unread(self.max_unread_outputs * request.params.n)
         stream = self._streams[request.request_id] = _Stream(loop, unread, items, tag)
         with self._lock:
             self._num_queued += request.params.n

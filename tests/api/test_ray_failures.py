@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from conftest import make_peft_adapter
-from test_ray_serve import BASE, ask, get_json, ray_serving, readiness, wait_ready
+from test_ray_serve import BASE, ask, get_json, ray_serving, readiness, until, wait_ready
 
 pytestmark = pytest.mark.e2e
 STARTED = [f"s{i}" for i in range(4)]  # given at start-up (--lora-modules)
@@ -292,12 +292,3 @@ def held_by(url: str, names: list[str]) -> dict[str, set[str]] | None:
     found = {name: rows.get(name, set()) for name in names}
     return found if all(found.values()) else None
 
-
-def until(check, seconds: float):
-    """`check()` until it is truthy (its value) or `seconds` pass (None)."""
-    deadline = time.monotonic() + seconds
-    while True:
-        value = check()
-        if value or time.monotonic() >= deadline:
-            return value or None
-        time.sleep(0.25)

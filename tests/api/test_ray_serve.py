@@ -154,6 +154,16 @@ def post(url: str, path: str, body: dict) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
+def until(check, seconds: float):
+    """`check()` until it is truthy (its value) or `seconds` pass (None)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        value = check()
+        if value or time.monotonic() >= deadline:
+            return value or None
+        time.sleep(0.25)
+
+
 def test_two_replicas_route_by_adapter(cluster, expected):
     url, requests = cluster, workload()
     with ThreadPoolExecutor(4) as pool:
@@ -223,10 +233,7 @@ def test_admin_loads_spread_over_replicas_and_their_requests_follow(cluster, exp
         rows = {row["id"]: row for row in get_json(url, "/v1/adapters")["data"]}
         return rows if all(rows.get(name, {}).get("requests") == 6 for name in LOADED) else None
 
-    deadline = time.monotonic() + 30
-    while (holders := reported()) is None and time.monotonic() < deadline:
-        time.sleep(0.25)
-    holders = holders or {row["id"]: row for row in get_json(url, "/v1/adapters")["data"]}
+    holders = until(reported, 30) or {row["id"]: row for row in get_json(url, "/v1/adapters")["data"]}
     for name in LOADED:
         assert served_by[name] <= set(holders[name]["replicas"]), (name, holders[name])
         assert holders[name]["requests"] == 6
